@@ -1,0 +1,55 @@
+# The two commands: `make demo` and `make test`. Everything they need is installed from this file and
+# pyproject.toml into .venv, so a fresh clone on a fresh machine needs nothing else.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+
+# Never reach a model or dataset hub: the offline defaults ship with the packages.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export GRADIO_ANALYTICS_ENABLED := False
+
+.PHONY: demo test test-fast lint format bench clean venv
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU build from this machine's disk (see pyproject.toml).
+	$(BIN)/pip install -q torch==2.13.0
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.created pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/rlm quickstart $(DEMO_ARGS)
+
+test: $(VENV)/.installed-test
+	$(BIN)/pytest -q --timeout=900 $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed-test
+	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: $(VENV)/.installed-test
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(VENV)/.installed
+	$(PY) scripts/bench_retrieval.py $(BENCH_ARGS)
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,70 @@
+"""The `rlm` command line: `rlm <command> [options]`.
+
+Commands are registered by module name and imported lazily; a user-facing error (bad input, missing
+checkpoint, mismatched buffer, a hub model requested offline) prints one readable line and exits 2. Set
+RLM_DEBUG=1 to see the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# name -> (module, one-line help). Order is the order `rlm --help` lists them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "embed": (
+        "rlm.commands.embed",
+        "Embed a corpus once into a fixed passage buffer (memory-mapped shards).",
+    ),
+    "index": ("rlm.commands.index", "Build a faiss index over passage embeddings for inference."),
+}
+
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, KeyError)
+
+
+def _top_level_help() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = [
+        "usage: rlm <command> [options]",
+        "",
+        "Retrieval-augmented QA: FiD reader + dual-encoder retriever trained jointly, with a corrector network",
+        "over a fixed passage buffer (Monath et al. 2024, Algorithm 2).",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `rlm <command> --help` for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_top_level_help())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"rlm {name}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except USER_ERRORS as err:
+        if os.environ.get("RLM_DEBUG"):
+            raise
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
