@@ -1,0 +1,247 @@
+"""Run configuration: dataclasses loaded from YAML, overridable with `--set section.key=value`.
+
+Config is data. Every key is declared here with its type and default; a key that does not exist is an error
+(with the closest valid names), never silently ignored. Values from the command line are parsed as YAML
+scalars (`--set optim.lr_reader=3e-4`, `--set strategy.name=exhaustive`, `--set data.dev=null`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STRATEGIES = ("corrector", "stale", "exhaustive", "snm", "two_round", "frozen", "closed_book")
+
+
+@dataclass
+class ToyWorldConfig:
+    """Generate the offline toy world into `dir` when its files are missing."""
+
+    dir: str = "runs/toy_world"
+    num_passages: int = 2000
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    corpus: str | None = None  # corpus file (jsonl / dpr tsv / pyserini); None: the toy world's corpus
+    train: str = "toy"  # dataset name in rlm.data.qa's registry, or a path to a local JSONL
+    train_split: str = "train"
+    dev: str | None = "toy"
+    dev_split: str = "dev"
+    max_train_examples: int | None = None
+    max_dev_examples: int | None = 200
+    toy_world: ToyWorldConfig = field(default_factory=ToyWorldConfig)
+
+
+@dataclass
+class RetrieverConfig:
+    path: str | None = None  # sentence-transformers folder or hub name; None: the packaged all-MiniLM-L6-v2
+    shared_towers: bool = False
+    query_max_length: int = 64
+    passage_max_length: int = 128
+
+
+@dataclass
+class ReaderConfig:
+    path: str | None = (
+        None  # a saved FiD reader / HF seq2seq model; None: a small T5 built from the fields below
+    )
+    tokenizer: str | None = None  # tokenizer folder; None: train a BPE tokenizer on the corpus + questions
+    vocab_size: int = 8000
+    d_model: int = 128
+    d_ff: int = 512
+    num_layers: int = 2
+    num_decoder_layers: int = 2
+    num_heads: int = 4
+    d_kv: int = 32
+    dropout_rate: float = 0.0
+    max_passage_length: int = 96
+    max_answer_length: int = 16
+    num_passages: int | None = None  # how many of the selected k the FiD reader reads; None: all k
+    score_reduction: str = "sum"  # P(a|y,x) from summed (paper) or mean token log-likelihood
+
+
+@dataclass
+class BufferConfig:
+    dir: str | None = None  # None: <output_dir>/buffer; built with the initial passage tower when missing
+    dtype: str = "float16"
+    batch_size: int = 64
+    chunk_size: int = 65536  # rows of B corrected per chunk in the streamed top-k
+
+
+@dataclass
+class CorrectorConfig:
+    hidden_dim: int | None = None  # None: hidden_mult * D
+    hidden_mult: int = 4
+    num_hidden_layers: int = 1
+    loss: str = "ce"  # "ce" (Eq. 6, the paper's default) or "mse" (Eq. 5)
+    weight: float = 10.0  # Appendix B.1
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "corrector"
+    k: int = 32
+    refresh_every: int = 500  # R for exhaustive and snm
+    snm_size: int = 1000  # M for snm
+    num_random: int = 0  # uniform random passages added to S_x (Algorithm 1 uses 64)
+    share_across_batch: bool = False  # Algorithm 1: every question scores the union of the batch's S_x
+
+
+@dataclass
+class OptimConfig:
+    lr_reader: float = 1e-3
+    lr_retriever: float = 2e-5
+    lr_corrector: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    algorithm: int = (
+        2  # 2: retrieval-augmented LM (reader + retriever); 1: supervised retrieval (gold passages)
+    )
+    output_dir: str = "runs/train"
+    seed: int = 0
+    beta: float = 20.0  # temperature of the retriever softmax over <q, p>
+    reader_temperature: float = 1.0  # P_a(y|x) = softmax(log P(a|y,x) / T) (Eq. 8 is T = 1)
+    mixed_precision: str = "no"  # "no" | "bf16" | "fp16" (accelerate)
+    gradient_checkpointing: bool = False
+    cpu: bool = False  # force CPU even when a GPU is visible
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    save_every: int = 100
+    keep_last: int = 2
+    max_nonfinite_in_a_row: int = 10
+    data: DataConfig = field(default_factory=DataConfig)
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    corrector: CorrectorConfig = field(default_factory=CorrectorConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def validate(self) -> TrainConfig:
+        if self.algorithm not in (1, 2):
+            raise ValueError(f"algorithm must be 1 or 2, got {self.algorithm}")
+        if self.strategy.name not in STRATEGIES:
+            raise ValueError(f"strategy.name must be one of {STRATEGIES}, got {self.strategy.name!r}")
+        if self.algorithm == 1 and self.strategy.name in ("frozen", "closed_book"):
+            raise ValueError(f"strategy {self.strategy.name!r} only makes sense for algorithm 2")
+        if self.corrector.loss not in ("ce", "mse"):
+            raise ValueError(f"corrector.loss must be 'ce' or 'mse', got {self.corrector.loss!r}")
+        if self.reader.score_reduction not in ("sum", "mean"):
+            raise ValueError(
+                f"reader.score_reduction must be 'sum' or 'mean', got {self.reader.score_reduction!r}"
+            )
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
+        for name in ("k", "refresh_every", "snm_size"):
+            if getattr(self.strategy, name) < 1:
+                raise ValueError(f"strategy.{name} must be >= 1")
+        if self.optim.max_steps < 1 or self.optim.batch_size < 1:
+            raise ValueError("optim.max_steps and optim.batch_size must be >= 1")
+        return self
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against the annotation `tp` (with int -> float widening and Optional)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except (TypeError, ValueError) as err:
+                errors.append(str(err))
+        raise ValueError(f"{where}: {value!r} does not fit {tp}")
+    if _is_dataclass_type(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads `3e-4` (no dot) as a string; accept it as the number it obviously is.
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{where}: expected float, got {value!r}") from None
+    if tp is bool and not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true/false, got {value!r}")
+    if tp in (int, float, str) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, where: str = "config") -> Any:
+    """Build dataclass `cls` from a nested dict, refusing unknown keys and wrongly typed values."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else f" (valid: {', '.join(names)})"
+            raise ValueError(f"unknown config key {where}.{key}{hint}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` to a nested dict (value parsed as a YAML scalar)."""
+    if "=" not in assignment:
+        raise ValueError(f"--set expects key=value, got {assignment!r}")
+    dotted, raw = assignment.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {dotted}: {key} is not a section")
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Load a TrainConfig from YAML (or defaults when path is None), then apply `--set` overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path} (see configs/ for the shipped ones)")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a config must be a YAML mapping at the top level")
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return from_dict(TrainConfig, data).validate()
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,73 @@
+from pathlib import Path
+
+import pytest
+
+from rlm.config import TrainConfig, apply_override, dump_config, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert isinstance(cfg, TrainConfig) and cfg.strategy.name == "corrector" and cfg.corrector.weight == 10.0
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.strategy.k >= 1
+
+
+def test_paper_configs_use_the_papers_settings():
+    for name in ("nq", "tqa", "hotpotqa"):
+        for strategy in ("corrector", "exhaustive", "frozen"):
+            cfg = load_config(CONFIGS / f"{name}_{strategy}.yaml")
+            assert cfg.strategy.name == strategy
+            assert cfg.strategy.k == 32 and cfg.optim.max_steps == 20000 and cfg.corrector.weight == 10.0
+            assert cfg.retriever.path == "sentence-transformers/gtr-t5-base" and cfg.reader.path == "t5-base"
+
+
+def test_overrides_are_parsed_as_yaml_and_nested():
+    cfg = load_config(
+        CONFIGS / "quickstart.yaml",
+        ["strategy.name=exhaustive", "optim.lr_reader=3e-4", "data.dev=null", "strategy.refresh_every=7"],
+    )
+    assert cfg.strategy.name == "exhaustive" and cfg.optim.lr_reader == 3e-4
+    assert cfg.data.dev is None and cfg.strategy.refresh_every == 7
+
+
+def test_int_widens_to_float():
+    assert load_config(None, ["beta=5"]).beta == 5.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("strategy.nmae=corrector", "did you mean name"),
+        ("no_such_section.x=1", "unknown config key config.no_such_section"),
+        ("optim.max_steps=many", "expected int"),
+        ("strategy.name=bogus", "strategy.name must be one of"),
+        ("gradient_checkpointing=3", "expected true/false"),
+        ("corrector.loss=l1", "corrector.loss"),
+    ],
+)
+def test_bad_keys_and_values_are_refused(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_override_without_equals_is_refused():
+    with pytest.raises(ValueError, match="key=value"):
+        apply_override({}, "strategy.name")
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(CONFIGS / "quickstart.yaml", ["seed=3"])
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
