@@ -1,0 +1,93 @@
+"""score_passages: log P(answer | question, passage alone) for every retrieved passage."""
+
+import math
+
+import pytest
+import torch
+
+from reader.fid import FiDReader
+from reader.scoring import answer_token_log_probs, score_passages
+from reader.small_t5 import SmallT5Config
+from reader.tokenizer import train_tokenizer
+
+TINY = SmallT5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4)
+CORPUS = [
+    "Alice Moreau was born in Lyon and works as a painter.",
+    "Bob Tanaka was born in Osaka; he is a chemist. Osaka is a port city in Japan.",
+] * 20
+QUESTIONS = ["where was Alice born?", "what is Bob?", "who painted it?"]
+PASSAGES = [
+    [
+        ("Alice", "Alice Moreau was born in Lyon."),
+        ("Lyon", "Lyon lies on the Rhone."),
+        ("Bob", "Bob is a chemist."),
+    ],
+    [("Bob", "Bob Tanaka was born in Osaka; he is a chemist and a very long winded man of Japan.")],
+    [],
+]
+ANSWERS = ["Lyon", "a chemist", "Alice Moreau"]
+
+
+@pytest.fixture(scope="module")
+def reader():
+    tok = train_tokenizer(CORPUS, vocab_size=400, min_frequency=1)
+    return FiDReader.from_config(tok, TINY, seed=0)
+
+
+def single_pair_log_likelihood(reader, question, passage, answer):
+    """The reference: a K=1 FiD pass over one pair, its own padding, summed answer log-probabilities."""
+    batch = reader.collator([question], [[passage]], [answer])
+    with torch.no_grad():
+        logits = reader.eval()(batch["input_ids"], batch["attention_mask"], labels=batch["labels"]).logits
+    return answer_token_log_probs(logits, batch["labels"]).sum().item(), int((batch["labels"] != -100).sum())
+
+
+def test_scores_equal_a_loop_over_single_passages(reader):
+    scores = score_passages(reader, QUESTIONS, PASSAGES, ANSWERS)
+    assert scores.shape == (3, 3) and scores.dtype == torch.float32
+    for b, plist in enumerate(PASSAGES):
+        for k in range(3):
+            if k < len(plist):
+                expected, _ = single_pair_log_likelihood(reader, QUESTIONS[b], plist[k], ANSWERS[b])
+                assert scores[b, k].item() == pytest.approx(expected, abs=1e-4)
+                assert scores[b, k] < 0
+            else:
+                assert scores[b, k] == -math.inf
+
+
+def test_chunking_mean_reduction_and_mode_restored(reader):
+    reader.train()
+    full = score_passages(reader, QUESTIONS, PASSAGES, ANSWERS)
+    assert reader.training  # dropout was off while scoring, and training mode is back
+    chunked = score_passages(reader, QUESTIONS, PASSAGES, ANSWERS, batch_size=2)
+    assert torch.allclose(full, chunked, atol=1e-4)
+
+    mean = score_passages(reader, QUESTIONS, PASSAGES, ANSWERS, reduction="mean")
+    _, n_tokens = single_pair_log_likelihood(reader, QUESTIONS[1], PASSAGES[1][0], ANSWERS[1])
+    assert mean[1, 0].item() == pytest.approx(full[1, 0].item() / n_tokens, abs=1e-5)
+    assert n_tokens > 1
+
+
+def test_scores_follow_what_the_reader_learned(reader):
+    """Trained to answer one question from whichever passage it gets, the reader ranks the gold passage first."""
+    facts = [("Alice", "Lyon"), ("Bob", "Osaka"), ("Carla", "Japan"), ("Dan", "Rhone")]
+    passages = [[(name, f"{name} was born in {city}.")] for name, city in facts]
+    question = "where was the person born?"
+    learner = FiDReader.from_config(reader.tokenizer, TINY, seed=1, dropout_rate=0.0)
+    opt = torch.optim.AdamW(learner.parameters(), lr=1e-2)
+    batch = learner.collator([question] * 4, passages, [city for _, city in facts])
+    for _ in range(40):
+        learner(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    candidates = [passages[1][0], passages[0][0], passages[2][0]]
+    scores = score_passages(learner, [question, question], [candidates, candidates], ["Lyon", "Japan"])
+    assert scores.argmax(dim=1).tolist() == [1, 2]
+
+
+def test_errors_and_empty_inputs(reader):
+    with pytest.raises(ValueError, match="reduction"):
+        score_passages(reader, QUESTIONS, PASSAGES, ANSWERS, reduction="max")
+    with pytest.raises(ValueError, match="3 questions, 2 passage lists"):
+        score_passages(reader, QUESTIONS, PASSAGES[:2], ANSWERS)
+    assert score_passages(reader, ["q"], [[]], ["a"]).shape == (1, 0)
