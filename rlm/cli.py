@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Embed a corpus once into a fixed passage buffer (memory-mapped shards).",
     ),
     "index": ("rlm.commands.index", "Build a faiss index over passage embeddings for inference."),
+    "toy-world": ("rlm.commands.toy_world", "Generate the offline toy world (corpus + held-out QA splits)."),
 }
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, KeyError)

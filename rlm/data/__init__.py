@@ -1,0 +1,1 @@
+"""QA datasets, passage corpora and the offline toy world."""

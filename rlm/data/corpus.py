@@ -1,0 +1,319 @@
+"""Passage corpora read in place: DPR `psgs_w100.tsv`, JSONL `{id, title, text}`, and the FlashRAG/pyserini
+`{id, contents}` layout.
+
+A corpus is never held as Python objects: one pass over the file records each passage's byte offset (numpy
+int64) and its id (one bytes blob plus offsets), validating every line; `corpus[i]` then reads line i with a
+positional read. That keeps the 21M-passage DPR file at a few hundred MB of arrays instead of tens of GB of
+strings, and makes a `Corpus` safe to share with forked data-loader workers (no shared file position).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FORMATS = ("jsonl", "dpr_tsv", "pyserini")
+_DPR_HEADER = b"id\ttext\ttitle"
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One retrievable passage."""
+
+    id: str
+    title: str
+    text: str
+
+
+def retrieval_text(title: str, text: str) -> str:
+    """The string the retriever encodes for a passage: `"{title}. {text}"`, or the text alone without a title."""
+    return f"{title}. {text}" if title else text
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """Guess a corpus format from the file name and its first non-empty line."""
+    path = Path(path)
+    if path.suffix == ".tsv":
+        return "dpr_tsv"
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                break
+        else:
+            raise ValueError(f"{path}: the corpus file is empty")
+    if line.startswith(_DPR_HEADER):
+        return "dpr_tsv"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}:1: cannot tell the corpus format (not JSON: {err.msg}; a DPR TSV needs the header "
+            "'id<TAB>text<TAB>title'); pass fmt= one of " + ", ".join(FORMATS)
+        ) from None
+    if isinstance(record, dict) and "contents" in record:
+        return "pyserini"
+    if isinstance(record, dict) and "text" in record:
+        return "jsonl"
+    raise ValueError(
+        f"{path}:1: cannot tell the corpus format: expected keys {{id, title, text}} (jsonl) or {{id, contents}} "
+        f"(pyserini), got {sorted(record) if isinstance(record, dict) else type(record).__name__}"
+    )
+
+
+def _parse_jsonl(path: Path, line_no: int, line: bytes) -> Passage:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+    if "id" not in record or "text" not in record:
+        missing = [k for k in ("id", "text") if k not in record]
+        raise ValueError(
+            f"{path}:{line_no}: missing key(s) {missing}; a jsonl corpus line is {{id, title, text}}"
+        )
+    return Passage(str(record["id"]), str(record.get("title") or ""), str(record["text"]))
+
+
+def _parse_pyserini(path: Path, line_no: int, line: bytes) -> Passage:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(record, dict) or "id" not in record or "contents" not in record:
+        raise ValueError(f"{path}:{line_no}: a pyserini corpus line is {{id, contents}}")
+    contents = str(record["contents"])
+    # FlashRAG/pyserini Wikipedia: 'contents' is '"Title"\ntext'; the title keeps DPR's surrounding quotes.
+    title, sep, text = contents.partition("\n")
+    if not sep:
+        return Passage(str(record["id"]), "", contents)
+    title = title.strip()
+    if len(title) >= 2 and title[0] == title[-1] == '"':
+        title = title[1:-1]
+    return Passage(str(record["id"]), title, text)
+
+
+def _parse_dpr(path: Path, line_no: int, line: bytes) -> Passage:
+    fields = line.rstrip(b"\r\n").split(b"\t")
+    if len(fields) != 3 or not fields[0]:
+        raise ValueError(
+            f"{path}:{line_no}: a DPR TSV line is 'id<TAB>text<TAB>title', got {len(fields)} field(s)"
+        )
+    pid, text, title = (field.decode("utf-8") for field in fields)
+    # DPR quotes fields that contain quotes, csv-style ("" for a literal quote).
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        text = text[1:-1].replace('""', '"')
+    return Passage(pid, title, text)
+
+
+_PARSERS = {"jsonl": _parse_jsonl, "pyserini": _parse_pyserini, "dpr_tsv": _parse_dpr}
+
+
+def _stable_hash(ids_blob: bytes, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    # 64-bit blake2b per id: stable across processes (unlike hash()) so duplicate checks are reproducible.
+    out = np.empty(len(starts), dtype=np.int64)
+    view = memoryview(ids_blob)
+    for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+        out[i] = int.from_bytes(hashlib.blake2b(view[s:e], digest_size=8).digest(), "little", signed=True)
+    return out
+
+
+class _IdSequence(Sequence[str]):
+    """The passage ids as a lazy sequence over one bytes blob."""
+
+    def __init__(self, blob: bytes, offsets: np.ndarray):
+        self._blob = blob
+        self._offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"passage index {i} out of range for {n} passages")
+        return self._blob[self._offsets[i] : self._offsets[i + 1]].decode("utf-8")
+
+
+class _RetrievalTexts(Sequence[str]):
+    def __init__(self, corpus: Corpus):
+        self._corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self._corpus)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        p = self._corpus[i]
+        return retrieval_text(p.title, p.text)
+
+
+class Corpus(Sequence[Passage]):
+    """A passage file indexed by byte offsets; `corpus[i]` reads passage i from disk."""
+
+    def __init__(self, path: str | os.PathLike, fmt: str | None = None):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"corpus file not found: {self.path}")
+        self.fmt = fmt or detect_format(self.path)
+        if self.fmt not in _PARSERS:
+            raise ValueError(f"unknown corpus format {self.fmt!r}; choose one of {', '.join(FORMATS)}")
+        self._parse = _PARSERS[self.fmt]
+        self._offsets, self._line_numbers, id_blob, id_offsets = self._scan()
+        self.ids: Sequence[str] = _IdSequence(id_blob, id_offsets)
+        hashes = _stable_hash(id_blob, id_offsets[:-1], id_offsets[1:])
+        self._order = np.argsort(hashes, kind="stable")
+        self._sorted_hashes = hashes[self._order]
+        self._check_unique()
+        self._fd: int | None = None
+        self._fd_pid: int | None = None
+
+    def _scan(self) -> tuple[np.ndarray, np.ndarray, bytes, np.ndarray]:
+        # array('q') keeps the scan of a 21M-line file at 8 bytes a number, not a Python int object each.
+        offsets, line_numbers, ids, id_ends = array("q"), array("q"), bytearray(), array("q")
+        position = 0
+        with open(self.path, "rb") as f:
+            for line_no, line in enumerate(f, start=1):
+                start, position = position, position + len(line)
+                if not line.strip():
+                    continue
+                if self.fmt == "dpr_tsv" and line_no == 1 and line.startswith(_DPR_HEADER):
+                    continue
+                passage = self._parse(self.path, line_no, line)
+                offsets.append(start)
+                line_numbers.append(line_no)
+                ids += passage.id.encode("utf-8")
+                id_ends.append(len(ids))
+        if not offsets:
+            raise ValueError(f"{self.path}: no passages found")
+        offsets.append(position)
+        id_offsets = np.zeros(len(id_ends) + 1, dtype=np.int64)
+        id_offsets[1:] = np.frombuffer(id_ends, dtype=np.int64)
+        return (
+            np.frombuffer(offsets, dtype=np.int64).copy(),
+            np.frombuffer(line_numbers, dtype=np.int64).copy(),
+            bytes(ids),
+            id_offsets,
+        )
+
+    def _check_unique(self) -> None:
+        same = np.nonzero(self._sorted_hashes[1:] == self._sorted_hashes[:-1])[0]
+        for j in same.tolist():
+            a, b = sorted(int(r) for r in self._order[j : j + 2])
+            if self.ids[a] == self.ids[b]:
+                raise ValueError(
+                    f"{self.path}: duplicate passage id {self.ids[a]!r} on lines "
+                    f"{self._line_numbers[a]} and {self._line_numbers[b]}"
+                )
+
+    def __len__(self) -> int:
+        return len(self._line_numbers)
+
+    def _read_line(self, i: int) -> bytes:
+        # A descriptor per process: pread has no shared position, so forked workers never race.
+        if self._fd is None or self._fd_pid != os.getpid():
+            self._fd, self._fd_pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        start, end = int(self._offsets[i]), int(self._offsets[i + 1])
+        return os.pread(self._fd, end - start, start)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"passage index {i} out of range for {n} passages in {self.path}")
+        # Blank lines between passages are skipped by the scan, so read up to the next passage's offset and
+        # keep only the first line.
+        raw = self._read_line(i).split(b"\n", 1)[0]
+        return self._parse(self.path, int(self._line_numbers[i]), raw)
+
+    def __iter__(self) -> Iterator[Passage]:
+        with open(self.path, "rb") as f:
+            for i in range(len(self)):
+                f.seek(int(self._offsets[i]))
+                yield self._parse(self.path, int(self._line_numbers[i]), f.readline())
+
+    def index_of(self, passage_id: str) -> int:
+        """Row of a passage id; KeyError when the corpus has no such id."""
+        key = passage_id.encode("utf-8")
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
+        lo = int(np.searchsorted(self._sorted_hashes, h, side="left"))
+        hi = int(np.searchsorted(self._sorted_hashes, h, side="right"))
+        for j in range(lo, hi):
+            row = int(self._order[j])
+            if self.ids[row] == passage_id:
+                return row
+        raise KeyError(f"passage id {passage_id!r} not in {self.path}")
+
+    def retrieval_texts(self) -> Sequence[str]:
+        """Lazy sequence of the strings the retriever encodes (`"{title}. {text}"`)."""
+        return _RetrievalTexts(self)
+
+    def fingerprint(self) -> str:
+        """Cheap identity of the file: path, size, mtime and passage count (not a content hash)."""
+        stat = self.path.stat()
+        return hashlib.sha1(
+            f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{len(self)}".encode()
+        ).hexdigest()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_fd"], state["_fd_pid"] = None, None
+        return state
+
+    def __del__(self):
+        if getattr(self, "_fd", None) is not None and self._fd_pid == os.getpid():
+            os.close(self._fd)
+
+    def __repr__(self) -> str:
+        return f"Corpus({str(self.path)!r}, fmt={self.fmt!r}, passages={len(self)})"
+
+
+def load_corpus(path: str | os.PathLike, fmt: str | None = None) -> Corpus:
+    """Open a passage corpus (fmt in {"jsonl", "dpr_tsv", "pyserini"}; auto-detected when None)."""
+    return Corpus(path, fmt)
+
+
+class CorpusSubset(Sequence[Passage]):
+    """A subset of a corpus's rows (e.g. a hard subcorpus) with the same interface as `Corpus`."""
+
+    def __init__(self, corpus: Corpus | CorpusSubset, rows: Sequence[int]):
+        self.corpus = corpus
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.path = corpus.path
+        self.ids: Sequence[str] = [corpus.ids[int(r)] for r in self.rows]
+        self._index = {pid: i for i, pid in enumerate(self.ids)}
+        if len(self._index) != len(self.ids):
+            raise ValueError("CorpusSubset: rows contain duplicates")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.corpus[int(self.rows[i])]
+
+    def index_of(self, passage_id: str) -> int:
+        """Row of a passage id within the subset; KeyError when absent."""
+        if passage_id not in self._index:
+            raise KeyError(f"passage id {passage_id!r} not in this subset of {self.path}")
+        return self._index[passage_id]
+
+    def retrieval_texts(self) -> Sequence[str]:
+        """Lazy sequence of the strings the retriever encodes."""
+        return _RetrievalTexts(self)

@@ -1,0 +1,59 @@
+import json
+
+import pytest
+
+from rlm.data.qa import DATASETS, load_qa_dataset, read_qa_jsonl
+
+
+def test_registry_names():
+    assert set(DATASETS) >= {"nq_open", "trivia_qa", "hotpot_qa", "jsonl", "multihop200", "toy"}
+
+
+def test_nq_open_local_layout(shared_data):
+    dev = load_qa_dataset("nq_open", "dev", shared_data / "nq_open")
+    assert len(dev) == 3610
+    assert dev[0].question == "when was the last time anyone was on the moon"
+    assert dev[0].answers == ["14 December 1972 UTC", "December 1972"]
+    assert dev[0].gold_passage_ids == [] and len({e.id for e in dev}) == 3610
+    eqa = load_qa_dataset("nq_open", "efficientqa.test.1.1", shared_data / "nq_open")
+    assert len(eqa) == 1769 and "def_correct_predictions" in eqa[0].meta
+
+
+def test_multihop200_and_hotpot_local(shared_data):
+    qa = load_qa_dataset("multihop200", "dev", shared_data / "multihop200")
+    assert len(qa) == 200
+    assert qa[0].gold_passage_ids == ["hotpotqa_5", "hotpotqa_9"] and qa[0].meta["type"] == "bridge"
+    hotpot = load_qa_dataset("hotpot_qa", "validation", shared_data / "multihop200")
+    assert len(hotpot) == 100 and all(e.meta["dataset"] == "hotpotqa" for e in hotpot)
+
+
+@pytest.mark.parametrize(
+    "name, split", [("nq_open", "validation"), ("trivia_qa", "dev"), ("hotpot_qa", "dev")]
+)
+def test_hub_datasets_offline_point_to_local_layout(name, split):
+    with pytest.raises(ValueError, match=rf"could not load the hub dataset '{name}'.*pass path="):
+        load_qa_dataset(name, split)
+
+
+def test_jsonl_dataset_and_errors(tmp_path):
+    good = tmp_path / "q.jsonl"
+    good.write_text(json.dumps({"question": "q?", "answers": "a", "extra": 1}) + "\n\n")
+    [ex] = load_qa_dataset("jsonl", "test", good)
+    assert ex.answers == ["a"] and ex.meta == {"extra": 1} and ex.id.startswith("q1-")
+    cases = {
+        '{"question": "q"}': r"q\.jsonl:1: no 'answers'",
+        '{"question": "q", "answers": [1]}': r"q\.jsonl:1: answers must be",
+        "{oops": r"q\.jsonl:1: malformed JSON",
+        '{"answers": ["a"]}': r"q\.jsonl:1: expected a JSON object with a 'question'",
+    }
+    for line, message in cases.items():
+        good.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            read_qa_jsonl(good)
+    good.write_text('{"id": "x", "question": "q", "answers": ["a"]}\n' * 2)
+    with pytest.raises(ValueError, match="duplicate question id 'x' on lines 1 and 2"):
+        read_qa_jsonl(good)
+    with pytest.raises(ValueError, match="unknown QA dataset"):
+        load_qa_dataset("squad", "dev")
+    with pytest.raises(ValueError, match="rlm toy-world"):
+        load_qa_dataset("toy", "dev")
