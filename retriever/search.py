@@ -1,0 +1,244 @@
+"""Top-k of <q, h(B_y)> over the whole buffer, streamed chunk by chunk (Algorithm 2, step 2).
+
+h(B) is shared by every query of a step, so each chunk of the buffer is corrected once and scored against
+all B queries; a running top-k is merged with each chunk's candidates. Extra memory is O(chunk x hidden)
+for h plus O(B x chunk) scores, never O(N x hidden).
+
+Ordering contract (what "exact" means in the tests): scores are sorted in descending order and equal
+scores are ordered by ascending buffer row, exactly as a stable sort of the full score matrix would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from retriever.buffer import PassageBuffer
+
+
+class TopK(NamedTuple):
+    """`scores` [B, k'] float32 (descending) and `indices` [B, k'] long buffer rows."""
+
+    scores: Tensor
+    indices: Tensor
+
+
+def _as_buffer(buffer: PassageBuffer | Tensor) -> PassageBuffer:
+    if isinstance(buffer, PassageBuffer):
+        return buffer
+    if not isinstance(buffer, Tensor) or buffer.dim() != 2:
+        raise ValueError("buffer must be a PassageBuffer or a [N, D] tensor")
+    return PassageBuffer(range(buffer.shape[0]), [buffer])
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.autocast(device_type=device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def _sort_desc_then_row(scores: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Reorder each row's (score, row) pairs by score descending, then buffer row ascending."""
+    rows, perm = rows.sort(dim=1)
+    scores = scores.gather(1, perm)
+    scores, perm = scores.sort(dim=1, descending=True, stable=True)
+    return scores, rows.gather(1, perm)
+
+
+def _chunk_candidates(scores: Tensor, start: int, k: int) -> tuple[Tensor, Tensor]:
+    """The exact top-k of one chunk's scores [B, c] under the ordering contract, as (scores, rows)."""
+    batch, width = scores.shape
+    if k >= width:
+        rows = torch.arange(start, start + width, device=scores.device).expand(batch, width)
+        return _sort_desc_then_row(scores, rows)
+    values, positions = scores.topk(k, dim=1)
+    # topk breaks ties arbitrarily; only a tie at the k-th value can change the set, so check for one
+    # (a cheap comparison pass) and fall back to a stable full sort for that chunk.
+    if bool(((scores >= values[:, -1:]).sum(dim=1) > k).any()):
+        values, positions = scores.sort(dim=1, descending=True, stable=True)
+        values, positions = values[:, :k], positions[:, :k]
+    return _sort_desc_then_row(values, positions + start)
+
+
+def _merge(
+    run_scores: Tensor, run_rows: Tensor, scores: Tensor, rows: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    # Both inputs follow the ordering contract and every running row precedes every new one, so a stable
+    # sort of the concatenation keeps it.
+    all_scores = torch.cat([run_scores, scores], dim=1)
+    all_rows = torch.cat([run_rows, rows], dim=1)
+    all_scores, perm = all_scores.sort(dim=1, descending=True, stable=True)
+    return all_scores[:, :k], all_rows.gather(1, perm[:, :k])
+
+
+def score_rows(
+    queries: Tensor,
+    buffer: PassageBuffer | Tensor,
+    corrector: nn.Module | None,
+    rows: Tensor,
+    compute_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """<q_b, h(B_rows[b, j])> [B, m] for given buffer rows [B, m] (no grad)."""
+    buf = _as_buffer(buffer)
+    dtype = compute_dtype or torch.float32
+    with torch.no_grad(), _autocast(queries.device, dtype):
+        vectors = buf.rows(rows.clamp(min=0)).to(device=queries.device, dtype=dtype)
+        if corrector is not None:
+            vectors = corrector(vectors)
+        return torch.einsum("bd,bmd->bm", queries.detach().to(dtype), vectors.to(dtype)).float()
+
+
+def _random_rows(n: int, count: int, generator: torch.Generator | None) -> Tensor:
+    """`count` distinct uniform rows of [0, n)."""
+    count = min(count, n)
+    if count * 4 >= n:
+        return torch.randperm(n, generator=generator)[:count]
+    picked = torch.empty(0, dtype=torch.long)
+    while picked.numel() < count:
+        draw = torch.randint(0, n, (2 * count,), generator=generator)
+        picked = torch.cat([picked, draw])
+        _, first = _unique_first(picked)
+        picked = picked[first]
+    return picked[:count]
+
+
+def _unique_first(values: Tensor) -> tuple[Tensor, Tensor]:
+    """Unique values and the position of each one's first occurrence, in order of first occurrence."""
+    uniq, inverse = values.unique(return_inverse=True)
+    positions = torch.arange(values.numel())
+    first = torch.full((uniq.numel(),), values.numel(), dtype=torch.long).scatter_reduce(
+        0, inverse, positions, reduce="amin"
+    )
+    return uniq, first.sort().values
+
+
+def corrected_topk(
+    queries: Tensor,
+    buffer: PassageBuffer | Tensor,
+    corrector: nn.Module | None,
+    k: int,
+    chunk_size: int = 65536,
+    include: Tensor | None = None,
+    num_random: int = 0,
+    generator: torch.Generator | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> TopK:
+    """Top-k buffer rows per query by <q, h(B_y)> over every row (h = `corrector`, None = stale buffer).
+
+    - k > N returns all N rows.
+    - `include` [B, m] (row ids, -1 = none) forces rows into each query's set: the result has k + m
+      columns = the included rows (deduplicated) + the best other rows filling the rest, so an included
+      row already in the top-k costs no slot and the next best row takes it.
+    - `num_random` adds that many uniform random rows, the same ones for the whole batch (Appendix B.1),
+      except that a query whose set already holds one of them gets the next random row instead.
+    All columns are ordered by the ordering contract (scores descending, then row ascending); scores
+    are float32 in the query's device. Computed without grad; `compute_dtype` (e.g. torch.bfloat16) is
+    used for h and the scoring matmul.
+    """
+    buf = _as_buffer(buffer)
+    if queries.dim() != 2 or queries.shape[1] != buf.dim:
+        raise ValueError(f"queries must be [B, {buf.dim}] to match the buffer, got {tuple(queries.shape)}")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    n, batch, device = len(buf), queries.shape[0], queries.device
+    if include is not None:
+        if include.dim() != 2 or include.shape[0] != batch:
+            raise ValueError(f"include must be [{batch}, m] row ids, got shape {tuple(include.shape)}")
+        if include.numel() and int(include.max()) >= n:
+            raise ValueError(f"include row {int(include.max())} is out of range for a buffer of {n} rows")
+    dtype = compute_dtype or torch.float32
+    extra = 0 if include is None else include.shape[1]
+    keep = min(k + extra, n)
+    run_scores = torch.empty(batch, 0, device=device)
+    run_rows = torch.empty(batch, 0, dtype=torch.long, device=device)
+    with torch.no_grad(), _autocast(device, dtype):
+        q = queries.detach().to(dtype)
+        for start, chunk in buf.iter_chunks(chunk_size):
+            vectors = chunk.to(device=device, dtype=dtype, non_blocking=True)
+            if corrector is not None:
+                vectors = corrector(vectors)
+            scores = (q @ vectors.to(dtype).T).float()
+            cand_scores, cand_rows = _chunk_candidates(scores, start, keep)
+            run_scores, run_rows = _merge(run_scores, run_rows, cand_scores, cand_rows, keep)
+    if include is not None:
+        run_scores, run_rows = _force_include(
+            queries, buf, corrector, include.to(device), run_scores, run_rows, k, dtype
+        )
+    if num_random > 0:
+        run_scores, run_rows = _add_random(
+            queries, buf, corrector, run_scores, run_rows, num_random, generator, dtype
+        )
+    return TopK(run_scores, run_rows)
+
+
+def _force_include(queries, buf, corrector, include, top_scores, top_rows, k, dtype) -> tuple[Tensor, Tensor]:
+    width = min(k + include.shape[1], len(buf))
+    inc_scores = score_rows(queries, buf, corrector, include, dtype)
+    out_scores, out_rows = [], []
+    for b in range(queries.shape[0]):
+        forced = include[b][include[b] >= 0].unique()
+        forced_scores = (
+            torch.stack([inc_scores[b][include[b] == r][0] for r in forced])
+            if forced.numel()
+            else inc_scores[b][:0]
+        )
+        others = ~torch.isin(top_rows[b], forced)
+        fill = width - forced.numel()
+        rows = torch.cat([forced, top_rows[b][others][:fill]])
+        scores = torch.cat([forced_scores, top_scores[b][others][:fill]])
+        out_scores.append(scores)
+        out_rows.append(rows)
+    return _sort_desc_then_row(torch.stack(out_scores), torch.stack(out_rows))
+
+
+def _add_random(
+    queries, buf, corrector, top_scores, top_rows, num_random, generator, dtype
+) -> tuple[Tensor, Tensor]:
+    n, width = len(buf), top_rows.shape[1]
+    num_random = min(num_random, n - width)
+    if num_random <= 0:
+        return top_scores, top_rows
+    # A pool big enough that every query finds num_random rows not already in its set.
+    pool = _random_rows(n, num_random + width, generator).to(top_rows.device)
+    picks = []
+    for b in range(top_rows.shape[0]):
+        fresh = pool[~torch.isin(pool, top_rows[b])]
+        picks.append(fresh[:num_random])
+    random_rows = torch.stack(picks)
+    random_scores = score_rows(queries, buf, corrector, random_rows, dtype)
+    return _sort_desc_then_row(
+        torch.cat([top_scores, random_scores], 1), torch.cat([top_rows, random_rows], 1)
+    )
+
+
+def two_stage_corrected_topk(
+    queries: Tensor,
+    buffer: PassageBuffer | Tensor,
+    corrector: nn.Module | None,
+    k: int,
+    index,
+    num_candidates: int = 1024,
+    compute_dtype: torch.dtype | None = None,
+) -> TopK:
+    """Appendix B.2: top-`num_candidates` rows by the stale buffer through a faiss `index`, re-scored with h.
+
+    `index` is a `retriever.index.PassageIndex` built over the same buffer rows (`PassageIndex.from_buffer`).
+    Returns the top-k of the corrected scores among the candidates, under the same ordering contract.
+    """
+    buf = _as_buffer(buffer)
+    if index.ntotal != len(buf):
+        raise ValueError(
+            f"index holds {index.ntotal} vectors but the buffer has {len(buf)} rows; rebuild the index"
+        )
+    candidates = min(max(num_candidates, k), len(buf))
+    _, rows = index.search_rows(queries.detach().float().cpu().numpy(), candidates)
+    rows = torch.from_numpy(rows).to(queries.device)
+    scores = score_rows(queries, buf, corrector, rows, compute_dtype)
+    # faiss marks "no result" (possible with IVF/HNSW) with -1: never select those.
+    scores = scores.masked_fill(rows < 0, float("-inf"))
+    scores, rows = _sort_desc_then_row(scores, rows)
+    keep = min(k, candidates)
+    return TopK(scores[:, :keep], rows[:, :keep])

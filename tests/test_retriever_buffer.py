@@ -1,0 +1,224 @@
+"""Passage buffer: build once, resume after a crash, split over processes, verify fingerprints, mmap."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+from retriever.buffer import (
+    PassageBuffer,
+    build_passage_buffer,
+    build_settings,
+    corpus_fingerprint,
+    embed_shards,
+    finalize_buffer,
+    shards_for_rank,
+)
+from retriever.encoder import SentenceEncoder
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+]
+IDS = [f"doc{i}" for i in range(23)]
+TEXTS = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(1 + (i * 5) % 17)) for i in range(23)]
+
+
+@pytest.fixture(scope="module")
+def encoder(minilm_path, tmp_path_factory) -> SentenceEncoder:
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    tower = SentenceEncoder(
+        T5EncoderModel(config), tokenizer, dense=nn.Linear(32, 16, bias=False), max_length=32
+    )
+    folder = tmp_path_factory.mktemp("tower")
+    tower.save_pretrained(folder / "t")
+    return SentenceEncoder.from_pretrained(str(folder / "t"), max_length=32)
+
+
+class FailingTexts:
+    """A lazy text sequence whose reads start failing after `ok_reads` reads (a crash mid-build)."""
+
+    def __init__(self, texts, ok_reads):
+        self.texts, self.ok_reads, self.reads = texts, ok_reads, 0
+
+    def __len__(self):
+        return len(self.texts)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if self.reads > self.ok_reads:
+            raise RuntimeError("simulated crash")
+        return self.texts[i]
+
+
+def test_build_matches_encoder_and_keeps_order(encoder, tmp_path):
+    buffer = build_passage_buffer(
+        IDS, TEXTS, encoder, tmp_path / "b", batch_size=4, shard_size=10, show_progress=False
+    )
+    assert len(buffer) == 23 and buffer.dim == 16 and buffer.ids == IDS
+    assert buffer.dtype == torch.float16
+    meta = json.loads((tmp_path / "b" / "meta.json").read_text())
+    assert meta["shards"] == ["shard_00000.npy", "shard_00001.npy", "shard_00002.npy"]
+    assert meta["encoder_fingerprint"] == encoder.fingerprint()
+    assert meta["corpus_fingerprint"] == corpus_fingerprint(IDS, TEXTS)
+    assert not (tmp_path / "b" / "build.json").exists()
+    expected = encoder.encode(TEXTS)
+    torch.testing.assert_close(buffer.embeddings.float(), expected, atol=2e-3, rtol=0)
+    # streamed chunks cover every row once, in order, without crossing shards
+    starts = [(s, c.shape[0]) for s, c in buffer.iter_chunks(4)]
+    assert starts == [(0, 4), (4, 4), (8, 2), (10, 4), (14, 4), (18, 2), (20, 3)]
+    rows = torch.tensor([[22, 0], [10, 9]])
+    torch.testing.assert_close(buffer.rows(rows), buffer.embeddings[rows])
+    assert buffer.index_of("doc10") == 10
+    # rebuilding a complete buffer is a no-op load
+    again = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "b", shard_size=10, show_progress=False)
+    assert torch.equal(again.embeddings, buffer.embeddings)
+
+
+def test_loaded_buffer_is_memory_mapped_and_moves(encoder, tmp_path):
+    build_passage_buffer(
+        IDS, TEXTS, encoder, tmp_path / "b", dtype="float32", shard_size=100, show_progress=False
+    )
+    buffer = PassageBuffer.load(tmp_path / "b")
+    assert buffer.embeddings.dtype == torch.float32
+    shard = (tmp_path / "b" / "shard_00000.npy").resolve()
+    if Path("/proc/self/maps").exists():
+        assert str(shard) in Path("/proc/self/maps").read_text(), "the shard must be memory-mapped, not read"
+    torch.testing.assert_close(buffer.embeddings, torch.from_numpy(np.load(shard)))
+    moved = buffer.to("cpu", dtype=torch.bfloat16)
+    assert moved.embeddings.dtype == torch.bfloat16 and moved.ids == buffer.ids
+
+
+def test_load_refuses_other_encoder_or_corpus(encoder, tmp_path):
+    build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "b", shard_size=10, show_progress=False)
+    with pytest.raises(ValueError, match="encoder fingerprint .* but the encoder given has fingerprint abc"):
+        PassageBuffer.load(tmp_path / "b", encoder_fingerprint="abc")
+    other = corpus_fingerprint(IDS, TEXTS[:-1] + ["changed"])
+    with pytest.raises(ValueError, match=f"corpus given has fingerprint {other}"):
+        PassageBuffer.load(tmp_path / "b", corpus_fingerprint=other)
+    with pytest.raises(FileNotFoundError, match="rlm embed"):
+        PassageBuffer.load(tmp_path / "nothing")
+
+
+def test_interrupted_build_resumes_keeping_complete_shards(encoder, tmp_path):
+    out = tmp_path / "b"
+    crash_after_two_shards = FailingTexts(TEXTS, ok_reads=len(TEXTS) + 20)  # fingerprint + shards 0 and 1
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_passage_buffer(IDS, crash_after_two_shards, encoder, out, shard_size=10, show_progress=False)
+    assert (out / "build.json").exists() and not (out / "meta.json").exists()
+    assert sorted(p.name for p in out.glob("shard_*.npy")) == ["shard_00000.npy", "shard_00001.npy"]
+    with pytest.raises(FileNotFoundError, match="unfinished"):
+        PassageBuffer.load(out)
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.npy")}
+
+    settings = build_settings(IDS, TEXTS, encoder, "float16", 10)
+    redone = embed_shards(IDS, TEXTS, encoder, out, settings, range(3), show_progress=False)
+    assert redone == [2], "complete shards must be kept"
+    finalize_buffer(out, IDS, settings)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard_0000[01].npy")} == kept
+    resumed = PassageBuffer.load(out)
+    fresh = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "fresh", shard_size=10, show_progress=False)
+    assert torch.equal(resumed.embeddings, fresh.embeddings)
+
+
+def test_corrupt_shard_is_reembedded_and_other_settings_refused(encoder, tmp_path):
+    out = tmp_path / "b"
+    with pytest.raises(RuntimeError):
+        build_passage_buffer(
+            IDS, FailingTexts(TEXTS, len(TEXTS) + 20), encoder, out, shard_size=10, show_progress=False
+        )
+    array = np.load(out / "shard_00001.npy")
+    array[0, 0] += 1
+    np.save(out / "shard_00001.npy", array)
+    settings = build_settings(IDS, TEXTS, encoder, "float16", 10)
+    assert embed_shards(IDS, TEXTS, encoder, out, settings, range(3), show_progress=False) == [1, 2]
+    with pytest.raises(ValueError, match="unfinished build with other settings.*shard_size"):
+        build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=5, show_progress=False)
+
+
+def test_two_ranks_share_the_shards(encoder, tmp_path):
+    assert shards_for_rank(5, 0, 2) == [0, 2, 4] and shards_for_rank(5, 1, 2) == [1, 3]
+    with pytest.raises(ValueError, match="rank=2"):
+        shards_for_rank(5, 2, 2)
+    out = tmp_path / "b"
+    out.mkdir()
+    settings = build_settings(IDS, TEXTS, encoder, "float16", 5)
+    assert embed_shards(
+        IDS, TEXTS, encoder, out, settings, shards_for_rank(5, 1, 2), show_progress=False
+    ) == [1, 3]
+    with pytest.raises(ValueError, match=r"shards \[0, 2, 4\] are missing"):
+        finalize_buffer(out, IDS, settings)
+    assert embed_shards(
+        IDS, TEXTS, encoder, out, settings, shards_for_rank(5, 0, 2), show_progress=False
+    ) == [0, 2, 4]
+    finalize_buffer(out, IDS, settings)
+    single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=5, show_progress=False)
+    assert torch.equal(PassageBuffer.load(out).embeddings, single.embeddings)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes(encoder, tmp_path):
+    """A real 2-process (gloo, CPU) build under torchrun with accelerate's PartialState."""
+    tower = tmp_path / "tower"
+    encoder.save_pretrained(tower)
+    script = tmp_path / "build.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from accelerate import PartialState\n"
+        "from retriever.buffer import build_passage_buffer\n"
+        "from retriever.encoder import SentenceEncoder\n"
+        "torch.set_num_threads(1)\n"
+        "state = PartialState(cpu=True)\n"
+        f"ids = {IDS!r}\ntexts = {TEXTS!r}\n"
+        "enc = SentenceEncoder.from_pretrained(sys.argv[1], max_length=32)\n"
+        "buf = build_passage_buffer(ids, texts, enc, sys.argv[2], shard_size=6, accelerator=state, show_progress=False)\n"
+        "print('rank', state.process_index, 'rows', len(buf))\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29533",
+    ]
+    done = subprocess.run(
+        [*torchrun, str(script), str(tower), str(tmp_path / "b")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 rows 23" in done.stdout and "rank 1 rows 23" in done.stdout
+    single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=6, show_progress=False)
+    assert torch.equal(PassageBuffer.load(tmp_path / "b").embeddings, single.embeddings)

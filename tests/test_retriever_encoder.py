@@ -1,0 +1,122 @@
+"""Dual encoder: the sentence-transformers layout is real (sentence-transformers itself reads our folders)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+from retriever.encoder import DualEncoder, SentenceEncoder, default_retriever_path
+
+TEXTS = [
+    "Paris is the capital of France.",
+    "The quick brown fox jumps over the lazy dog, then runs far away into the forest.",
+    "a",
+    "Photosynthesis converts light energy into chemical energy in plants.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_gtr(minilm_path) -> SentenceEncoder:
+    """A random-init GTR: T5 encoder + Dense (no bias, identity), with MiniLM's tokenizer for its vocabulary."""
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path)
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=0
+    )
+    model = T5EncoderModel(config).eval()
+    dense = nn.Linear(32, 24, bias=False)
+    return SentenceEncoder(model, tokenizer, dense=dense, dense_activation="Identity", max_length=64)
+
+
+def test_tiny_gtr_roundtrip_and_sentence_transformers_reads_it(tiny_gtr, tmp_path):
+    out = tmp_path / "gtr"
+    tiny_gtr.save_pretrained(out)
+    modules = json.loads((out / "modules.json").read_text())
+    assert [m["path"] for m in modules] == ["", "1_Pooling", "2_Dense", "3_Normalize"]
+    assert (out / "2_Dense" / "model.safetensors").exists() and (out / "model.safetensors").exists()
+
+    expected = tiny_gtr.encode(TEXTS)
+    assert expected.shape == (4, 24)
+    torch.testing.assert_close(expected.norm(dim=-1), torch.ones(4))
+
+    reloaded = SentenceEncoder.from_pretrained(str(out), max_length=64)
+    assert type(reloaded.model).__name__ == "T5EncoderModel"
+    assert reloaded.dim == 24 and reloaded.fingerprint() == tiny_gtr.fingerprint()
+    torch.testing.assert_close(reloaded.encode(TEXTS), expected, atol=1e-6, rtol=0)
+
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(out), device="cpu")
+    theirs = torch.from_numpy(st.encode(TEXTS, normalize_embeddings=True))
+    torch.testing.assert_close(theirs, expected, atol=1e-5, rtol=0)
+
+
+def test_packaged_minilm_matches_sentence_transformers(minilm_path):
+    ours = SentenceEncoder.from_pretrained(minilm_path)
+    assert ours.dim == 384 and ours.dense is None
+    mine = ours.encode(TEXTS, batch_size=3)
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(minilm_path, device="cpu")
+    theirs = torch.from_numpy(st.encode(TEXTS, normalize_embeddings=True))
+    torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert default_retriever_path() == minilm_path
+
+
+def test_encode_matches_forward_with_grad_and_keeps_mode(tiny_gtr):
+    tiny_gtr.train()
+    no_grad = tiny_gtr.encode(TEXTS)
+    assert tiny_gtr.training, "encode must restore train mode"
+    tiny_gtr.eval()
+    with_grad = tiny_gtr.embed_texts(TEXTS)
+    assert with_grad.requires_grad
+    torch.testing.assert_close(with_grad.detach(), no_grad, atol=1e-6, rtol=0)
+
+
+def test_fingerprint_changes_with_weights(tiny_gtr, tmp_path):
+    tiny_gtr.save_pretrained(tmp_path / "a")
+    other = SentenceEncoder.from_pretrained(str(tmp_path / "a"), max_length=64)
+    before = other.fingerprint()
+    with torch.no_grad():
+        other.dense.weight[0, 0] += 1.0
+    assert other.fingerprint() != before
+    other.max_length = 32
+    assert SentenceEncoder.from_pretrained(str(tmp_path / "a"), max_length=32).fingerprint() != before
+
+
+def test_dual_encoder_separate_shared_and_saved(tiny_gtr, tmp_path):
+    tiny_gtr.save_pretrained(tmp_path / "tower")
+    dual = DualEncoder.from_pretrained(str(tmp_path / "tower"), max_length=64)
+    assert not dual.shared and dual.query_tower is not dual.passage_tower
+    q = dual.encode_queries(TEXTS[:2])
+    p = dual.encode_passages(TEXTS[:2])
+    assert q.requires_grad and p.requires_grad
+    torch.testing.assert_close(q, p)  # same start, separate parameters
+    (q * p).sum().backward()
+    assert dual.query_tower.dense.weight.grad is not dual.passage_tower.dense.weight.grad
+
+    with torch.no_grad():
+        dual.passage_tower.dense.weight.mul_(2.0)
+    dual.save_pretrained(tmp_path / "dual")
+    again = DualEncoder.from_pretrained(str(tmp_path / "dual"), max_length=64)
+    assert again.passage_tower.fingerprint() == dual.passage_tower.fingerprint()
+    assert again.query_tower.fingerprint() == dual.query_tower.fingerprint()
+
+    shared = DualEncoder.from_pretrained(str(tmp_path / "tower"), shared=True, max_length=64)
+    assert shared.shared
+    shared.save_pretrained(tmp_path / "shared")
+    assert DualEncoder.from_pretrained(str(tmp_path / "shared")).shared
+    n_params = sum(p.numel() for p in shared.parameters())
+    assert n_params == sum(p.numel() for p in shared.query_tower.parameters())
+
+
+def test_hub_name_offline_names_the_fix(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="local sentence-transformers folder"):
+        SentenceEncoder.from_pretrained("sentence-transformers/this-model-is-not-cached-xyz")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SentenceEncoder.from_pretrained("/no/such/folder")
