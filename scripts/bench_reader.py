@@ -1,0 +1,236 @@
+"""Benchmark the offline FiD reader on CPU: tokens/s of a train step and of score_passages, plus peak memory.
+
+    .venv/bin/python scripts/bench_reader.py                 # B=4, K=32, L=192, default SmallT5Config
+    .venv/bin/python scripts/bench_reader.py --threads 2 --steps 5
+
+Each variant (fp32, fp32 + gradient checkpointing, bf16 autocast) runs in its own process, so its peak RSS
+is its own. Passages are real Wikipedia text (../shared/data/wiki_sample), two passages joined so every one
+fills L tokens after truncation; the BPE tokenizer (vocab 8000) is trained on the same text. Writes a
+Markdown table and JSON to docs/results/bench_reader.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "wiki_sample" / "passages.jsonl"
+VARIANTS = {
+    "fp32": {},
+    "fp32+checkpointing": {"gradient_checkpointing": True},
+    "bf16-autocast": {"bf16": True},
+}
+
+
+def load_wiki_passages(path: Path) -> list[tuple[str, str]]:
+    """(title, text) pairs from the pyserini/FlashRAG layout: `contents` is `"Title"\\ntext`."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            title, _, text = json.loads(line)["contents"].partition("\n")
+            out.append((title.strip('"'), text))
+    return out
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    scale = 1 if platform.system() == "Darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def run_variant(args: argparse.Namespace) -> dict:
+    """Build the default reader, time `steps` train steps, score_passages calls and a greedy generation."""
+    import torch
+
+    from reader.fid import FiDConfig, FiDReader
+    from reader.scoring import score_passages
+    from reader.small_t5 import SmallT5Config
+    from reader.tokenizer import train_tokenizer
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    wiki = load_wiki_passages(Path(args.corpus))
+    t0 = time.perf_counter()
+    tok = train_tokenizer((f"{t}. {x}" for t, x in wiki), vocab_size=args.vocab_size)
+    tokenizer_s = time.perf_counter() - t0
+
+    b, k = args.batch, args.passages
+    questions = [f"who or what is {wiki[i][0]}?" for i in range(b)]
+    answers = [" ".join(wiki[i][1].split()[:4]) for i in range(b)]
+    passages = [
+        [(wiki[(i * k + j) % len(wiki)][0], wiki[(i * k + j) % len(wiki)][1] + " " + wiki[(i * k + j + 1) % len(wiki)][1])
+         for j in range(k)]
+        for i in range(b)
+    ]  # fmt: skip
+    reader = FiDReader.from_config(
+        tok,
+        SmallT5Config(),
+        FiDConfig(max_passage_length=args.length),
+        seed=0,
+        **VARIANTS[args.variant],
+    )
+    params = sum(p.numel() for p in reader.parameters())
+    batch = reader.collator(questions, passages, answers)
+    tokens = int(batch["attention_mask"].sum())
+    opt = torch.optim.AdamW(reader.parameters(), lr=1e-3)
+
+    def train_step() -> float:
+        start = time.perf_counter()
+        reader.train()
+        loss = reader(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    train_step()  # warm-up; also allocates the optimizer state, which belongs to the baseline
+    rss_before = rss_bytes()
+    train_s = statistics.median(train_step() for _ in range(args.steps))
+    train_peak = peak_rss_bytes() - rss_before
+
+    def score() -> float:
+        start = time.perf_counter()
+        score_passages(reader, questions, passages, answers, batch_size=args.score_batch_size)
+        return time.perf_counter() - start
+
+    score()
+    score_s = statistics.median(score() for _ in range(args.steps))
+
+    reader.eval()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = reader.generate(
+            batch["input_ids"], batch["attention_mask"], max_new_tokens=16, min_new_tokens=16
+        )
+    generate_s = time.perf_counter() - start
+    return {
+        "variant": args.variant,
+        "params": params,
+        "batch": b,
+        "passages": k,
+        "length": int(batch["input_ids"].shape[-1]),
+        "encoder_tokens": tokens,
+        "train_step_s": round(train_s, 3),
+        "train_tokens_per_s": round(tokens / train_s),
+        "train_step_peak_rss_mib": round(train_peak / 2**20, 1),
+        "rss_before_step_mib": round(rss_before / 2**20, 1),
+        "score_passages_s": round(score_s, 3),
+        "score_tokens_per_s": round(tokens / score_s),
+        "greedy_16_tokens_s": round(generate_s, 3),
+        "generated_tokens": int(out.shape[1] - 1),
+        "tokenizer_train_s": round(tokenizer_s, 2),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=4, help="questions per step (B)")
+    p.add_argument("--passages", type=int, default=32, help="passages per question (K)")
+    p.add_argument("--length", type=int, default=192, help="tokens per (question, passage) pair (L)")
+    p.add_argument(
+        "--steps", type=int, default=3, help="timed repetitions after one warm-up (median reported)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--score-batch-size", type=int, default=None, help="pairs per score_passages pass")
+    p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="pyserini-style jsonl of passages")
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}"
+    )
+    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_reader"), help="output path stem")
+    p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant, print JSON
+    args = p.parse_args()
+
+    if not Path(args.corpus).is_file():
+        raise FileNotFoundError(f"passage file {args.corpus} not found; pass --corpus PATH (pyserini jsonl)")
+    if args.variant:
+        print(json.dumps(run_variant(args)))
+        return 0
+
+    rows = []
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
+        cmd = [sys.executable, __file__, "--variant", variant, *forwarded_args(args)]
+        print(f"running {variant} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr)
+            return done.returncode
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    meta = {
+        "command": "scripts/bench_reader.py " + " ".join(sys.argv[1:]),
+        "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    write_results(Path(args.out), meta, rows)
+    print(render_table(meta, rows))
+    return 0
+
+
+def forwarded_args(args: argparse.Namespace) -> list[str]:
+    """The settings a variant subprocess needs, as command-line arguments."""
+    names = ["batch", "passages", "length", "steps", "threads", "vocab_size", "score_batch_size", "corpus"]
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def render_table(meta: dict, rows: list[dict]) -> str:
+    """A Markdown table of the variants."""
+    first = rows[0]
+    lines = [
+        f"FiD reader, default SmallT5Config ({first['params'] / 1e6:.2f}M parameters), "
+        f"B={first['batch']} K={first['passages']} L={first['length']} ({first['encoder_tokens']} encoder tokens "
+        f"a step), {meta['threads']} torch thread(s) on {meta['cpu_count']} CPU cores. Command: `{meta['command']}`",
+        "",
+        "| variant | train step s | train tokens/s | train step peak RSS MiB | score_passages s | score tokens/s "
+        "| greedy 16 tokens s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['train_step_s']:.2f} | {r['train_tokens_per_s']} | {r['train_step_peak_rss_mib']} "
+            f"| {r['score_passages_s']:.2f} | {r['score_tokens_per_s']} | {r['greedy_16_tokens_s']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_results(stem: Path, meta: dict, rows: list[dict]) -> None:
+    """Write `<stem>.json` and `<stem>.md` atomically."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in (
+        (".json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"),
+        (".md", render_table(meta, rows)),
+    ):
+        target = stem.with_suffix(suffix)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
