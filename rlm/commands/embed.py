@@ -1,0 +1,71 @@
+"""`rlm embed`: embed a corpus once with the passage tower into a fixed buffer (resumable, data-parallel)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+HELP = "Embed a corpus once into a fixed passage buffer (memory-mapped shards)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `rlm embed`."""
+    parser.add_argument(
+        "--corpus", required=True, help="corpus file: JSONL {id,title,text}, DPR .tsv, or pyserini"
+    )
+    parser.add_argument(
+        "--format", default=None, choices=["jsonl", "dpr_tsv", "pyserini"], help="default: detect"
+    )
+    parser.add_argument(
+        "--encoder",
+        default=None,
+        help="sentence-transformers folder or hub name, or a saved dual encoder folder (its passage_tower is "
+        "used); default: the packaged all-MiniLM-L6-v2",
+    )
+    parser.add_argument("--out", required=True, help="buffer folder (an unfinished build there is resumed)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-length", type=int, default=256, help="passage token limit")
+    parser.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype")
+    parser.add_argument("--shard-size", type=int, default=100_000, help="rows per .npy shard")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from retriever.buffer import build_passage_buffer
+    from retriever.encoder import SentenceEncoder, default_retriever_path
+    from rlm.data.corpus import load_corpus
+
+    if not Path(args.corpus).exists():
+        raise FileNotFoundError(f"corpus file {args.corpus} does not exist")
+    corpus = load_corpus(args.corpus, fmt=args.format)
+    encoder_path = args.encoder or default_retriever_path()
+    if (Path(encoder_path) / "passage_tower").is_dir():
+        encoder_path = str(Path(encoder_path) / "passage_tower")
+    encoder = SentenceEncoder.from_pretrained(encoder_path, max_length=args.max_length)
+    accelerator = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by `accelerate launch` or torchrun
+        from accelerate import PartialState
+
+        accelerator = PartialState()
+    started = time.perf_counter()
+    buffer = build_passage_buffer(
+        corpus.ids,
+        corpus.retrieval_texts(),
+        encoder,
+        args.out,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        shard_size=args.shard_size,
+        accelerator=accelerator,
+        show_progress=not args.no_progress,
+    )
+    seconds = time.perf_counter() - started
+    if accelerator is None or accelerator.is_main_process:
+        print(
+            f"buffer {args.out}: {len(buffer)} passages x {buffer.dim} ({args.dtype}) from {encoder_path} "
+            f"in {seconds:.1f} s; encoder {buffer.meta['encoder_fingerprint']}, "
+            f"corpus {buffer.meta['corpus_fingerprint']}"
+        )
+    return 0

@@ -1,0 +1,78 @@
+"""`rlm embed` and `rlm index` end to end on a small JSONL corpus with the packaged MiniLM."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from retriever.buffer import PassageBuffer
+from retriever.encoder import SentenceEncoder, default_retriever_path
+from retriever.index import PassageIndex
+from rlm.cli import main
+
+PASSAGES = [
+    ("capital-fr", "France", "Paris is the capital and largest city of France."),
+    ("volcano", "Mount Etna", "Etna is an active volcano on the east coast of Sicily."),
+    ("photo", "Photosynthesis", "Plants convert sunlight, water and carbon dioxide into sugar."),
+    ("jazz", "Jazz", "Jazz is a music genre that originated in New Orleans."),
+    ("moon", "Moon", "The Moon is Earth's only natural satellite."),
+    ("python", "Python", "Python is a programming language created by Guido van Rossum."),
+    ("nile", "Nile", "The Nile is a major river flowing north through Egypt."),
+]
+
+
+def write_corpus(path):
+    lines = [json.dumps({"id": i, "title": t, "text": x}) for i, t, x in PASSAGES]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_embed_then_index_then_search(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    buffer_dir, index_dir = tmp_path / "buffer", tmp_path / "index"
+    assert (
+        main(
+            ["embed", "--corpus", str(corpus), "--out", str(buffer_dir), "--shard-size", "3", "--no-progress"]
+        )
+        == 0
+    )
+    assert "7 passages x 384" in capsys.readouterr().out
+    encoder = SentenceEncoder.from_pretrained(default_retriever_path())
+    buffer = PassageBuffer.load(buffer_dir, encoder_fingerprint=encoder.fingerprint())
+    assert buffer.ids == [p[0] for p in PASSAGES] and len(buffer.meta["shards"]) == 3
+
+    assert main(["index", "--buffer", str(buffer_dir), "--out", str(index_dir)]) == 0
+    index = PassageIndex.load(index_dir)
+    queries = encoder.encode(["Which river runs through Egypt?", "Who created Python?"]).numpy()
+    _, ids = index.search(queries, 2)
+    assert [row[0] for row in ids] == ["nile", "python"]
+
+
+def test_index_from_npy_and_user_errors(tmp_path, capsys):
+    np.save(tmp_path / "emb.npy", np.eye(3, dtype=np.float32))
+    (tmp_path / "ids.txt").write_text("a\nb\nc\n")
+    args = ["index", "--embeddings", str(tmp_path / "emb.npy"), "--ids", str(tmp_path / "ids.txt")]
+    assert main([*args, "--out", str(tmp_path / "idx")]) == 0
+    assert PassageIndex.load(tmp_path / "idx").search(np.eye(3, dtype=np.float32)[[2]], 1)[1] == [["c"]]
+    capsys.readouterr()
+    assert main(["index", "--embeddings", str(tmp_path / "emb.npy"), "--out", str(tmp_path / "x")]) == 2
+    assert "--embeddings needs --ids" in capsys.readouterr().err
+    assert main(["embed", "--corpus", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "b")]) == 2
+    assert "missing.jsonl does not exist" in capsys.readouterr().err
+    write_corpus(tmp_path / "c.jsonl")
+    assert (
+        main(
+            [
+                "embed",
+                "--corpus",
+                str(tmp_path / "c.jsonl"),
+                "--out",
+                str(tmp_path / "b"),
+                "--encoder",
+                "no-such/model",
+            ]
+        )
+        == 2
+    )
+    assert "packaged default" in capsys.readouterr().err

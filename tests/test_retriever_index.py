@@ -1,0 +1,64 @@
+"""faiss inference index: exact Flat search, IVF training, atomic save/load with ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from retriever.buffer import PassageBuffer
+from retriever.index import PassageIndex
+
+
+def unit_vectors(n, d, seed):
+    x = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_flat_is_exact_inner_product_and_roundtrips(tmp_path):
+    emb, queries = unit_vectors(500, 16, 0), unit_vectors(3, 16, 1)
+    ids = [f"p{i}" for i in range(500)]
+    index = PassageIndex.build(emb, ids)
+    scores, found = index.search(queries, 5)
+    ref = queries @ emb.T
+    order = np.argsort(-ref, axis=1)[:, :5]
+    assert found == [[ids[j] for j in row] for row in order]
+    np.testing.assert_allclose(scores, np.take_along_axis(ref, order, 1), atol=1e-5)
+    index.save(tmp_path / "idx")
+    again = PassageIndex.load(tmp_path / "idx")
+    assert again.ids == ids and again.factory == "Flat" and again.ntotal == 500
+    assert again.search(queries, 5)[1] == found
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"], "no temporaries left behind"
+    assert index.search(queries, 10_000)[0].shape == (3, 500)
+
+
+def test_ivf_is_trained_and_finds_the_neighbours(tmp_path):
+    emb = unit_vectors(2000, 16, 2)
+    index = PassageIndex.build(emb, [str(i) for i in range(2000)], factory="IVF16,Flat", train_sample=1000)
+    assert index.index.is_trained
+    queries = emb[:20]
+    _, found = index.search(queries, 1, nprobe=16)
+    assert [row[0] for row in found] == [str(i) for i in range(20)]
+    index.save(tmp_path / "ivf")
+    assert PassageIndex.load(tmp_path / "ivf").search(queries, 1, nprobe=16)[1] == found
+
+
+def test_from_buffer_streams_shards_in_row_order():
+    emb = torch.from_numpy(unit_vectors(300, 8, 3)).half()
+    buffer = PassageBuffer([f"d{i}" for i in range(300)], [emb[:100], emb[100:]])
+    index = PassageIndex.from_buffer(buffer, "Flat", chunk_size=64)
+    scores, rows = index.search_rows(emb[250:253].float().numpy(), 1)
+    assert rows[:, 0].tolist() == [250, 251, 252]
+
+
+def test_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="cannot build index type 'Nonsense'"):
+        PassageIndex.build(unit_vectors(10, 4, 0), [str(i) for i in range(10)], factory="Nonsense")
+    with pytest.raises(ValueError, match="10 embeddings but 3 ids"):
+        PassageIndex.build(unit_vectors(10, 4, 0), ["a", "b", "c"])
+    with pytest.raises(FileNotFoundError, match="rlm index"):
+        PassageIndex.load(tmp_path)
+    with pytest.raises(ValueError, match=r"\[n, 4\]"):
+        PassageIndex.build(unit_vectors(10, 4, 0), [str(i) for i in range(10)]).search(
+            unit_vectors(2, 5, 0), 1
+        )
