@@ -84,11 +84,15 @@ def score_rows(
     """<q_b, h(B_rows[b, j])> [B, m] for given buffer rows [B, m] (no grad)."""
     buf = _as_buffer(buffer)
     dtype = compute_dtype or torch.float32
+    # Queries of a batch often share candidates: correct each distinct row once, score it against all
+    # queries, then pick each query's own columns.
+    unique_rows, inverse = rows.clamp(min=0).unique(return_inverse=True)
     with torch.no_grad(), _autocast(queries.device, dtype):
-        vectors = buf.rows(rows.clamp(min=0)).to(device=queries.device, dtype=dtype)
+        vectors = buf.rows(unique_rows).to(device=queries.device, dtype=dtype)
         if corrector is not None:
             vectors = corrector(vectors)
-        return torch.einsum("bd,bmd->bm", queries.detach().to(dtype), vectors.to(dtype)).float()
+        scores = (queries.detach().to(dtype) @ vectors.to(dtype).T).float()
+    return scores.gather(1, inverse.reshape(rows.shape).to(scores.device))
 
 
 def _random_rows(n: int, count: int, generator: torch.Generator | None) -> Tensor:
