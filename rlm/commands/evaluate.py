@@ -1,0 +1,115 @@
+"""`rlm evaluate`: retrieve with a checkpoint's retriever, read with its reader, write predictions + metrics."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+HELP = "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `rlm evaluate`."""
+    parser.add_argument("--checkpoint", help="folder with retriever/ and reader/ (e.g. runs/train/final)")
+    parser.add_argument(
+        "--retriever", help="retriever folder instead of <checkpoint>/retriever (e.g. MiniLM)"
+    )
+    parser.add_argument("--dataset", default="toy", help="QA dataset name (toy, nq_open, trivia_qa, ...)")
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--data-path", help="local dataset file or folder (a toy world folder for 'toy')")
+    parser.add_argument("--corpus", help="corpus file; default: corpus.jsonl in --data-path when present")
+    parser.add_argument("--corpus-format", choices=("jsonl", "dpr_tsv", "pyserini"), default=None)
+    parser.add_argument(
+        "--subcorpus", help="ids file (one per line) restricting the corpus, e.g. a hard subcorpus"
+    )
+    parser.add_argument("--index", help="reuse a saved faiss index folder (`rlm index`) instead of embedding")
+    parser.add_argument("--save-index", help="save the index built here to this folder for reuse")
+    parser.add_argument(
+        "--k", type=int, default=100, help="passages retrieved per question (recall@k up to k)"
+    )
+    parser.add_argument(
+        "--num-passages", type=int, default=None, help="passages the reader reads (default: config)"
+    )
+    parser.add_argument("--max-examples", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--num-beams", type=int, default=1)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--retrieval-only", action="store_true", help="no reader: recall@k only")
+    mode.add_argument("--closed-book", action="store_true", help="reader only, no passages")
+    parser.add_argument("--out", help="folder for predictions.jsonl and metrics.json")
+
+
+def _default_corpus(args) -> str | None:
+    if args.corpus:
+        return args.corpus
+    if args.data_path and (Path(args.data_path) / "corpus.jsonl").is_file():
+        return str(Path(args.data_path) / "corpus.jsonl")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, evaluate, print the table."""
+    from rlm import evaluation
+    from rlm.data.corpus import load_corpus
+    from rlm.data.qa import load_qa_dataset
+
+    if not args.checkpoint and not args.retriever:
+        raise ValueError(
+            "pass --checkpoint DIR (retriever/ + reader/) or --retriever PATH with --retrieval-only"
+        )
+    if args.closed_book and args.retriever:
+        raise ValueError("--closed-book uses no retriever; drop --retriever")
+    need_reader = not args.retrieval_only
+    if need_reader and not args.checkpoint:
+        raise ValueError("reading needs --checkpoint with a reader/ folder; or pass --retrieval-only")
+    examples = load_qa_dataset(args.dataset, args.split, args.data_path)
+    if args.max_examples is not None:
+        examples = examples[: args.max_examples]
+    corpus = None
+    if not args.closed_book:
+        corpus_path = _default_corpus(args)
+        if corpus_path is None:
+            raise ValueError("no corpus: pass --corpus FILE (or a --data-path folder holding corpus.jsonl)")
+        corpus = load_corpus(corpus_path, args.corpus_format)
+        if args.subcorpus:
+            from rlm.hard_subcorpus import load_subcorpus
+
+            corpus = load_subcorpus(corpus, args.subcorpus)
+    retriever, reader, config = evaluation.load_checkpoint(
+        args.checkpoint,
+        need_reader=need_reader,
+        retriever_path=None if args.closed_book else args.retriever,
+    )
+    if args.closed_book:
+        retriever = None
+    index = None
+    if args.index and not args.closed_book:
+        index = evaluation.load_index_for(args.index, corpus.ids)
+    elif args.save_index and not args.closed_book:
+        embeddings = evaluation.embed_corpus(
+            retriever.passage_tower, corpus.retrieval_texts(), show_progress=True
+        )
+        index = evaluation.build_index(embeddings, corpus.ids)
+        index.save(args.save_index)
+    num_passages = args.num_passages or evaluation.reader_passages_from_config(config)
+    result = evaluation.run_evaluation(
+        examples,
+        corpus=corpus,
+        retriever=retriever,
+        reader=reader,
+        index=index,
+        k=min(args.k, len(corpus)) if corpus is not None else args.k,
+        num_passages=num_passages,
+        closed_book=args.closed_book,
+        batch_size=args.batch_size,
+        num_beams=args.num_beams,
+        out_dir=args.out,
+        show_progress=True,
+    )
+    mode = (
+        "closed book" if args.closed_book else "retrieval only" if args.retrieval_only else "retrieve + read"
+    )
+    print(evaluation.format_table(result.metrics, f"{args.dataset}/{args.split} ({mode})"))
+    if result.metrics_path is not None:
+        print(f"\nwrote {result.predictions_path} and {result.metrics_path}")
+    return 0

@@ -1,0 +1,273 @@
+"""Evaluation of a trained checkpoint: embed the corpus with the passage tower, retrieve with a faiss index,
+read with the FiD reader, score EM/F1 and recall@k, and write predictions and metrics.
+
+The pieces are separate functions so that the trainer's validation, the hard-subcorpus tracker and the
+`rlm evaluate` command share them: `load_checkpoint`, `embed_corpus`, `build_index`, `retrieve`,
+`retrieval_metrics`, `read`, `evaluate_reader`, `run_evaluation` (all of it) and `format_table`.
+
+A checkpoint is a folder with `retriever/` (`DualEncoder.save_pretrained`) and `reader/`
+(`FiDReader.save_pretrained`); `config.yaml` next to them (written by `rlm train`) supplies how many
+passages the reader was trained to read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rlm.data.qa import QAExample
+from rlm.metrics import gold_recall_at_k, qa_scores, recall_at_k
+
+RECALL_KS = (1, 5, 20, 100)
+
+
+@dataclass
+class Retrieved:
+    """Top-k per question: passage ids (best first) and their inner-product scores."""
+
+    ids: list[list[str]]
+    scores: list[list[float]]
+
+
+@dataclass
+class EvaluationResult:
+    """Metrics (fractions in [0, 1]), per-question records and where they were written."""
+
+    metrics: dict[str, float]
+    records: list[dict] = field(default_factory=list)
+    predictions_path: Path | None = None
+    metrics_path: Path | None = None
+
+
+def load_checkpoint(ckpt: str | os.PathLike, need_reader: bool = True, retriever_path: str | None = None):
+    """(DualEncoder | None, FiDReader | None, config dict) from a checkpoint folder.
+
+    `retriever_path` replaces `<ckpt>/retriever` (e.g. the packaged MiniLM, to evaluate the initial
+    retriever); `ckpt` may then be None for retrieval-only runs.
+    """
+    import yaml
+
+    from reader.fid import FiDReader
+    from retriever.encoder import DualEncoder
+
+    root = Path(ckpt) if ckpt is not None else None
+    if root is not None and not root.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {root}")
+    config = {}
+    if root is not None and (root / "config.yaml").is_file():
+        config = yaml.safe_load((root / "config.yaml").read_text()) or {}
+    retriever = None
+    if retriever_path is not None:
+        retriever = DualEncoder.from_pretrained(str(retriever_path))
+    elif root is not None:
+        if not (root / "retriever").is_dir():
+            raise FileNotFoundError(
+                f"{root / 'retriever'} not found: a checkpoint holds retriever/ and reader/ "
+                "(rlm train writes them); or pass --retriever PATH"
+            )
+        retriever = DualEncoder.from_pretrained(str(root / "retriever"))
+    reader = None
+    if need_reader:
+        if root is None or not (root / "reader").is_dir():
+            raise FileNotFoundError(
+                f"{(root or Path('<ckpt>')) / 'reader'} not found: pass a checkpoint with a reader/ folder, "
+                "or use --retrieval-only"
+            )
+        reader = FiDReader.from_pretrained(str(root / "reader"))
+    return retriever, reader, config
+
+
+def reader_passages_from_config(config: dict, default: int = 10) -> int:
+    """How many retrieved passages the reader reads: `reader.num_passages`, else `strategy.k`, else default."""
+    reader_cfg = config.get("reader") or {}
+    strategy_cfg = config.get("strategy") or {}
+    return int(reader_cfg.get("num_passages") or strategy_cfg.get("k") or default)
+
+
+def embed_corpus(
+    passage_tower, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False
+) -> np.ndarray:
+    """Passage embeddings [N, D] float32 with the (trained) passage tower."""
+    return passage_tower.encode(texts, batch_size=batch_size, show_progress=show_progress).numpy()
+
+
+def build_index(embeddings: np.ndarray, ids: Sequence[str], factory: str = "Flat"):
+    """A `retriever.index.PassageIndex` over the embeddings (inner product)."""
+    from retriever.index import PassageIndex
+
+    return PassageIndex.build(embeddings, list(ids), factory=factory)
+
+
+def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str]):
+    """Load a saved `PassageIndex` and refuse it when its passage ids are not the corpus's, row for row.
+
+    Only ids are compared: an index built over a same-id corpus with different texts is not detected.
+    """
+    from retriever.index import PassageIndex
+
+    index = PassageIndex.load(index_dir)
+    if index.ntotal != len(corpus_ids):
+        raise ValueError(
+            f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
+            "rebuild it for this corpus (omit --index)"
+        )
+    mismatch = next((row for row, (a, b) in enumerate(zip(index.ids, corpus_ids)) if a != b), None)
+    if mismatch is not None:
+        raise ValueError(
+            f"index {index_dir} row {mismatch} is passage {index.ids[mismatch]!r} but the corpus has "
+            f"{corpus_ids[mismatch]!r}; it was built for another corpus"
+        )
+    return index
+
+
+def retrieve(query_tower, index, questions: Sequence[str], k: int = 100, batch_size: int = 64) -> Retrieved:
+    """Top-k passages per question by inner product of the query tower's embeddings with the index."""
+    if not questions:
+        return Retrieved([], [])
+    queries = query_tower.encode(list(questions), batch_size=batch_size).numpy()
+    scores, ids = index.search(queries, k)
+    return Retrieved(ids=ids, scores=[row[: len(i)].tolist() for row, i in zip(scores, ids)])
+
+
+def retrieval_metrics(
+    corpus, examples: Sequence[QAExample], retrieved: Retrieved, ks: Sequence[int] = RECALL_KS
+) -> dict[str, float]:
+    """Answer recall@k (DPR `has_answer` over passage texts) and, where gold ids are known, gold recall@k."""
+    texts = [[corpus[corpus.index_of(pid)].text for pid in ids] for ids in retrieved.ids]
+    metrics = recall_at_k(texts, [ex.answers for ex in examples], ks)
+    metrics.update(gold_recall_at_k(retrieved.ids, [ex.gold_passage_ids for ex in examples], ks))
+    return metrics
+
+
+def read(
+    reader,
+    examples: Sequence[QAExample],
+    corpus=None,
+    retrieved: Retrieved | None = None,
+    num_passages: int = 10,
+    batch_size: int = 16,
+    max_new_tokens: int | None = None,
+    num_beams: int = 1,
+) -> list[str]:
+    """The reader's answers from the top `num_passages` retrieved passages; closed book when `retrieved` is None."""
+    questions = [ex.question for ex in examples]
+    if retrieved is None:
+        passages = [[] for _ in examples]
+    else:
+        passages = [
+            [(p.title, p.text) for p in (corpus[corpus.index_of(pid)] for pid in ids[:num_passages])]
+            for ids in retrieved.ids
+        ]
+    return reader.answer(
+        questions, passages, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size
+    )
+
+
+def evaluate_reader(predictions: Sequence[str], examples: Sequence[QAExample]) -> dict[str, float]:
+    """Exact match and F1 of predictions against the examples' gold answers."""
+    return qa_scores(list(predictions), [ex.answers for ex in examples])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_evaluation(
+    examples: Sequence[QAExample],
+    corpus=None,
+    retriever=None,
+    reader=None,
+    index=None,
+    k: int = 100,
+    num_passages: int = 10,
+    closed_book: bool = False,
+    batch_size: int = 16,
+    embed_batch_size: int = 64,
+    num_beams: int = 1,
+    out_dir: str | os.PathLike | None = None,
+    show_progress: bool = False,
+) -> EvaluationResult:
+    """Retrieve (unless closed book), read (when a reader is given), score, and write the results.
+
+    Modes: full (retriever + reader), retrieval-only (reader None: recall only), closed book (reader only,
+    no passages). `index` is reused when given, else the corpus is embedded with the passage tower.
+    With `out_dir`, writes `predictions.jsonl` (question, gold answers, prediction, retrieved ids and
+    scores) and `metrics.json`, atomically.
+    """
+    if closed_book and reader is None:
+        raise ValueError("closed-book evaluation needs a reader")
+    if not closed_book and (retriever is None or corpus is None):
+        raise ValueError("retrieval needs a retriever and a corpus (or use closed-book mode)")
+    timings: dict[str, float] = {}
+    metrics: dict[str, float] = {"num_questions": len(examples)}
+    retrieved = None
+    if not closed_book:
+        start = time.perf_counter()
+        if index is None:
+            embeddings = embed_corpus(
+                retriever.passage_tower, corpus.retrieval_texts(), embed_batch_size, show_progress
+            )
+            index = build_index(embeddings, corpus.ids)
+            timings["embed_seconds"] = time.perf_counter() - start
+        start = time.perf_counter()
+        retrieved = retrieve(
+            retriever.query_tower, index, [ex.question for ex in examples], k, embed_batch_size
+        )
+        timings["retrieve_seconds"] = time.perf_counter() - start
+        metrics.update(retrieval_metrics(corpus, examples, retrieved, [kk for kk in RECALL_KS if kk <= k]))
+    predictions = None
+    if reader is not None:
+        start = time.perf_counter()
+        predictions = read(
+            reader, examples, corpus, retrieved, num_passages, batch_size=batch_size, num_beams=num_beams
+        )
+        timings["read_seconds"] = time.perf_counter() - start
+        metrics.update(evaluate_reader(predictions, examples))
+        metrics["reader_passages"] = 0 if closed_book else num_passages
+    metrics.update({key: round(value, 2) for key, value in timings.items()})
+
+    records = []
+    for i, ex in enumerate(examples):
+        record = {"id": ex.id, "question": ex.question, "answers": ex.answers}
+        if predictions is not None:
+            record["prediction"] = predictions[i]
+            record["exact_match"] = evaluate_reader([predictions[i]], [ex])["exact_match"]
+        if retrieved is not None:
+            record["retrieved_ids"] = retrieved.ids[i]
+            record["retrieved_scores"] = [round(s, 5) for s in retrieved.scores[i]]
+        if ex.gold_passage_ids:
+            record["gold_passage_ids"] = ex.gold_passage_ids
+        records.append(record)
+    result = EvaluationResult(metrics=metrics, records=records)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        result.predictions_path, result.metrics_path = out / "predictions.jsonl", out / "metrics.json"
+        _atomic_write(
+            result.predictions_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        )
+        _atomic_write(result.metrics_path, json.dumps(metrics, indent=2) + "\n")
+    return result
+
+
+def format_table(metrics: dict[str, float], title: str | None = None) -> str:
+    """A two-column markdown table of the metrics (fractions shown as percentages)."""
+    lines = [f"**{title}**", ""] if title else []
+    lines += ["| metric | value |", "| --- | --- |"]
+    for key, value in metrics.items():
+        if key.startswith(("recall@", "gold_recall@")) or key in ("exact_match", "f1"):
+            shown = f"{100 * value:.1f}"
+        elif isinstance(value, float):
+            shown = f"{value:g}"
+        else:
+            shown = str(value)
+        lines.append(f"| {key} | {shown} |")
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""Efficient validation on a hard subcorpus (Kim et al., "Bridging the Training-Inference Gap for Dense Phrase
+Retrieval", Section 2).
+
+H_k = the gold passages of the dev questions (where known) + the top-k passages the *initial* retriever
+returns for them. Retrieval over H_k is far cheaper than over the full corpus, yet it keeps the passages a
+retriever is most likely to confuse, so the ranking of checkpoints by H_k metrics tracks their ranking by
+full-corpus metrics. `track_checkpoints` measures that agreement (Spearman and Kendall rank correlation).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlm.data.corpus import CorpusSubset
+from rlm.data.qa import QAExample
+
+
+def build_hard_subcorpus(
+    corpus, examples: Sequence[QAExample], retriever, k: int = 100, index=None, batch_size: int = 64
+) -> list[str]:
+    """Passage ids of H_k (gold passages + the initial retriever's top-k per question), in corpus order.
+
+    `retriever` is a DualEncoder (the initial one); `index` reuses an index of the corpus built with it.
+    Gold ids absent from the corpus raise a ValueError naming the question.
+    """
+    from rlm.evaluation import build_index, embed_corpus, retrieve
+
+    rows: set[int] = set()
+    for ex in examples:
+        for pid in ex.gold_passage_ids:
+            try:
+                rows.add(corpus.index_of(pid))
+            except KeyError:
+                raise ValueError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
+    if index is None:
+        embeddings = embed_corpus(retriever.passage_tower, corpus.retrieval_texts(), batch_size)
+        index = build_index(embeddings, corpus.ids)
+    retrieved = retrieve(retriever.query_tower, index, [ex.question for ex in examples], k, batch_size)
+    for ids in retrieved.ids:
+        rows.update(corpus.index_of(pid) for pid in ids)
+    return [corpus.ids[r] for r in sorted(rows)]
+
+
+def save_subcorpus_ids(ids: Sequence[str], path: str | os.PathLike) -> None:
+    """Write the ids one per line, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(f"{pid}\n" for pid in ids), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def load_subcorpus(corpus, ids_path: str | os.PathLike) -> CorpusSubset:
+    """The subset of `corpus` named by an ids file; an unknown or repeated id is an error naming its line."""
+    ids_path = Path(ids_path)
+    if not ids_path.is_file():
+        raise FileNotFoundError(f"subcorpus ids file not found: {ids_path}")
+    rows, seen = [], {}
+    for line_no, line in enumerate(ids_path.read_text(encoding="utf-8").splitlines(), start=1):
+        pid = line.strip()
+        if not pid:
+            continue
+        if pid in seen:
+            raise ValueError(f"{ids_path}:{line_no}: passage id {pid!r} repeats line {seen[pid]}")
+        seen[pid] = line_no
+        try:
+            rows.append(corpus.index_of(pid))
+        except KeyError:
+            raise ValueError(f"{ids_path}:{line_no}: passage id {pid!r} is not in {corpus.path}") from None
+    if not rows:
+        raise ValueError(f"{ids_path}: no passage ids")
+    return CorpusSubset(corpus, rows)
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> dict[str, float]:
+    """Spearman's rho and Kendall's tau between two metric series (NaN when either is constant)."""
+    from scipy import stats
+
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(
+            f"rank correlation needs two equally long series of >= 2 values, got {len(xs)}, {len(ys)}"
+        )
+    rho = stats.spearmanr(xs, ys).statistic
+    tau = stats.kendalltau(xs, ys).statistic
+    return {"spearman": float(rho), "kendall": float(tau)}
+
+
+def track_checkpoints(
+    checkpoints: Sequence[str | os.PathLike],
+    examples: Sequence[QAExample],
+    corpus,
+    subcorpus: CorpusSubset,
+    retrieval_only: bool = False,
+    k: int = 100,
+    num_passages: int | None = None,
+    batch_size: int = 16,
+) -> dict:
+    """Evaluate each checkpoint on H_k and on the full corpus; rank-correlate every shared metric.
+
+    Returns {"checkpoints": [{"checkpoint", "hard": metrics, "full": metrics}], "correlation": {metric:
+    {"spearman", "kendall"}}, "subcorpus_size", "corpus_size"}.
+    """
+    from rlm.evaluation import load_checkpoint, reader_passages_from_config, run_evaluation
+
+    rows = []
+    for ckpt in checkpoints:
+        retriever, reader, config = load_checkpoint(ckpt, need_reader=not retrieval_only)
+        n = num_passages or reader_passages_from_config(config)
+        entry = {"checkpoint": str(ckpt)}
+        for name, passages in (("hard", subcorpus), ("full", corpus)):
+            result = run_evaluation(
+                examples,
+                corpus=passages,
+                retriever=retriever,
+                reader=reader,
+                k=min(k, len(passages)),
+                num_passages=n,
+                batch_size=batch_size,
+            )
+            entry[name] = {
+                key: value
+                for key, value in result.metrics.items()
+                if key.startswith(("recall@", "gold_recall@")) or key in ("exact_match", "f1")
+            }
+        rows.append(entry)
+    correlation = {}
+    if len(rows) >= 2:
+        for metric in rows[0]["hard"]:
+            if all(metric in r["full"] for r in rows):
+                correlation[metric] = rank_correlation(
+                    [r["hard"][metric] for r in rows], [r["full"][metric] for r in rows]
+                )
+    return {
+        "checkpoints": rows,
+        "correlation": correlation,
+        "subcorpus_size": len(subcorpus),
+        "corpus_size": len(corpus),
+    }

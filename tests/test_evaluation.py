@@ -1,0 +1,107 @@
+"""Evaluation end to end on a tiny toy world: the packaged MiniLM retriever and a tiny random-init FiD reader."""
+
+import json
+
+import pytest
+import torch
+
+from rlm import evaluation
+from rlm.cli import main
+from rlm.data.corpus import load_corpus
+from rlm.data.qa import load_qa_dataset
+from rlm.data.toy_world import build_toy_world
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, minilm_path):
+    from reader.fid import FiDConfig, FiDReader
+    from reader.tokenizer import train_tokenizer
+    from retriever.encoder import DualEncoder
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("eval")
+    world = build_toy_world(root / "world", num_passages=200, seed=0, max_questions={"dev": 16})
+    corpus = load_corpus(world.corpus)
+    dev = load_qa_dataset("toy", "dev", world.root)
+    ckpt = root / "ckpt"
+    retriever = DualEncoder.from_pretrained(minilm_path)
+    retriever.save_pretrained(ckpt / "retriever")
+    tokenizer = train_tokenizer(list(corpus.retrieval_texts()), vocab_size=400)
+    # Answers are a few tokens; a short generation cap keeps the random-init reader fast.
+    fid_config = FiDConfig(max_passage_length=48, max_answer_length=6)
+    reader = FiDReader.from_config(
+        tokenizer, fid_config=fid_config, seed=0, d_model=32, d_ff=64, num_layers=1, num_heads=2
+    )
+    reader.save_pretrained(ckpt / "reader")
+    (ckpt / "config.yaml").write_text("reader:\n  num_passages: 3\nstrategy:\n  k: 8\n")
+    return world, corpus, dev, ckpt, retriever, reader
+
+
+def test_full_evaluation_writes_consistent_predictions_and_metrics(setup, tmp_path):
+    world, corpus, dev, ckpt, retriever, reader = setup
+    out = tmp_path / "out"
+    result = evaluation.run_evaluation(
+        dev, corpus, retriever, reader, k=20, num_passages=3, batch_size=8, out_dir=out
+    )
+    m = json.loads((out / "metrics.json").read_text())
+    assert m == pytest.approx(result.metrics)
+    for key in ("recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@20", "exact_match", "f1"):
+        assert 0.0 <= m[key] <= 1.0, key
+    assert "recall@100" not in m  # only k <= the retrieved depth
+    assert m["recall@1"] <= m["recall@5"] <= m["recall@20"]
+    # The pretrained retriever finds the gold passage of most toy questions within 5 (measured ~0.95 at 2k).
+    assert m["gold_recall@5"] >= 0.6
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == len(dev) == m["num_questions"]
+    assert sum(r["exact_match"] for r in rows) / len(rows) == pytest.approx(m["exact_match"])
+    first = rows[0]
+    assert set(first) >= {"question", "answers", "prediction", "retrieved_ids", "retrieved_scores"}
+    assert (
+        len(first["retrieved_ids"]) == 20
+        and first["retrieved_scores"] == sorted(first["retrieved_scores"])[::-1]
+    )
+    table = evaluation.format_table(m, "toy/dev")
+    assert "| recall@5 |" in table and "| exact_match |" in table
+
+
+def test_retrieval_only_and_closed_book_modes(setup):
+    world, corpus, dev, ckpt, retriever, reader = setup
+    only = evaluation.run_evaluation(dev, corpus, retriever, None, k=5)
+    assert "exact_match" not in only.metrics and "recall@5" in only.metrics
+    closed = evaluation.run_evaluation(dev, None, None, reader, closed_book=True, batch_size=8)
+    assert "recall@1" not in closed.metrics and closed.metrics["reader_passages"] == 0
+    assert all("retrieved_ids" not in r for r in closed.records)
+    with pytest.raises(ValueError, match="closed-book evaluation needs a reader"):
+        evaluation.run_evaluation(dev, closed_book=True)
+
+
+def test_saved_index_is_reused_and_checked(setup, tmp_path):
+    world, corpus, dev, ckpt, retriever, reader = setup
+    embeddings = evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
+    index = evaluation.build_index(embeddings, corpus.ids)
+    index.save(tmp_path / "index")
+    loaded = evaluation.load_index_for(tmp_path / "index", corpus.ids)
+    a = evaluation.retrieve(retriever.query_tower, index, [q.question for q in dev], k=5)
+    b = evaluation.retrieve(retriever.query_tower, loaded, [q.question for q in dev], k=5)
+    assert a.ids == b.ids
+    with pytest.raises(ValueError, match="row 3 is passage 'tw0000003' but the corpus has 'x'"):
+        evaluation.load_index_for(tmp_path / "index", [*corpus.ids[:3], "x", *corpus.ids[4:]])
+    with pytest.raises(ValueError, match="holds 200 passages but the corpus has 199"):
+        evaluation.load_index_for(tmp_path / "index", corpus.ids[:199])
+
+
+def test_cli_evaluate_and_errors(setup, tmp_path, capsys):
+    world, corpus, dev, ckpt, retriever, reader = setup
+    argv = ["evaluate", "--checkpoint", str(ckpt), "--data-path", str(world.root), "--k", "10"]
+    assert main([*argv, "--out", str(tmp_path / "o"), "--max-examples", "6", "--batch-size", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "retrieve + read" in out and "| exact_match |" in out
+    metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
+    assert metrics["reader_passages"] == 3 and metrics["num_questions"] == 6  # from the checkpoint's config
+    assert main(["evaluate", "--data-path", str(world.root)]) == 2
+    assert "pass --checkpoint" in capsys.readouterr().err
+    assert (
+        main(["evaluate", "--checkpoint", str(tmp_path), "--data-path", str(world.root), "--retrieval-only"])
+        == 2
+    )
+    assert "retriever/ and reader/" in capsys.readouterr().err
