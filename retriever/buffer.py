@@ -70,7 +70,9 @@ class PassageBuffer:
     """
 
     def __init__(self, ids: Sequence[str], shards: list[Tensor], meta: dict[str, Any] | None = None):
-        self.ids = list(ids)
+        """`ids` in row order and the row blocks (`shards`) that together hold the [N, D] embeddings."""
+        # A range (tensor buffers wrapped by search) is kept as is: listing 21M row numbers every step is waste.
+        self.ids = ids if isinstance(ids, list | range) else list(ids)
         self._shards = shards
         self._offsets = [0]
         for shard in shards:
