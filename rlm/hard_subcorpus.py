@@ -10,6 +10,7 @@ full-corpus metrics. `track_checkpoints` measures that agreement (Spearman and K
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -82,8 +83,11 @@ def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> dict[str, floa
         raise ValueError(
             f"rank correlation needs two equally long series of >= 2 values, got {len(xs)}, {len(ys)}"
         )
-    rho = stats.spearmanr(xs, ys).statistic
-    tau = stats.kendalltau(xs, ys).statistic
+    with warnings.catch_warnings():
+        # A constant series (e.g. every checkpoint at recall 1.0) has no ranking: NaN is the honest answer.
+        warnings.simplefilter("ignore", stats.ConstantInputWarning)
+        rho = stats.spearmanr(xs, ys).statistic
+        tau = stats.kendalltau(xs, ys).statistic
     return {"spearman": float(rho), "kendall": float(tau)}
 
 
