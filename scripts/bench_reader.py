@@ -7,6 +7,10 @@ Each variant (fp32, fp32 + gradient checkpointing, bf16 autocast) runs in its ow
 is its own. Passages are real Wikipedia text (../shared/data/wiki_sample), two passages joined so every one
 fills L tokens after truncation; the BPE tokenizer (vocab 8000) is trained on the same text. Writes a
 Markdown table and JSON to docs/results/bench_reader.{md,json}.
+
+It also probes the activation memory of a random-init T5-base (K x 256 tokens, B=1, one forward+backward
+per process at two values of K, `--t5-base-probe 2,4`; '' skips it): the per-passage slope is the number
+behind the GPU arithmetic in docs/reader.md.
 """
 
 from __future__ import annotations
@@ -99,10 +103,13 @@ def run_variant(args: argparse.Namespace) -> dict:
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    train_step()  # warm-up; also allocates the optimizer state, which belongs to the baseline
+    # The baseline is taken before the warm-up step: after it, the allocator keeps freed activation memory,
+    # which would hide most of the step's footprint. The increase includes gradients and AdamW state.
     rss_before = rss_bytes()
+    train_step()
     train_s = statistics.median(train_step() for _ in range(args.steps))
     train_peak = peak_rss_bytes() - rss_before
+    peak_total = peak_rss_bytes()
 
     def score() -> float:
         start = time.perf_counter()
@@ -130,11 +137,47 @@ def run_variant(args: argparse.Namespace) -> dict:
         "train_tokens_per_s": round(tokens / train_s),
         "train_step_peak_rss_mib": round(train_peak / 2**20, 1),
         "rss_before_step_mib": round(rss_before / 2**20, 1),
+        "process_peak_rss_mib": round(peak_total / 2**20, 1),
         "score_passages_s": round(score_s, 3),
         "score_tokens_per_s": round(tokens / score_s),
         "greedy_16_tokens_s": round(generate_s, 3),
         "generated_tokens": int(out.shape[1] - 1),
         "tokenizer_train_s": round(tokenizer_s, 2),
+    }
+
+
+T5_BASE = {"vocab_size": 32128, "d_model": 768, "d_ff": 3072, "num_layers": 12, "num_heads": 12, "d_kv": 64}
+
+
+def run_t5_base_probe(args: argparse.Namespace) -> dict:
+    """Peak RSS of one FiD forward+backward of a (random-init) T5-base at K passages x 256 tokens, B=1.
+
+    Run at two values of K, the difference is the activation memory per passage: the number that sets how
+    many questions of K=32 fit on a GPU (docs/reader.md).
+    """
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from reader.fid import FiDReader
+    from reader.tokenizer import packaged_wordpiece_tokenizer
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(decoder_start_token_id=0, **T5_BASE))
+    reader = FiDReader(model, packaged_wordpiece_tokenizer(), **VARIANTS[args.probe_variant]).train()
+    k, length = args.probe_passages, 256
+    ids = torch.randint(3, T5_BASE["vocab_size"], (1, k, length))
+    labels = torch.randint(3, T5_BASE["vocab_size"], (1, 16))
+    rss_before = rss_bytes()
+    start = time.perf_counter()
+    reader(ids, torch.ones_like(ids), labels=labels).loss.backward()
+    return {
+        "variant": args.probe_variant,
+        "passages": k,
+        "length": length,
+        "params": sum(p.numel() for p in reader.parameters()),
+        "step_s": round(time.perf_counter() - start, 2),
+        "peak_rss_increase_mib": round((peak_rss_bytes() - rss_before) / 2**20, 1),
     }
 
 
@@ -154,7 +197,14 @@ def main() -> int:
         "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}"
     )
     p.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_reader"), help="output path stem")
+    p.add_argument(
+        "--t5-base-probe",
+        default="2,4",
+        help="passage counts K for the T5-base activation-memory probe (K x 256 tokens, B=1); '' skips it",
+    )
     p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant, print JSON
+    p.add_argument("--probe-variant", help=argparse.SUPPRESS)
+    p.add_argument("--probe-passages", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
 
     if not Path(args.corpus).is_file():
@@ -162,29 +212,41 @@ def main() -> int:
     if args.variant:
         print(json.dumps(run_variant(args)))
         return 0
+    if args.probe_variant:
+        print(json.dumps(run_t5_base_probe(args)))
+        return 0
 
-    rows = []
-    for variant in args.variants.split(","):
+    variants = args.variants.split(",")
+    for variant in variants:
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
-        cmd = [sys.executable, __file__, "--variant", variant, *forwarded_args(args)]
-        print(f"running {variant} ...", file=sys.stderr, flush=True)
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            sys.stderr.write(done.stderr)
-            return done.returncode
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = [run_subprocess(["--variant", variant, *forwarded_args(args)]) for variant in variants]
+    probe_ks = [int(x) for x in args.t5_base_probe.split(",") if x.strip()]
+    probe = [
+        run_subprocess(["--probe-variant", variant, "--probe-passages", str(k), *forwarded_args(args)])
+        for variant in variants
+        for k in probe_ks
+    ]
 
     meta = {
-        "command": "scripts/bench_reader.py " + " ".join(sys.argv[1:]),
+        "command": " ".join([".venv/bin/python scripts/bench_reader.py", *sys.argv[1:]]),
         "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
     }
-    write_results(Path(args.out), meta, rows)
-    print(render_table(meta, rows))
+    write_results(Path(args.out), meta, rows, probe)
+    print(render_table(meta, rows, probe))
     return 0
+
+
+def run_subprocess(extra: list[str]) -> dict:
+    """Run this script on one measurement in a fresh process (its own peak RSS); return its JSON line."""
+    print("measuring", " ".join(extra[:4]), "...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, __file__, *extra], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"measurement {extra[:4]} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def forwarded_args(args: argparse.Namespace) -> list[str]:
@@ -198,15 +260,15 @@ def forwarded_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def render_table(meta: dict, rows: list[dict]) -> str:
-    """A Markdown table of the variants."""
+def render_table(meta: dict, rows: list[dict], probe: list[dict]) -> str:
+    """Markdown tables: the default reader's variants, then the T5-base memory probe."""
     first = rows[0]
     lines = [
         f"FiD reader, default SmallT5Config ({first['params'] / 1e6:.2f}M parameters), "
         f"B={first['batch']} K={first['passages']} L={first['length']} ({first['encoder_tokens']} encoder tokens "
         f"a step), {meta['threads']} torch thread(s) on {meta['cpu_count']} CPU cores. Command: `{meta['command']}`",
         "",
-        "| variant | train step s | train tokens/s | train step peak RSS MiB | score_passages s | score tokens/s "
+        "| variant | train step s | train tokens/s | train step RSS increase MiB | score_passages s | score tokens/s "
         "| greedy 16 tokens s |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -215,15 +277,38 @@ def render_table(meta: dict, rows: list[dict]) -> str:
             f"| {r['variant']} | {r['train_step_s']:.2f} | {r['train_tokens_per_s']} | {r['train_step_peak_rss_mib']} "
             f"| {r['score_passages_s']:.2f} | {r['score_tokens_per_s']} | {r['greedy_16_tokens_s']:.2f} |"
         )
+    if probe:
+        lines += [
+            "",
+            f"T5-base ({probe[0]['params'] / 1e6:.1f}M parameters, random init) FiD forward+backward, B=1, "
+            "K passages x 256 tokens, peak RSS increase over the step (parameters' gradients included):",
+            "",
+            "| variant | K | step s | peak RSS increase MiB |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r['variant']} | {r['passages']} | {r['step_s']:.1f} | {r['peak_rss_increase_mib']} |"
+            for r in probe
+        ]
+        lines += ["", "Activation memory per 256-token passage (difference between the two K):", ""]
+        for variant in dict.fromkeys(r["variant"] for r in probe):
+            pts = sorted(
+                (r["passages"], r["peak_rss_increase_mib"]) for r in probe if r["variant"] == variant
+            )
+            if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+                per = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+                lines.append(
+                    f"- {variant}: {per:.0f} MiB per passage, so {per * 32 / 1024:.1f} GiB per question at K=32"
+                )
     return "\n".join(lines) + "\n"
 
 
-def write_results(stem: Path, meta: dict, rows: list[dict]) -> None:
+def write_results(stem: Path, meta: dict, rows: list[dict], probe: list[dict]) -> None:
     """Write `<stem>.json` and `<stem>.md` atomically."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in (
-        (".json", json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"),
-        (".md", render_table(meta, rows)),
+        (".json", json.dumps({"meta": meta, "rows": rows, "t5_base_probe": probe}, indent=2) + "\n"),
+        (".md", render_table(meta, rows, probe)),
     ):
         target = stem.with_suffix(suffix)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
