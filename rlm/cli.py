@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "index": ("rlm.commands.index", "Build a faiss index over passage embeddings for inference."),
     "toy-world": ("rlm.commands.toy_world", "Generate the offline toy world (corpus + held-out QA splits)."),
     "evaluate": ("rlm.commands.evaluate", "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."),
+    "train": ("rlm.commands.train", "Train reader + retriever jointly with a corrector over a fixed buffer."),
 }
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, KeyError)

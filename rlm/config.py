@@ -27,6 +27,7 @@ class ToyWorldConfig:
     dir: str = "runs/toy_world"
     num_passages: int = 2000
     seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)  # other rlm.data.toy_world.ToyWorldConfig fields
 
 
 @dataclass
@@ -189,6 +190,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return float(value)
         except ValueError:
             raise ValueError(f"{where}: expected float, got {value!r}") from None
+    if typing.get_origin(tp) is dict and not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a mapping, got {value!r}")
     if tp is bool and not isinstance(value, bool):
         raise ValueError(f"{where}: expected true/false, got {value!r}")
     if tp in (int, float, str) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):

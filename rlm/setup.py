@@ -1,0 +1,179 @@
+"""Build what a run needs from its config: data, retriever, reader, corrector and the fixed buffer B.
+
+Order matters for the buffer: B is built (or verified) with the *initial* passage tower, before any
+checkpoint is loaded, so a resumed run checks its buffer against the same encoder fingerprint it was built with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from reader.fid import FiDConfig, FiDReader
+from reader.formatting import FiDCollator
+from reader.small_t5 import SmallT5Config
+from reader.tokenizer import load_tokenizer, train_tokenizer
+from retriever.buffer import PassageBuffer, build_passage_buffer
+from retriever.corrector import CorrectorNetwork
+from retriever.encoder import DualEncoder, default_retriever_path
+from rlm.config import TrainConfig
+from rlm.data.corpus import Corpus, load_corpus
+from rlm.data.qa import QAExample, load_qa_dataset
+
+
+@dataclass
+class Components:
+    corpus: Corpus
+    train_examples: list[QAExample]
+    dev_examples: list[QAExample]
+    retriever: DualEncoder
+    reader: FiDReader | None
+    collator: FiDCollator | None
+    corrector: CorrectorNetwork | None
+    buffer: PassageBuffer
+
+
+def resolve_data(cfg: TrainConfig) -> tuple[str, str | None, str | None]:
+    """(corpus path, train dataset path, dev dataset path); generates the toy world when it is the source."""
+    data = cfg.data
+    uses_toy = data.corpus is None or "toy" in (data.train, data.dev)
+    toy_dir = None
+    if uses_toy:
+        from rlm.data.toy_world import build_toy_world
+
+        toy_dir = Path(data.toy_world.dir)
+        if not (toy_dir / "corpus.jsonl").exists():
+            build_toy_world(
+                toy_dir,
+                num_passages=data.toy_world.num_passages,
+                seed=data.toy_world.seed,
+                **data.toy_world.options,
+            )
+    corpus = data.corpus or str(toy_dir / "corpus.jsonl")
+
+    def dataset_path(name: str | None) -> str | None:
+        return str(toy_dir) if name == "toy" else None
+
+    return corpus, dataset_path(data.train), dataset_path(data.dev)
+
+
+def load_examples(name: str, split: str, path: str | None, limit: int | None) -> list[QAExample]:
+    # A name that is a file is a local JSONL dataset; otherwise a registry name.
+    if Path(name).suffix == ".jsonl" or Path(name).is_file():
+        examples = load_qa_dataset("jsonl", split, name)
+    else:
+        examples = load_qa_dataset(name, split, path)
+    return examples[:limit] if limit else examples
+
+
+def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) -> FiDReader:
+    """A saved / HF reader when `reader.path` is set; else the small T5 with a tokenizer trained on this data."""
+    rc = cfg.reader
+    fid_config = FiDConfig(max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length)
+    if rc.path:
+        return FiDReader.from_pretrained(
+            rc.path, max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length
+        )
+    tok_dir = Path(cfg.output_dir) / "tokenizer"
+    if rc.tokenizer:
+        tokenizer = load_tokenizer(rc.tokenizer)
+    elif (tok_dir / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it started with
+        tokenizer = load_tokenizer(tok_dir)
+    else:
+        texts = [f"{p.title} {p.text}" for p in corpus]
+        texts += [ex.question for ex in examples] + [a for ex in examples for a in ex.answers]
+        tokenizer = train_tokenizer(texts, vocab_size=rc.vocab_size, save_dir=tok_dir)
+    model_config = SmallT5Config(
+        d_model=rc.d_model,
+        d_ff=rc.d_ff,
+        num_layers=rc.num_layers,
+        num_decoder_layers=rc.num_decoder_layers,
+        num_heads=rc.num_heads,
+        d_kv=rc.d_kv,
+        dropout_rate=rc.dropout_rate,
+    )
+    return FiDReader.from_config(tokenizer, model_config, fid_config, seed=cfg.seed)
+
+
+def load_or_build_buffer(
+    cfg: TrainConfig, retriever: DualEncoder, corpus: Corpus, accelerator=None
+) -> PassageBuffer:
+    """B = g(y; Theta_0) for every passage: loaded and verified when it exists, built once otherwise."""
+    from retriever.buffer import corpus_fingerprint
+
+    buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
+    tower = retriever.passage_tower
+    texts = corpus.retrieval_texts()
+    corpus_fp = corpus_fingerprint(corpus.ids, texts)
+    if (buffer_dir / "meta.json").exists():
+        buffer = PassageBuffer.load(
+            buffer_dir, encoder_fingerprint=tower.fingerprint(), corpus_fingerprint=corpus_fp
+        )
+    else:
+        buffer = build_passage_buffer(
+            corpus.ids,
+            texts,
+            tower,
+            buffer_dir,
+            batch_size=cfg.buffer.batch_size,
+            dtype=cfg.buffer.dtype,
+            accelerator=accelerator,
+        )
+    if len(buffer) != len(corpus):
+        raise ValueError(f"buffer {buffer_dir} has {len(buffer)} rows but the corpus has {len(corpus)}")
+    return buffer
+
+
+def build_components(cfg: TrainConfig, accelerator=None) -> Components:
+    corpus_path, train_path, dev_path = resolve_data(cfg)
+    corpus = load_corpus(corpus_path)
+    train_examples = load_examples(
+        cfg.data.train, cfg.data.train_split, train_path, cfg.data.max_train_examples
+    )
+    dev_examples = []
+    if cfg.data.dev:
+        dev_examples = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    if cfg.algorithm == 1:
+        # One (question, gold passage) pair per gold passage that is in the corpus.
+        train_examples = [
+            QAExample(ex.id, ex.question, ex.answers, [gid], ex.meta)
+            for ex in train_examples
+            for gid in ex.gold_passage_ids
+            if _in_corpus(corpus, gid)
+        ]
+        if not train_examples:
+            raise ValueError(
+                "algorithm 1 needs training questions with gold passage ids that are in the corpus"
+            )
+
+    retriever = DualEncoder.from_pretrained(
+        cfg.retriever.path or default_retriever_path(), shared=cfg.retriever.shared_towers
+    )
+    retriever.query_tower.max_length = cfg.retriever.query_max_length
+    if not retriever.shared:
+        retriever.passage_tower.max_length = cfg.retriever.passage_max_length
+    buffer = load_or_build_buffer(cfg, retriever, corpus, accelerator)
+
+    reader = collator = None
+    if cfg.algorithm == 2:
+        reader = build_reader(cfg, corpus, train_examples)
+        collator = FiDCollator(
+            reader.tokenizer,
+            max_passage_length=cfg.reader.max_passage_length,
+            max_answer_length=cfg.reader.max_answer_length,
+        )
+    corrector = None
+    if cfg.strategy.name == "corrector":
+        dim = buffer.dim
+        corrector = CorrectorNetwork(
+            dim, cfg.corrector.hidden_dim or cfg.corrector.hidden_mult * dim, cfg.corrector.num_hidden_layers
+        )
+    return Components(corpus, train_examples, dev_examples, retriever, reader, collator, corrector, buffer)
+
+
+def _in_corpus(corpus: Corpus, passage_id: str) -> bool:
+    try:
+        corpus.index_of(passage_id)
+    except KeyError:
+        return False
+    return True

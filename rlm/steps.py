@@ -1,0 +1,197 @@
+"""One training step of each algorithm, written in the order of the paper's pseudo-code.
+
+Algorithm 2 (retrieval-augmented LM) and Algorithm 1 (supervised retrieval) of Monath et al. 2024. Each returns
+one scalar to backpropagate, `(L + L') / 2 + w * l`, whose gradients are separated exactly by stop-gradients:
+the corrector loss `l` only sees detached queries and detached targets, so it moves only the corrector; the
+task losses never touch the corrector, whose only other use (selecting S_x) runs without gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from reader.scoring import score_passages
+from retriever.corrector import corrector_ce_loss, corrector_mse_loss
+from rlm.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
+
+
+@dataclass
+class Batch:
+    questions: list[str]
+    answers: list[str]  # the target answer string of each question
+    gold_rows: torch.Tensor | None = None  # [B] corpus row of the gold passage (Algorithm 1)
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # what to backpropagate
+    metrics: dict[str, float] = field(default_factory=dict)  # detached, for logging
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)  # each loss with its graph (tests, analysis)
+
+
+def _scores(queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
+    """<q_b, p_bk> for queries [B, D] and passages [B, K, D] -> [B, K]."""
+    return torch.einsum("bd,bkd->bk", queries, passages.to(queries.dtype))
+
+
+def _rows_or_zero(rows: torch.Tensor) -> torch.Tensor:
+    return rows.clamp_min(0)  # padding slots (-1) read row 0; their scores are masked out
+
+
+def corrector_quality(fresh_logits: torch.Tensor, other_logits: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How well another scoring of S_x matches the fresh one: KL(P~ || P_other) and top-m overlap."""
+    with torch.no_grad():
+        logp = masked_log_softmax(fresh_logits, mask)
+        logq = masked_log_softmax(other_logits, mask)
+        kl = (logp.exp() * (logp - logq)).masked_fill(~mask, 0).sum(-1).mean()
+        m = max(1, min(int(mask.sum(-1).min()), mask.shape[1] // 4))
+        fresh_top = fresh_logits.masked_fill(~mask, float("-inf")).topk(m, dim=-1).indices
+        other_top = other_logits.masked_fill(~mask, float("-inf")).topk(m, dim=-1).indices
+        overlap = (fresh_top.unsqueeze(-1) == other_top.unsqueeze(-2)).any(-1).float().mean()
+    return {"kl": float(kl), "overlap": float(overlap)}
+
+
+def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fresh_logits, beta, cfg):
+    """Step 7: the corrector's loss on S_x, from detached queries and detached targets; plus drift metrics."""
+    stale = strategy.buffer.embeddings[_rows_or_zero(rows)].to(queries.dtype)  # B_y: the fixed buffer rows
+    metrics = {}
+    stale_logits = beta * _scores(queries.detach(), stale)
+    metrics["kl_fresh_stale"] = corrector_quality(fresh_logits.detach(), stale_logits, mask)["kl"]
+    if not strategy.uses_corrector:
+        return None, metrics
+    corrected = model.corrector(stale)
+    corrected_logits = beta * _scores(queries.detach(), corrected)
+    quality = corrector_quality(fresh_logits.detach(), corrected_logits, mask)
+    metrics.update(kl_fresh_corrected=quality["kl"], overlap_corrected_fresh=quality["overlap"])
+    if cfg.corrector.loss == "ce":
+        loss = corrector_ce_loss(fresh_logits.detach() / beta, corrected_logits / beta, beta=beta, mask=mask)
+    else:
+        loss = corrector_mse_loss(fresh_passages.detach()[mask], corrected[mask])
+    return loss, metrics
+
+
+def algorithm2_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
+    """Algorithm 2: train reader and retriever jointly; S_x chosen by the strategy (corrector: <q, h(B)>)."""
+    beta, k_read = cfg.beta, cfg.reader.num_passages
+    reader = model.reader
+
+    if not strategy.uses_passages:  # closed book: the reader alone, answer NLL only
+        inputs = model.collator(batch.questions, [[] for _ in batch.questions], batch.answers)
+        reader_loss = reader(**_reader_inputs(inputs)).loss
+        return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
+
+    # 1. q = f(x), with gradient (frozen retriever: no gradient anywhere in it).
+    with torch.set_grad_enabled(strategy.trains_retriever):
+        queries = model.retriever.encode_queries(batch.questions)
+
+    # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient.
+    top = strategy.select(queries.detach(), model.corrector)
+    rows, mask = top.indices, top.indices >= 0
+    passages = [[(corpus[r].title, corpus[r].text) for r in row if r >= 0] for row in rows.tolist()]
+
+    # 3. p_y = g(y) for y in S_x with gradient; P~(y|x) = softmax(beta <q, p_y>) over S_x.
+    metrics: dict[str, float] = {}
+    retriever_loss = corrector_loss = None
+    if strategy.trains_retriever:
+        texts = corpus.retrieval_texts()
+        flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
+        fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
+        retriever_logits = beta * _scores(queries, fresh)
+
+        # 4. The reader scores each passage alone, without gradient: log P(a | y, x).
+        answer_logprobs = _pad_scores(
+            score_passages(
+                reader, batch.questions, passages, batch.answers, reduction=cfg.reader.score_reduction
+            ),
+            rows.shape,
+        )
+
+        # 5. Retriever loss L = KL(P_a || P~) (perplexity distillation, Eq. 8).
+        retriever_loss = perplexity_distillation_loss(
+            retriever_logits, answer_logprobs, mask, cfg.reader_temperature
+        )
+        metrics["retriever_loss"] = float(retriever_loss.detach())
+
+        # 7. Corrector loss l = CE(P~ (detached), P~_h), P~_h from <q (detached), h(B_y)>.
+        corrector_loss, quality = corrector_step_loss(
+            model, strategy, queries, rows, mask, fresh, retriever_logits, beta, cfg
+        )
+        metrics.update(quality)
+
+    # 6. Reader loss L' = NLL of the answer from the FiD reader over the selected passages.
+    read = passages if k_read is None else [p[:k_read] for p in passages]
+    reader_loss = reader(**_reader_inputs(model.collator(batch.questions, read, batch.answers))).loss
+    metrics["reader_loss"] = float(reader_loss.detach())
+
+    # 8. Retriever and reader on (L + L') / 2, the corrector on w * l; stop-gradients keep them apart.
+    terms = {"reader": reader_loss}
+    loss = reader_loss
+    if retriever_loss is not None:
+        terms["retriever"] = retriever_loss
+        loss = (retriever_loss + reader_loss) / 2
+    if corrector_loss is not None:
+        terms["corrector"] = corrector_loss
+        loss = loss + cfg.corrector.weight * corrector_loss
+        metrics["corrector_loss"] = float(corrector_loss.detach())
+    return StepOutput(loss, metrics, terms)
+
+
+def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
+    """Algorithm 1: supervised dense retrieval; the gold passage is always in S_x, plus uniform negatives."""
+    beta = cfg.beta
+    gold = batch.gold_rows
+
+    # 1. q = f(x), with gradient.
+    queries = model.retriever.encode_queries(batch.questions)
+
+    # 2. S_x: top-k by the strategy, the label always included, plus uniform negatives shared by the batch.
+    top = strategy.select(
+        queries.detach(), model.corrector, include=gold[:, None], num_random=cfg.strategy.num_random
+    )
+    rows = top.indices
+    if cfg.strategy.share_across_batch:  # Appendix B.1: every question scores the union of the batch's S_x
+        union = torch.unique(rows[rows >= 0])
+        rows = union.expand(len(gold), -1)
+    mask = rows >= 0
+
+    # 3. p_y = g(y) for y in S_x, with gradient; P~ = softmax(beta <q, p_y>).
+    texts = corpus.retrieval_texts()
+    flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
+    fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
+    logits = beta * _scores(queries, fresh)
+
+    # Task loss: cross-entropy against the one-hot label P*.
+    label_pos = ((rows == gold[:, None]) & mask).float().argmax(-1)
+    task_loss = supervised_retrieval_loss(logits, label_pos, mask)
+    metrics = {"retriever_loss": float(task_loss.detach())}
+    metrics["train_acc"] = float(
+        (logits.masked_fill(~mask, float("-inf")).argmax(-1) == label_pos).float().mean()
+    )
+
+    # Corrector loss on the same S_x.
+    corrector_loss, quality = corrector_step_loss(
+        model, strategy, queries, rows, mask, fresh, logits, beta, cfg
+    )
+    metrics.update(quality)
+    terms = {"retriever": task_loss}
+    loss = task_loss
+    if corrector_loss is not None:
+        terms["corrector"] = corrector_loss
+        loss = loss + cfg.corrector.weight * corrector_loss
+        metrics["corrector_loss"] = float(corrector_loss.detach())
+    return StepOutput(loss, metrics, terms)
+
+
+def _reader_inputs(inputs: dict) -> dict:
+    return {k: inputs[k] for k in ("input_ids", "attention_mask", "labels")}
+
+
+def _pad_scores(scores: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """score_passages pads to the longest row of the batch; pad to the selection's width."""
+    if scores.shape == shape:
+        return scores
+    out = torch.full(shape, -1e4, dtype=scores.dtype)
+    out[:, : scores.shape[1]] = scores
+    return out

@@ -1,0 +1,319 @@
+"""Joint training on accelerate: `accelerate launch -m rlm.train --config configs/x.yaml --set key=value ...`.
+
+The loop is the usual accelerate program (prepare, accumulate, clip, step, save_state/load_state); the step
+itself is `rlm.steps.algorithm2_step` (or `algorithm1_step`), run through the model's forward so DDP syncs it.
+
+Data order is a pure function of (seed, micro-step): each epoch is a seeded permutation of the training set,
+and process r of W takes its slice of every global batch. Resuming at micro-step m therefore sees exactly the
+batches an uninterrupted run would, with no dataloader state to restore. Checkpoints are accelerate
+`save_state` folders (model, optimizer, scheduler, RNG states, the strategy and the counters) written to a
+temporary folder and renamed into place, so a kill leaves either the old or the new checkpoint, never half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from tqdm.auto import tqdm
+
+from rlm.config import TrainConfig, dump_config, load_config
+from rlm.model import RetrievalAugmentedModel, embed_rows
+from rlm.setup import build_components
+from rlm.steps import Batch
+from rlm.strategies import make_strategy
+from rlm.validation import validate
+
+CHECKPOINT_PREFIX = "step_"
+
+
+@dataclass
+class TrainState:
+    """Counters that must survive a resume (saved with the checkpoint through accelerate)."""
+
+    step: int = 0  # optimizer steps done
+    nonfinite_total: int = 0
+    nonfinite_in_a_row: int = 0
+    wall_time: float = 0.0
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def batch_indices(micro_step: int, num_examples: int, batch_size: int, rank: int, world: int, seed: int):
+    """Example indices of process `rank` at `micro_step`: epoch = seeded permutation, drop the last partial batch."""
+    global_batch = batch_size * world
+    per_epoch = num_examples // global_batch
+    if per_epoch == 0:
+        raise ValueError(
+            f"{num_examples} training examples cannot fill one global batch of {global_batch}; "
+            "lower optim.batch_size or use more data"
+        )
+    epoch, pos = divmod(micro_step, per_epoch)
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    start = pos * global_batch + rank * batch_size
+    return order[start : start + batch_size].tolist()
+
+
+def make_batch(examples, indices, corpus, algorithm: int) -> Batch:
+    chosen = [examples[i] for i in indices]
+    gold = None
+    if algorithm == 1:
+        gold = torch.tensor([corpus.index_of(ex.gold_passage_ids[0]) for ex in chosen], dtype=torch.long)
+    return Batch([ex.question for ex in chosen], [ex.answers[0] for ex in chosen], gold)
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    folder = output_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep_last: int) -> Path:
+    """accelerate save_state into a temp folder, then an atomic rename; keep the last `keep_last`."""
+    final = output_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
+    tmp = final.with_name(f".tmp-{final.name}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def lr_lambda(warmup: int, total: int):
+    """Linear warm-up, then linear decay to 10% of the peak."""
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        frac = (step - warmup) / max(1, total - warmup)
+        return max(0.1, 1.0 - 0.9 * frac)
+
+    return fn
+
+
+def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | None = None) -> dict:
+    output_dir = Path(cfg.output_dir)
+    accelerator = accelerator or Accelerator(
+        gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
+        mixed_precision=cfg.mixed_precision,
+        cpu=cfg.cpu,
+        log_with="tensorboard",
+        project_dir=str(output_dir),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
+    set_seed(cfg.seed)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(dump_config(cfg))
+
+    # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
+    parts = build_components(cfg, accelerator)
+    corpus, train_examples, dev_examples = parts.corpus, parts.train_examples, parts.dev_examples
+    model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
+    strategy = make_strategy(
+        cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=cfg.seed, chunk_size=cfg.buffer.chunk_size
+    )
+    if cfg.gradient_checkpointing and model.reader is not None:
+        model.reader.gradient_checkpointing_enable()
+
+    optimizer = torch.optim.AdamW(
+        model.parameter_groups(strategy, cfg.optim), weight_decay=cfg.optim.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.optim.max_steps)
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    state = TrainState()
+    accelerator.register_for_checkpointing(state, strategy)
+
+    if resume:
+        found = checkpoints(output_dir)
+        if found:
+            accelerator.load_state(str(found[-1]))
+            accelerator.print(f"resumed from {found[-1]} at step {state.step}")
+        else:
+            accelerator.print(f"--resume: no checkpoint under {output_dir / 'checkpoints'}, starting fresh")
+
+    log_path = output_dir / "log.jsonl"
+    if accelerator.is_main_process:
+        accelerator.init_trackers("rlm")
+        _truncate_log(log_path, state.step)
+    raw = accelerator.unwrap_model(model)
+    texts = corpus.retrieval_texts()
+    accum = cfg.optim.gradient_accumulation_steps
+
+    def reembed(rows):
+        return embed_rows(raw.retriever.passage_tower, texts, rows, batch_size=cfg.buffer.batch_size)
+
+    progress = tqdm(
+        total=cfg.optim.max_steps,
+        initial=state.step,
+        desc=f"train[{cfg.strategy.name}]",
+        disable=not accelerator.is_local_main_process,
+    )
+    model.train()
+    t_last, steps_since_log = time.time(), 0
+    history: list[dict] = []
+    while state.step < cfg.optim.max_steps:
+        strategy.before_step(state.step, reembed)
+        sums: dict[str, float] = {}
+        skipped = False
+        for micro in range(accum):
+            indices = batch_indices(
+                state.step * accum + micro,
+                len(train_examples),
+                cfg.optim.batch_size,
+                accelerator.process_index,
+                accelerator.num_processes,
+                cfg.seed,
+            )
+            batch = make_batch(train_examples, indices, corpus, cfg.algorithm)
+            with accelerator.accumulate(model):
+                out = model(batch, strategy, corpus)
+                # Every process must agree to skip, or DDP's collective calls would deadlock.
+                finite = accelerator.reduce(torch.isfinite(out.loss.detach()).float().reshape(1), "min")
+                if finite.item() < 1:
+                    skipped = True
+                    optimizer.zero_grad(set_to_none=True)
+                    break
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients and cfg.optim.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            for key, value in {"loss": float(out.loss.detach()), **out.metrics}.items():
+                sums[key] = sums.get(key, 0.0) + value / accum
+
+        if skipped:
+            state.nonfinite_total += 1
+            state.nonfinite_in_a_row += 1
+            accelerator.print(
+                f"step {state.step}: non-finite loss, step skipped ({state.nonfinite_in_a_row} in a row)"
+            )
+            if state.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
+                path = save_checkpoint(accelerator, output_dir, state.step, cfg.keep_last)
+                raise NonFiniteLossError(
+                    f"{state.nonfinite_in_a_row} non-finite losses in a row at step {state.step}; the last good "
+                    f"state is saved in {path}. Lower the learning rates or use mixed_precision=no, then --resume."
+                )
+            continue
+        state.nonfinite_in_a_row = 0
+        state.step += 1
+        steps_since_log += 1
+        progress.update(1)
+
+        record = {
+            "step": state.step,
+            **{k: round(v, 6) for k, v in sums.items()},
+            "lr_reader": scheduler.get_last_lr()[0],
+            "reembedded": strategy.reembedded,
+            "nonfinite_skipped": state.nonfinite_total,
+        }
+        if state.step % cfg.log_every == 0 or state.step == cfg.optim.max_steps:
+            now = time.time()
+            record["steps_per_s"] = round(steps_since_log / max(now - t_last, 1e-9), 4)
+            state.wall_time += now - t_last
+            t_last, steps_since_log = now, 0
+            progress.set_postfix(
+                {k: f"{sums[k]:.3f}" for k in ("loss", "reader_loss", "retriever_loss") if k in sums}
+            )
+        if cfg.eval_every and state.step % cfg.eval_every == 0 and dev_examples:
+            record.update(validate(raw, corpus, dev_examples, cfg))
+        history.append(record)
+        if accelerator.is_main_process:
+            accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=state.step)
+            with open(log_path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if cfg.save_every and state.step % cfg.save_every == 0:
+            save_checkpoint(accelerator, output_dir, state.step, cfg.keep_last)
+
+    progress.close()
+    summary = {
+        "steps": state.step,
+        "reembedded": strategy.reembedded,
+        "nonfinite_skipped": state.nonfinite_total,
+    }
+    if dev_examples:
+        summary.update(validate(raw, corpus, dev_examples, cfg))
+    if accelerator.is_main_process:
+        raw.save_pretrained(output_dir / "final")
+        (output_dir / "final" / "config.yaml").write_text(dump_config(cfg))
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    accelerator.end_training()
+    return summary
+
+
+def _truncate_log(log_path: Path, step: int) -> None:
+    """Drop log records past `step`: a killed run may have logged steps its last checkpoint does not hold."""
+    if not log_path.exists():
+        return
+    keep = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = log_path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, log_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlm train", description="Joint training (Algorithm 2 or 1).")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML run config (configs/*.yaml); defaults when omitted")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set strategy.name=exhaustive (repeatable)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    try:
+        summary = train(cfg, resume=args.resume)
+    except NonFiniteLossError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""End-to-end runs of `python -m rlm.train`: exact resume after SIGKILL, non-finite losses, two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def tiny_run_args(root: Path, out: str, *extra: str) -> list[str]:
+    overrides = [
+        f"output_dir={root / out}",
+        f"buffer.dir={root / 'buffer'}",
+        f"data.toy_world.dir={root / 'toy'}",
+        "data.toy_world.num_passages=120",
+        "data.dev=null",
+        "strategy.k=4",
+        "retriever.passage_max_length=40",
+        "retriever.query_max_length=24",
+        "reader.d_model=32",
+        "reader.d_ff=64",
+        "reader.num_layers=1",
+        "reader.num_decoder_layers=1",
+        "reader.num_heads=2",
+        "reader.d_kv=16",
+        "reader.vocab_size=500",
+        "reader.max_passage_length=40",
+        "reader.max_answer_length=8",
+        "optim.batch_size=2",
+        f"optim.max_steps={STEPS}",
+        "optim.warmup_steps=2",
+        "log_every=1",
+        "save_every=2",
+        "keep_last=2",
+        "cpu=true",
+        *extra,
+    ]
+    args = []
+    for item in overrides:
+        args += ["--set", item]
+    return args
+
+
+def env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def run_train(root: Path, out: str, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rlm.train", *tiny_run_args(root, out, *extra)] + (
+        ["--resume"] if resume else []
+    )
+    return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
+
+
+def read_log(path: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in records}
+
+
+LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("resume")
+
+
+def test_sigkill_then_resume_gives_the_same_losses(root):
+    full = run_train(root, "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    reference = read_log(root / "full" / "log.jsonl")
+    assert sorted(reference) == list(range(1, STEPS + 1))
+
+    # Start the same run, kill it hard after step 5 (checkpoint at step 4), then resume.
+    cmd = [sys.executable, "-m", "rlm.train", *tiny_run_args(root, "killed")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+    log = root / "killed" / "log.jsonl"
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline:
+            if log.exists() and max(read_log(log) or [0]) >= 5:
+                break
+            if proc.poll() is not None:
+                pytest.fail("the run ended before it could be killed")
+            time.sleep(0.2)
+        else:
+            pytest.fail("timed out waiting for step 5")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    checkpoints = sorted(p.name for p in (root / "killed" / "checkpoints").iterdir())
+    assert checkpoints[-1] in ("step_0000004", "step_0000006") and not any(
+        c.startswith(".tmp") for c in checkpoints
+    )
+
+    resumed = run_train(root, "killed", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = read_log(log)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        for key in LOSS_KEYS:
+            assert got[step][key] == pytest.approx(reference[step][key], rel=1e-5, abs=1e-6), (step, key)
+    assert (root / "killed" / "final" / "reader" / "model.safetensors").exists()
+
+
+def test_non_finite_losses_stop_the_run_with_a_checkpoint(root):
+    # A learning rate this large sends the reader's weights to inf after the first update.
+    out = run_train(root, "nan", "optim.lr_reader=1e30", "optim.warmup_steps=0", "max_nonfinite_in_a_row=3")
+    assert out.returncode != 0
+    assert "non-finite losses in a row" in out.stderr
+    assert (root / "nan" / "checkpoints").is_dir()
+
+
+def test_two_processes_train_together(root):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "rlm.train",
+        *tiny_run_args(root, "ddp", "optim.max_steps=3"),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = read_log(root / "ddp" / "log.jsonl")
+    assert sorted(log) == [1, 2, 3]
+    assert (root / "ddp" / "final" / "retriever" / "query_tower" / "modules.json").exists()

@@ -1,0 +1,187 @@
+"""Algorithm 2 and 1 steps on real components: the packaged MiniLM retriever, a tiny T5 reader, the toy world."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlm.config import load_config
+from rlm.model import RetrievalAugmentedModel
+from rlm.setup import build_components
+from rlm.strategies import make_strategy
+from rlm.train import make_batch
+
+TINY_READER = [
+    "reader.d_model=32",
+    "reader.d_ff=64",
+    "reader.num_layers=1",
+    "reader.num_decoder_layers=1",
+    "reader.num_heads=2",
+    "reader.d_kv=16",
+    "reader.vocab_size=600",
+    "reader.max_passage_length=48",
+    "reader.max_answer_length=8",
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A 150-passage toy world and its MiniLM buffer, shared by the tests of this module."""
+    root = tmp_path_factory.mktemp("train")
+    return root
+
+
+def make_parts(root, *overrides):
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={root}/run",
+            f"buffer.dir={root}/buffer",
+            f"data.toy_world.dir={root}/toy",
+            "data.toy_world.num_passages=150",
+            "data.max_dev_examples=8",
+            "strategy.k=4",
+            "retriever.passage_max_length=48",
+            "retriever.query_max_length=32",
+            *TINY_READER,
+            *overrides,
+        ],
+    )
+    torch.manual_seed(0)
+    parts = build_components(cfg)
+    model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
+    strategy = make_strategy(cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=0)
+    return cfg, parts, model, strategy
+
+
+def params_of(module):
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def grads(loss, params):
+    return torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+
+
+def moved(grad_list):
+    return any(g is not None and g.abs().sum() > 0 for g in grad_list)
+
+
+@pytest.mark.parametrize("algorithm", [2, 1])
+def test_gradient_isolation(world, algorithm):
+    overrides = ["algorithm=1", "strategy.num_random=4"] if algorithm == 1 else []
+    cfg, parts, model, strategy = make_parts(world, *overrides)
+    model.parameter_groups(strategy, cfg.optim)  # sets requires_grad per strategy
+    batch = make_batch(parts.train_examples, list(range(4)), parts.corpus, cfg.algorithm)
+    out = model(batch, strategy, parts.corpus)
+    # Give the corrector something to learn from: at init it is the identity and B_y ~ g(y).
+    assert set(out.terms) >= {"retriever", "corrector"}
+    corrector, retriever = params_of(model.corrector), params_of(model.retriever)
+    # The corrector loss moves only the corrector.
+    g = grads(out.terms["corrector"], corrector + retriever)
+    assert moved(g[: len(corrector)])
+    assert all(x is None for x in g[len(corrector) :])
+    # The task losses never move the corrector; each moves its own component.
+    g = grads(out.terms["retriever"], corrector + retriever)
+    assert all(x is None for x in g[: len(corrector)])
+    assert moved(g[len(corrector) :])
+    if algorithm == 2:
+        reader = params_of(model.reader)
+        assert all(x is None for x in grads(out.terms["retriever"], reader))  # P_a is a fixed target
+        g = grads(out.terms["reader"], corrector + retriever + reader)
+        assert all(x is None for x in g[: len(corrector) + len(retriever)])  # FiD reads text, not scores
+        assert moved(g[len(corrector) + len(retriever) :])
+
+
+def test_fresh_corrector_selects_exactly_the_stale_top_k(world):
+    cfg, parts, model, strategy = make_parts(world)
+    stale = make_strategy(
+        load_config(None, ["strategy.name=stale", "strategy.k=4"]).strategy, parts.buffer, 10
+    )
+    queries = model.retriever.encode_queries([ex.question for ex in parts.train_examples[:6]]).detach()
+    a, b = strategy.select(queries, model.corrector), stale.select(queries)
+    assert torch.equal(a.indices, b.indices)
+
+
+def test_each_loss_falls_on_a_repeated_batch(world):
+    cfg, parts, model, strategy = make_parts(
+        world, "optim.lr_retriever=3e-5", "optim.lr_reader=3e-3", "optim.lr_corrector=1e-3"
+    )
+    groups = model.parameter_groups(strategy, cfg.optim)
+    optimizer = torch.optim.Adam(groups)
+    batch = make_batch(parts.train_examples, list(range(4)), parts.corpus, cfg.algorithm)
+    model.retriever.eval()  # no dropout: the corrector's target then moves only as the towers learn
+
+    def run(steps):
+        history = []
+        for _ in range(steps):
+            out = model(batch, strategy, parts.corpus)
+            optimizer.zero_grad()
+            out.loss.backward()
+            optimizer.step()
+            history.append({k: float(v.detach()) for k, v in out.terms.items()})
+        return history
+
+    def falls(history, key):
+        return min(h[key] for h in history[-2:]) < history[0][key]
+
+    lr = {g["name"]: g for g in optimizer.param_groups}
+    # Reader held still: P_a is a fixed target, so the retriever loss must fall.
+    lr["reader"]["lr"] = 0.0
+    history = run(5)
+    assert falls(history, "retriever"), [h["retriever"] for h in history]
+    # Towers held still after a drift of the passage tower: the corrector must learn to follow it.
+    with torch.no_grad():
+        for p in model.retriever.passage_tower.parameters():
+            p.mul_(1 + 0.05 * torch.randn_like(p))
+    lr["retriever"]["lr"] = 0.0
+    history = run(6)
+    assert falls(history, "corrector"), [h["corrector"] for h in history]
+    # And the reader learns the answers.
+    lr["reader"]["lr"] = 3e-3
+    history = run(4)
+    assert falls(history, "reader"), [h["reader"] for h in history]
+
+
+@pytest.mark.parametrize(
+    "name, extra, expected",
+    [
+        ("corrector", [], lambda n: 0),
+        ("stale", [], lambda n: 0),
+        ("frozen", [], lambda n: 0),
+        ("exhaustive", ["strategy.refresh_every=2"], lambda n: 2 * n),  # before steps 2 and 4
+        ("snm", ["strategy.refresh_every=2", "strategy.snm_size=20"], lambda n: 3 * 20),  # steps 0, 2, 4
+        ("two_round", [], lambda n: n),  # once, before step 5 // 2 = 2
+    ],
+)
+def test_reembedding_counts(world, name, extra, expected):
+    from rlm.model import embed_rows
+
+    cfg, parts, model, strategy = make_parts(world, f"strategy.name={name}", "optim.max_steps=5", *extra)
+    texts = parts.corpus.retrieval_texts()
+    queries = torch.nn.functional.normalize(torch.randn(3, parts.buffer.dim), dim=-1)
+    for step in range(5):
+        strategy.before_step(step, lambda rows: embed_rows(model.retriever.passage_tower, texts, rows))
+        top = strategy.select(queries, model.corrector)
+        assert top.indices.shape == (3, 4) and bool((top.indices >= 0).all())
+    assert strategy.reembedded == expected(len(parts.corpus))
+
+
+def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
+    from rlm.model import embed_rows
+
+    cfg, parts, model, strategy = make_parts(world, "strategy.name=exhaustive", "strategy.refresh_every=1")
+    with torch.no_grad():
+        for p in model.retriever.passage_tower.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    texts = parts.corpus.retrieval_texts()
+    strategy.before_step(1, lambda rows: embed_rows(model.retriever.passage_tower, texts, rows))
+    fresh = model.retriever.passage_tower.encode([texts[i] for i in range(5)])
+    torch.testing.assert_close(strategy.search_space()[:5], fresh, atol=1e-5, rtol=0)
+    assert not torch.allclose(parts.buffer.embeddings[:5].float(), fresh, atol=1e-3)
+
+
+def test_closed_book_reads_no_passages(world):
+    cfg, parts, model, strategy = make_parts(world, "strategy.name=closed_book")
+    batch = make_batch(parts.train_examples, [0, 1], parts.corpus, 2)
+    out = model(batch, strategy, parts.corpus)
+    assert set(out.terms) == {"reader"} and torch.isfinite(out.loss)
