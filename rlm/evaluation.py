@@ -174,6 +174,25 @@ def evaluate_reader(predictions: Sequence[str], examples: Sequence[QAExample]) -
     return qa_scores(list(predictions), [ex.answers for ex in examples])
 
 
+def majority_answer_baseline(train: Sequence[QAExample], examples: Sequence[QAExample]) -> dict[str, float]:
+    """EM/F1 of answering every question with the most frequent train answer of its type (`meta["type"]`).
+
+    The best a closed-book reader can do on held-out entities without reading: the floor that retrieval
+    must clear.
+    """
+    from collections import Counter, defaultdict
+
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for ex in train:
+        counts[ex.meta.get("type", "")][ex.answers[0]] += 1
+    overall = Counter(a for c in counts.values() for a in c.elements())
+    guesses = []
+    for ex in examples:
+        by_type = counts.get(ex.meta.get("type", ""))
+        guesses.append((by_type or overall).most_common(1)[0][0] if (by_type or overall) else "")
+    return evaluate_reader(guesses, examples)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")
@@ -245,6 +264,8 @@ def run_evaluation(
             record["retrieved_scores"] = [round(s, 5) for s in retrieved.scores[i]]
         if ex.gold_passage_ids:
             record["gold_passage_ids"] = ex.gold_passage_ids
+        if ex.meta:
+            record["meta"] = ex.meta
         records.append(record)
     result = EvaluationResult(metrics=metrics, records=records)
     if out_dir is not None:

@@ -105,3 +105,12 @@ def test_cli_evaluate_and_errors(setup, tmp_path, capsys):
         == 2
     )
     assert "retriever/ and reader/" in capsys.readouterr().err
+
+
+def test_majority_answer_baseline_is_low_on_held_out_entities(tmp_path):
+    world = build_toy_world(tmp_path / "w", num_passages=2000, seed=0)
+    train, dev = (load_qa_dataset("toy", s, world.root) for s in ("train", "dev"))
+    scores = evaluation.majority_answer_baseline(train, dev)
+    assert 0.0 < scores["exact_match"] < 0.12  # ~1/24 on city questions, 1/16 on occupations, ~0 on names
+    # On the train split itself the per-type majority is just as weak: facts are drawn uniformly.
+    assert evaluation.majority_answer_baseline(train, train)["exact_match"] < 0.12
