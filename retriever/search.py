@@ -55,12 +55,14 @@ def _chunk_candidates(scores: Tensor, start: int, k: int) -> tuple[Tensor, Tenso
         rows = torch.arange(start, start + width, device=scores.device).expand(batch, width)
         return _sort_desc_then_row(scores, rows)
     values, positions = scores.topk(k, dim=1)
-    # topk breaks ties arbitrarily; only a tie at the k-th value can change the set, so check for one
-    # (a cheap comparison pass) and fall back to a stable full sort for that chunk.
-    if bool(((scores >= values[:, -1:]).sum(dim=1) > k).any()):
-        values, positions = scores.sort(dim=1, descending=True, stable=True)
-        values, positions = values[:, :k], positions[:, :k]
-    return _sort_desc_then_row(values, positions + start)
+    # topk breaks ties arbitrarily, so a tie at the k-th value could pick the wrong rows. All rows scoring
+    # >= that value are the top `widest` of their query, so one wider topk holds every tied row, and the
+    # row-ordered sort below picks the lowest rows among them. (Ties are common in bf16, rare in fp32.)
+    widest = int((scores >= values[:, -1:]).sum(dim=1).max())
+    if widest > k:
+        values, positions = scores.topk(widest, dim=1)
+    values, rows = _sort_desc_then_row(values, positions + start)
+    return values[:, :k], rows[:, :k]
 
 
 def _merge(

@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=256, help="passage token limit")
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype")
     parser.add_argument("--shard-size", type=int, default=100_000, help="rows per .npy shard")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -49,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
         from accelerate import PartialState
 
         accelerator = PartialState()
+    else:
+        import torch
+
+        encoder.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     started = time.perf_counter()
     buffer = build_passage_buffer(
         corpus.ids,
