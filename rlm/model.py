@@ -6,6 +6,7 @@ synchronisation in DDP requires the forward to go through the wrapper).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -16,6 +17,10 @@ from reader.formatting import FiDCollator
 from retriever.corrector import CorrectorNetwork
 from retriever.encoder import DualEncoder
 from rlm.steps import Batch, StepOutput, algorithm1_step, algorithm2_step
+
+
+def null_timer(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 class RetrievalAugmentedModel(nn.Module):
@@ -33,6 +38,7 @@ class RetrievalAugmentedModel(nn.Module):
         self.corrector = corrector
         self.collator = collator  # not a module: tokenisation only
         self.cfg = cfg
+        self.timer = null_timer  # replaced by a PhaseTimer when profiling (scripts/bench_training.py)
 
     def forward(self, batch: Batch, strategy, corpus) -> StepOutput:
         step = algorithm2_step if self.cfg.algorithm == 2 else algorithm1_step

@@ -82,12 +82,15 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         reader_loss = reader(**_reader_inputs(inputs)).loss
         return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
 
+    phase = model.timer  # per-phase wall time for the training benchmark; a no-op otherwise
+
     # 1. q = f(x), with gradient (frozen retriever: no gradient anywhere in it).
-    with torch.set_grad_enabled(strategy.trains_retriever):
+    with phase("retriever"), torch.set_grad_enabled(strategy.trains_retriever):
         queries = model.retriever.encode_queries(batch.questions)
 
     # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient.
-    top = strategy.select(queries.detach(), model.corrector)
+    with phase("select"):
+        top = strategy.select(queries.detach(), model.corrector)
     rows, mask = top.indices, top.indices >= 0
     passages = [[(corpus[r].title, corpus[r].text) for r in row if r >= 0] for row in rows.tolist()]
 
@@ -95,18 +98,20 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
     metrics: dict[str, float] = {}
     retriever_loss = corrector_loss = None
     if strategy.trains_retriever:
-        texts = corpus.retrieval_texts()
-        flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
-        fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
-        retriever_logits = beta * _scores(queries, fresh)
+        with phase("retriever"):
+            texts = corpus.retrieval_texts()
+            flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
+            fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
+            retriever_logits = beta * _scores(queries, fresh)
 
         # 4. The reader scores each passage alone, without gradient: log P(a | y, x).
-        answer_logprobs = _pad_scores(
-            score_passages(
-                reader, batch.questions, passages, batch.answers, reduction=cfg.reader.score_reduction
-            ),
-            rows.shape,
-        )
+        with phase("reader_scoring"):
+            answer_logprobs = _pad_scores(
+                score_passages(
+                    reader, batch.questions, passages, batch.answers, reduction=cfg.reader.score_reduction
+                ),
+                rows.shape,
+            )
 
         # 5. Retriever loss L = KL(P_a || P~) (perplexity distillation, Eq. 8).
         retriever_loss = perplexity_distillation_loss(
@@ -115,14 +120,16 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         metrics["retriever_loss"] = float(retriever_loss.detach())
 
         # 7. Corrector loss l = CE(P~ (detached), P~_h), P~_h from <q (detached), h(B_y)>.
-        corrector_loss, quality = corrector_step_loss(
-            model, strategy, queries, rows, mask, fresh, retriever_logits, beta, cfg
-        )
+        with phase("corrector"):
+            corrector_loss, quality = corrector_step_loss(
+                model, strategy, queries, rows, mask, fresh, retriever_logits, beta, cfg
+            )
         metrics.update(quality)
 
     # 6. Reader loss L' = NLL of the answer from the FiD reader over the selected passages.
-    read = passages if k_read is None else [p[:k_read] for p in passages]
-    reader_loss = reader(**_reader_inputs(model.collator(batch.questions, read, batch.answers))).loss
+    with phase("reader"):
+        read = passages if k_read is None else [p[:k_read] for p in passages]
+        reader_loss = reader(**_reader_inputs(model.collator(batch.questions, read, batch.answers))).loss
     metrics["reader_loss"] = float(reader_loss.detach())
 
     # 8. Retriever and reader on (L + L') / 2, the corrector on w * l; stop-gradients keep them apart.

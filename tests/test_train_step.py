@@ -102,6 +102,7 @@ def test_fresh_corrector_selects_exactly_the_stale_top_k(world):
     assert torch.equal(a.indices, b.indices)
 
 
+@pytest.mark.slow
 def test_each_loss_falls_on_a_repeated_batch(world):
     cfg, parts, model, strategy = make_parts(
         world, "optim.lr_retriever=3e-5", "optim.lr_reader=3e-3", "optim.lr_corrector=1e-3"

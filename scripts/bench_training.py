@@ -1,0 +1,220 @@
+"""Training-step benchmark: where an Algorithm 2 step spends its time, per strategy, and the paper's Table 2.
+
+Part 1 runs real steps on the toy world (quickstart config: packaged MiniLM, small T5) for the corrector, stale
+and exhaustive strategies and reports the median wall time of each phase: select, retriever (f and g
+forward), reader_scoring, reader (FiD forward), corrector (its loss), backward+optimizer.
+
+Part 2 is the analogue of the paper's Table 2 (steps/s against re-embedding): for a buffer of N passages the
+selection cost is measured directly (corrected top-k over an [N, D] buffer with corrector hidden 1D..8D; the
+stale top-k), and exhaustive re-embedding every R steps costs N / (measured passages/s of the passage tower)
+seconds every R steps. The rest of the step is part 1's stale step without its selection. The re-embedding
+cost is extrapolated from the measured throughput, not run N times; the table says so.
+
+    python scripts/bench_training.py                 # ~5 minutes on a 2-core CPU
+    python scripts/bench_training.py --quick         # ~1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from retriever.corrector import CorrectorNetwork
+from retriever.search import corrected_topk
+from rlm.config import load_config
+from rlm.model import RetrievalAugmentedModel, embed_rows
+from rlm.setup import build_components
+from rlm.strategies import make_strategy
+from rlm.train import batch_indices, make_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PhaseTimer:
+    """`with timer("name"):` accumulates wall time per phase for the current step."""
+
+    def __init__(self):
+        self.current: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.current[name] += time.perf_counter() - start
+
+    def take(self) -> dict[str, float]:
+        out, self.current = dict(self.current), defaultdict(float)
+        return out
+
+
+def per_phase(args) -> tuple[dict, float]:
+    overrides = [
+        f"output_dir={args.work}/run",
+        f"buffer.dir={args.work}/buffer",
+        f"data.toy_world.dir={args.work}/toy",
+        f"data.toy_world.num_passages={args.num_passages}",
+        f"optim.batch_size={args.batch_size}",
+        f"strategy.k={args.k}",
+        "data.dev=null",
+    ]
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", overrides)
+    parts = build_components(cfg)
+    texts = parts.corpus.retrieval_texts()
+    results = {}
+    for name in ("stale", "corrector", "exhaustive"):
+        torch.manual_seed(0)
+        cfg.strategy.name = name
+        cfg.strategy.refresh_every = args.refresh_every
+        dim = parts.buffer.dim
+        corrector = CorrectorNetwork(dim, cfg.corrector.hidden_mult * dim) if name == "corrector" else None
+        model = RetrievalAugmentedModel(parts.retriever, parts.reader, corrector, parts.collator, cfg)
+        timer = PhaseTimer()
+        model.timer = timer
+        strategy = make_strategy(cfg.strategy, parts.buffer, args.steps, seed=0)
+        optimizer = torch.optim.AdamW(model.parameter_groups(strategy, cfg.optim))
+        model.train()
+        tower = parts.retriever.passage_tower
+
+        def reembed(rows, tower=tower):
+            return embed_rows(tower, texts, rows)
+
+        steps = []
+        for step in range(args.warmup + args.steps):
+            with timer("reembed"):
+                strategy.before_step(step, reembed)
+            idx = batch_indices(step, len(parts.train_examples), cfg.optim.batch_size, 0, 1, 0)
+            batch = make_batch(parts.train_examples, idx, parts.corpus, 2)
+            start = time.perf_counter()
+            out = model(batch, strategy, parts.corpus)
+            with timer("backward+optimizer"):
+                optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                optimizer.step()
+            phases = timer.take()
+            phases["step_total"] = time.perf_counter() - start
+            if step >= args.warmup:
+                steps.append(phases)
+        keys = sorted({k for s in steps for k in s})
+        results[name] = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
+        results[name]["reembedded"] = strategy.reembedded
+    # Passage-tower throughput (passages/s), for extrapolating a full re-embedding of N passages.
+    sample = [texts[i] for i in range(min(len(texts), 512))]
+    start = time.perf_counter()
+    parts.retriever.passage_tower.encode(sample, batch_size=cfg.buffer.batch_size)
+    throughput = len(sample) / (time.perf_counter() - start)
+    return results, throughput
+
+
+def select_time(n: int, dim: int, hidden_mult: int | None, queries: int, k: int, repeats: int) -> float:
+    buffer = torch.nn.functional.normalize(torch.randn(n, dim), dim=-1).half()
+    q = torch.nn.functional.normalize(torch.randn(queries, dim), dim=-1)
+    corrector = None
+    if hidden_mult:
+        corrector = CorrectorNetwork(dim, hidden_mult * dim)
+        with torch.no_grad():  # a trained-looking corrector: non-zero residual branch
+            for p in corrector.parameters():
+                p.normal_(0, 0.02)
+    corrected_topk(q, buffer, corrector, k)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        corrected_topk(q, buffer, corrector, k)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def table2(args, phases: dict, throughput: float, dim: int) -> list[dict]:
+    base = phases["stale"]["step_total"] - phases["stale"].get("select", 0.0)
+    rows = []
+    stale_select = select_time(args.table2_n, dim, None, args.batch_size, args.k, args.repeats)
+    rows.append({"method": "stale (no re-embedding)", "step_s": base + stale_select, "reembed_per_step": 0})
+    for mult in (1, 2, 4, 8):
+        t = select_time(args.table2_n, dim, mult, args.batch_size, args.k, args.repeats)
+        rows.append({"method": f"corrector hidden {mult}D", "step_s": base + t, "reembed_per_step": 0})
+    reembed_s = args.table2_n / throughput
+    for r in (50, 500):
+        rows.append(
+            {
+                "method": f"exhaustive R={r} (re-embedding extrapolated)",
+                "step_s": base + stale_select + reembed_s / r,
+                "reembed_per_step": args.table2_n / r,
+            }
+        )
+    for row in rows:
+        row["steps_per_s"] = 1.0 / row["step_s"]
+        row["relative_to_stale"] = row["step_s"] / rows[0]["step_s"]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--work", default="runs/bench_training")
+    parser.add_argument("--num-passages", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--refresh-every", type=int, default=4, help="R of the exhaustive strategy in part 1")
+    parser.add_argument("--table2-n", type=int, default=100_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer steps, N=20k for table 2")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_training"))
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.table2_n, args.repeats = 3, 1, 20_000, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    phases, throughput = per_phase(args)
+    names = ["select", "retriever", "reader_scoring", "reader", "corrector", "backward+optimizer", "reembed"]
+    lines = [
+        f"## Per-phase step time (median of {args.steps} steps, seconds; toy world N={args.num_passages}, "
+        f"batch {args.batch_size}, k={args.k}, exhaustive R={args.refresh_every})",
+        "",
+        "| strategy | " + " | ".join(names) + " | step total | vs stale |",
+        "|---" * (len(names) + 3) + "|",
+    ]
+    stale_total = phases["stale"]["step_total"] + phases["stale"].get("reembed", 0.0)
+    for name, p in phases.items():
+        total = p["step_total"] + p.get("reembed", 0.0)
+        cells = " | ".join(f"{p.get(n, 0.0):.3f}" for n in names)
+        lines.append(f"| {name} | {cells} | {total:.3f} | {total / stale_total:.2f}x |")
+    dim = 384
+    rows = table2(args, phases, throughput, dim)
+    lines += [
+        "",
+        f"## Table 2 analogue: steps/s at N={args.table2_n:,} passages (D={dim}; passage tower "
+        f"{throughput:.0f} passages/s measured)",
+        "",
+        "| method | step (s) | steps/s | vs stale | passages re-embedded per step |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['method']} | {row['step_s']:.3f} | {row['steps_per_s']:.3f} | "
+            f"{row['relative_to_stale']:.2f}x | {row['reembed_per_step']:.0f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": vars(args), "phases": phases, "throughput": throughput, "table2": rows}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
