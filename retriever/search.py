@@ -232,7 +232,8 @@ def two_stage_corrected_topk(
     """Appendix B.2: top-`num_candidates` rows by the stale buffer through a faiss `index`, re-scored with h.
 
     `index` is a `retriever.index.PassageIndex` built over the same buffer rows (`PassageIndex.from_buffer`).
-    Returns the top-k of the corrected scores among the candidates, under the same ordering contract.
+    Returns the top-k of the corrected scores among the candidates, under the same ordering contract; where
+    an approximate index returned fewer than k candidates, the missing columns hold row -1 and score -inf.
     """
     buf = _as_buffer(buffer)
     if index.ntotal != len(buf):
