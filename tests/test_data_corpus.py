@@ -35,13 +35,20 @@ def test_multihop200_jsonl_corpus(shared_data):
 def test_dpr_tsv_with_header_quotes_and_blank_lines(tmp_path):
     path = _write(
         tmp_path / "psgs.tsv",
-        ["id\ttext\ttitle", '1\t"Aaron is a ""prophet"" in the Bible."\tAaron', "", "2\tPlain text.\tBeta"],
+        [
+            "id\ttext\ttitle",
+            '1\t"Aaron is a ""prophet"" in the Bible."\tAaron',
+            "",
+            "2\tPlain text.\tBeta",
+            '3\t"A quoted\ttab."\t"""Q"" title"',
+        ],
     )
     corpus = load_corpus(path)
-    assert corpus.fmt == "dpr_tsv" and len(corpus) == 2
+    assert corpus.fmt == "dpr_tsv" and len(corpus) == 3
     assert corpus[0] == Passage("1", "Aaron", 'Aaron is a "prophet" in the Bible.')
     assert corpus[1] == Passage("2", "Beta", "Plain text.")
     assert corpus.index_of("2") == 1
+    assert corpus[2] == Passage("3", '"Q" title', "A quoted\ttab.")
 
 
 def test_corpus_survives_pickling_for_workers(tmp_path):

@@ -9,6 +9,7 @@ strings, and makes a `Corpus` safe to share with forked data-loader workers (no 
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -100,16 +101,24 @@ def _parse_pyserini(path: Path, line_no: int, line: bytes) -> Passage:
     return Passage(str(record["id"]), title, text)
 
 
+def _unquote(field: str) -> str:
+    # DPR writes fields csv-style: quoted when they contain quotes, with "" for a literal quote.
+    if len(field) >= 2 and field[0] == field[-1] == '"':
+        return field[1:-1].replace('""', '"')
+    return field
+
+
 def _parse_dpr(path: Path, line_no: int, line: bytes) -> Passage:
-    fields = line.rstrip(b"\r\n").split(b"\t")
+    raw = line.rstrip(b"\r\n")
+    fields = [_unquote(field.decode("utf-8")) for field in raw.split(b"\t")]
+    if len(fields) != 3 and b'"' in raw:
+        # A tab inside a quoted field: fall back to a real csv parse of this one line (slower, rare).
+        fields = next(csv.reader([raw.decode("utf-8")], delimiter="\t"))
     if len(fields) != 3 or not fields[0]:
         raise ValueError(
             f"{path}:{line_no}: a DPR TSV line is 'id<TAB>text<TAB>title', got {len(fields)} field(s)"
         )
-    pid, text, title = (field.decode("utf-8") for field in fields)
-    # DPR quotes fields that contain quotes, csv-style ("" for a literal quote).
-    if len(text) >= 2 and text[0] == text[-1] == '"':
-        text = text[1:-1].replace('""', '"')
+    pid, text, title = fields
     return Passage(pid, title, text)
 
 
