@@ -1,7 +1,9 @@
 import json
 import pickle
 
+import numpy as np
 import pytest
+import torch
 
 from rlm.data.corpus import CorpusSubset, Passage, detect_format, load_corpus
 
@@ -20,6 +22,8 @@ def test_wiki_sample_pyserini_layout(shared_data):
     assert first.text.startswith("Evan Morris Evan L. Morris")
     assert corpus.retrieval_texts()[0] == f"Evan Morris. {first.text}"
     assert corpus.index_of("999") == 999 and corpus[-1].id == "999"
+    assert corpus[np.int64(5)] == corpus[torch.tensor(5)] == corpus[5]
+    assert corpus.ids[np.int64(7)] == "7"
     assert [p.id for p in corpus][:3] == ["0", "1", "2"]
 
 

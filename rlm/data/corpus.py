@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import operator
 import os
 from array import array
 from collections.abc import Iterator, Sequence
@@ -147,7 +148,7 @@ class _IdSequence(Sequence[str]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
+        i, n = operator.index(i), len(self)  # numpy and torch integer scalars index too
         if i < 0:
             i += n
         if not 0 <= i < n:
@@ -240,7 +241,7 @@ class Corpus(Sequence[Passage]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
+        i, n = operator.index(i), len(self)  # numpy and torch integer scalars index too
         if i < 0:
             i += n
         if not 0 <= i < n:
