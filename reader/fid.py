@@ -96,7 +96,7 @@ class FiDReader(torch.nn.Module):
         path = str(dir_or_name)
         model = AutoModelForSeq2SeqLM.from_pretrained(path)
         tokenizer = load_tokenizer(path)
-        settings: dict = {}
+        config = FiDConfig()
         cfg_file = Path(path) / FID_CONFIG_NAME
         if cfg_file.is_file():
             try:
@@ -104,8 +104,10 @@ class FiDReader(torch.nn.Module):
             except json.JSONDecodeError as e:
                 raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
             settings.pop("format_version", None)
-        settings.update(config_overrides)
-        config = FiDConfig.from_dict(settings, source=str(cfg_file))
+            config = FiDConfig.from_dict(settings, source=str(cfg_file))
+        if config_overrides:
+            merged = {**dataclasses.asdict(config), **config_overrides}
+            config = FiDConfig.from_dict(merged, source="FiDReader.from_pretrained overrides")
         return cls(model, tokenizer, config, gradient_checkpointing=gradient_checkpointing, bf16=bf16)
 
     @classmethod
@@ -166,9 +168,15 @@ class FiDReader(torch.nn.Module):
         return bool(flag.fget(self.model))
 
     def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager:
-        """A bfloat16 autocast context on the model's device (CPU included); `enabled=None` follows `.bf16`."""
+        """A bfloat16 autocast context on the model's device (CPU included); `enabled=None` follows `.bf16`.
+
+        When disabled it is a no-op rather than `autocast(enabled=False)`, so an autocast opened by the caller
+        (e.g. accelerate's `mixed_precision="bf16"`) stays in force.
+        """
         enabled = self.bf16 if enabled is None else enabled
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
+        if not enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
     # ---- the model -----------------------------------------------------------------------------------------
 

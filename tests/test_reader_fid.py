@@ -150,6 +150,8 @@ def test_save_load_round_trip_and_plain_transformers_load(reader, tmp_path):
     assert (
         FiDReader.from_pretrained(tmp_path / "reader", max_passage_length=64).config.max_passage_length == 64
     )
+    with pytest.raises(ValueError, match=r"overrides: unknown key\(s\) \['max_len'\]"):
+        FiDReader.from_pretrained(tmp_path / "reader", max_len=64)
 
 
 def test_unknown_fid_config_key_is_refused(reader, tmp_path):
@@ -183,6 +185,13 @@ def test_bf16_autocast_on_cpu(tok):
     assert bf16.logits.dtype == torch.bfloat16
     assert abs(bf16.loss.item() - fp32.item()) < 0.05 * fp32.item()
     assert len(reader.answer(QUESTIONS, PASSAGES, max_new_tokens=3)) == 2
+
+    # With bf16 off, the reader leaves an autocast opened by the caller (e.g. accelerate) in force.
+    reader.bf16 = False
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert reader(**batch).logits.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert reader(**batch).logits.dtype == torch.float32
 
 
 def test_any_hf_encoder_decoder_works(minilm_path):
