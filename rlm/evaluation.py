@@ -40,16 +40,23 @@ class EvaluationResult:
     """Metrics (fractions in [0, 1]), per-question records and where they were written."""
 
     metrics: dict[str, float]
+    mode: str = "retrieve+read"
     records: list[dict] = field(default_factory=list)
     predictions_path: Path | None = None
     metrics_path: Path | None = None
 
 
-def load_checkpoint(ckpt: str | os.PathLike, need_reader: bool = True, retriever_path: str | None = None):
+def load_checkpoint(
+    ckpt: str | os.PathLike | None,
+    need_reader: bool = True,
+    retriever_path: str | None = None,
+    need_retriever: bool = True,
+):
     """(DualEncoder | None, FiDReader | None, config dict) from a checkpoint folder.
 
     `retriever_path` replaces `<ckpt>/retriever` (e.g. the packaged MiniLM, to evaluate the initial
-    retriever); `ckpt` may then be None for retrieval-only runs.
+    retriever); `ckpt` may then be None for retrieval-only runs. `need_retriever=False` skips loading it
+    (closed-book or gold-passage reading).
     """
     import yaml
 
@@ -63,9 +70,9 @@ def load_checkpoint(ckpt: str | os.PathLike, need_reader: bool = True, retriever
     if root is not None and (root / "config.yaml").is_file():
         config = yaml.safe_load((root / "config.yaml").read_text()) or {}
     retriever = None
-    if retriever_path is not None:
+    if need_retriever and retriever_path is not None:
         retriever = DualEncoder.from_pretrained(str(retriever_path))
-    elif root is not None:
+    elif need_retriever and root is not None:
         if not (root / "retriever").is_dir():
             raise FileNotFoundError(
                 f"{root / 'retriever'} not found: a checkpoint holds retriever/ and reader/ "
@@ -145,6 +152,35 @@ def retrieval_metrics(
     return metrics
 
 
+def with_gold_passages(
+    examples: Sequence[QAExample], retrieved: Retrieved | None, num_passages: int
+) -> list[list[str]]:
+    """Oracle reading lists: each question's top `num_passages` with its gold passages guaranteed among them.
+
+    A gold passage already in the top keeps its rank; a missing one replaces the lowest-ranked non-gold
+    passage, so the reader does not see gold at a fixed position. Without retrieval: the gold passages alone.
+    """
+    out = []
+    for i, ex in enumerate(examples):
+        if not ex.gold_passage_ids:
+            raise ValueError(f"question {ex.id} has no gold passage ids; oracle reading needs them")
+        gold = list(dict.fromkeys(ex.gold_passage_ids))
+        if retrieved is None or num_passages <= len(gold):
+            out.append(gold[:num_passages] if retrieved is not None else gold)
+            continue
+        top, gold_set = list(retrieved.ids[i][:num_passages]), set(gold)
+        for pid in gold:
+            if pid in top:
+                continue
+            if len(top) < num_passages:
+                top.append(pid)
+            else:
+                last = max(j for j, other in enumerate(top) if other not in gold_set)
+                top[last] = pid
+        out.append(top)
+    return out
+
+
 def read(
     reader,
     examples: Sequence[QAExample],
@@ -154,15 +190,20 @@ def read(
     batch_size: int = 16,
     max_new_tokens: int | None = None,
     num_beams: int = 1,
+    passage_ids: Sequence[Sequence[str]] | None = None,
 ) -> list[str]:
-    """The reader's answers from the top `num_passages` retrieved passages; closed book when `retrieved` is None."""
+    """The reader's answers from the top `num_passages` retrieved passages; closed book when `retrieved` is None.
+
+    `passage_ids` (e.g. from `with_gold_passages`) replaces the retrieved lists.
+    """
     questions = [ex.question for ex in examples]
-    if retrieved is None:
+    if passage_ids is None:
+        passage_ids = [] if retrieved is None else [ids[:num_passages] for ids in retrieved.ids]
+    if not passage_ids:
         passages = [[] for _ in examples]
     else:
         passages = [
-            [(p.title, p.text) for p in (corpus[corpus.index_of(pid)] for pid in ids[:num_passages])]
-            for ids in retrieved.ids
+            [(p.title, p.text) for p in (corpus[corpus.index_of(pid)] for pid in ids)] for ids in passage_ids
         ]
     return reader.answer(
         questions, passages, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size
@@ -208,6 +249,7 @@ def run_evaluation(
     k: int = 100,
     num_passages: int = 10,
     closed_book: bool = False,
+    gold_passages: bool = False,
     batch_size: int = 16,
     embed_batch_size: int = 64,
     num_beams: int = 1,
@@ -217,18 +259,23 @@ def run_evaluation(
     """Retrieve (unless closed book), read (when a reader is given), score, and write the results.
 
     Modes: full (retriever + reader), retrieval-only (reader None: recall only), closed book (reader only,
-    no passages). `index` is reused when given, else the corpus is embedded with the passage tower.
+    no passages), gold passages (the reader reads the top `num_passages` with the gold passages swapped in,
+    `with_gold_passages`; or the gold passages alone when no retriever is given). `index` is reused when given, else the corpus is embedded with the passage tower.
     With `out_dir`, writes `predictions.jsonl` (question, gold answers, prediction, retrieved ids and
     scores) and `metrics.json`, atomically.
     """
     if closed_book and reader is None:
         raise ValueError("closed-book evaluation needs a reader")
-    if not closed_book and (retriever is None or corpus is None):
+    if closed_book and gold_passages:
+        raise ValueError("closed-book and gold-passage reading exclude each other")
+    if gold_passages and (reader is None or corpus is None):
+        raise ValueError("gold-passage reading needs a reader and the corpus holding the gold passages")
+    if not closed_book and not gold_passages and (retriever is None or corpus is None):
         raise ValueError("retrieval needs a retriever and a corpus (or use closed-book mode)")
     timings: dict[str, float] = {}
     metrics: dict[str, float] = {"num_questions": len(examples)}
     retrieved = None
-    if not closed_book:
+    if not closed_book and retriever is not None:
         start = time.perf_counter()
         if index is None:
             embeddings = embed_corpus(
@@ -242,11 +289,20 @@ def run_evaluation(
         )
         timings["retrieve_seconds"] = time.perf_counter() - start
         metrics.update(retrieval_metrics(corpus, examples, retrieved, [kk for kk in RECALL_KS if kk <= k]))
-    predictions = None
+    predictions = read_ids = None
     if reader is not None:
         start = time.perf_counter()
+        if gold_passages:
+            read_ids = with_gold_passages(examples, retrieved, num_passages)
         predictions = read(
-            reader, examples, corpus, retrieved, num_passages, batch_size=batch_size, num_beams=num_beams
+            reader,
+            examples,
+            corpus,
+            retrieved,
+            num_passages,
+            batch_size=batch_size,
+            num_beams=num_beams,
+            passage_ids=read_ids,
         )
         timings["read_seconds"] = time.perf_counter() - start
         metrics.update(evaluate_reader(predictions, examples))
@@ -259,6 +315,8 @@ def run_evaluation(
         if predictions is not None:
             record["prediction"] = predictions[i]
             record["exact_match"] = evaluate_reader([predictions[i]], [ex])["exact_match"]
+        if read_ids is not None:
+            record["read_ids"] = list(read_ids[i])
         if retrieved is not None:
             record["retrieved_ids"] = retrieved.ids[i]
             record["retrieved_scores"] = [round(s, 5) for s in retrieved.scores[i]]
@@ -267,7 +325,13 @@ def run_evaluation(
         if ex.meta:
             record["meta"] = ex.meta
         records.append(record)
-    result = EvaluationResult(metrics=metrics, records=records)
+    if closed_book:
+        mode = "closed_book"
+    elif gold_passages:
+        mode = "gold_passages" if retriever is None else "retrieve+gold_swapped_in"
+    else:
+        mode = "retrieval_only" if reader is None else "retrieve+read"
+    result = EvaluationResult(metrics=metrics, mode=mode, records=records)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -275,7 +339,7 @@ def run_evaluation(
         _atomic_write(
             result.predictions_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         )
-        _atomic_write(result.metrics_path, json.dumps(metrics, indent=2) + "\n")
+        _atomic_write(result.metrics_path, json.dumps({"mode": mode, **metrics}, indent=2) + "\n")
     return result
 
 

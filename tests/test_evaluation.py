@@ -20,7 +20,7 @@ def setup(tmp_path_factory, minilm_path):
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("eval")
-    world = build_toy_world(root / "world", num_passages=200, seed=0, max_questions={"dev": 16})
+    world = build_toy_world(root / "world", num_passages=120, seed=0, max_questions={"dev": 12})
     corpus = load_corpus(world.corpus)
     dev = load_qa_dataset("toy", "dev", world.root)
     ckpt = root / "ckpt"
@@ -44,6 +44,7 @@ def test_full_evaluation_writes_consistent_predictions_and_metrics(setup, tmp_pa
         dev, corpus, retriever, reader, k=20, num_passages=3, batch_size=8, out_dir=out
     )
     m = json.loads((out / "metrics.json").read_text())
+    assert m.pop("mode") == result.mode == "retrieve+read"
     assert m == pytest.approx(result.metrics)
     for key in ("recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@20", "exact_match", "f1"):
         assert 0.0 <= m[key] <= 1.0, key
@@ -86,8 +87,8 @@ def test_saved_index_is_reused_and_checked(setup, tmp_path):
     assert a.ids == b.ids
     with pytest.raises(ValueError, match="row 3 is passage 'tw0000003' but the corpus has 'x'"):
         evaluation.load_index_for(tmp_path / "index", [*corpus.ids[:3], "x", *corpus.ids[4:]])
-    with pytest.raises(ValueError, match="holds 200 passages but the corpus has 199"):
-        evaluation.load_index_for(tmp_path / "index", corpus.ids[:199])
+    with pytest.raises(ValueError, match="holds 120 passages but the corpus has 119"):
+        evaluation.load_index_for(tmp_path / "index", corpus.ids[:119])
 
 
 def test_cli_evaluate_and_errors(setup, tmp_path, capsys):
@@ -114,3 +115,31 @@ def test_majority_answer_baseline_is_low_on_held_out_entities(tmp_path):
     assert 0.0 < scores["exact_match"] < 0.12  # ~1/24 on city questions, 1/16 on occupations, ~0 on names
     # On the train split itself the per-type majority is just as weak: facts are drawn uniformly.
     assert evaluation.majority_answer_baseline(train, train)["exact_match"] < 0.12
+
+
+def test_gold_passages_swapped_into_the_reading_list():
+    from rlm.data.qa import QAExample
+
+    examples = [QAExample("a", "q", ["x"], ["g1"]), QAExample("b", "q", ["x"], ["g2", "g3"])]
+    retrieved = evaluation.Retrieved(
+        ids=[["p1", "g1", "p2", "p3"], ["p4", "p5", "g3", "p6"]], scores=[[], []]
+    )
+    assert evaluation.with_gold_passages(examples, retrieved, 3) == [["p1", "g1", "p2"], ["p4", "g2", "g3"]]
+    assert evaluation.with_gold_passages(examples, None, 3) == [["g1"], ["g2", "g3"]]
+    assert evaluation.with_gold_passages(examples, retrieved, 1) == [["g1"], ["g2"]]
+    with pytest.raises(ValueError, match="question c has no gold passage ids"):
+        evaluation.with_gold_passages([QAExample("c", "q", ["x"])], None, 3)
+
+
+def test_gold_passage_mode_reads_gold(setup, tmp_path, capsys):
+    world, corpus, dev, ckpt, retriever, reader = setup
+    result = evaluation.run_evaluation(
+        dev, corpus, None, reader, num_passages=3, gold_passages=True, batch_size=8
+    )
+    assert result.mode == "gold_passages" and "recall@1" not in result.metrics
+    assert [r["read_ids"] for r in result.records] == [q.gold_passage_ids for q in dev]
+    argv = ["evaluate", "--checkpoint", str(ckpt), "--data-path", str(world.root), "--max-examples", "4"]
+    assert main([*argv, "--gold-passages", "--no-retriever", "--out", str(tmp_path / "g")]) == 0
+    assert json.loads((tmp_path / "g" / "metrics.json").read_text())["mode"] == "gold_passages"
+    assert main([*argv, "--no-retriever"]) == 2
+    assert "--no-retriever only goes with --gold-passages" in capsys.readouterr().err

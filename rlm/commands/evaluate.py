@@ -36,6 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--retrieval-only", action="store_true", help="no reader: recall@k only")
     mode.add_argument("--closed-book", action="store_true", help="reader only, no passages")
+    mode.add_argument(
+        "--gold-passages",
+        action="store_true",
+        help="oracle: the gold passages swapped into the top --num-passages (alone with --no-retriever)",
+    )
+    parser.add_argument(
+        "--no-retriever", action="store_true", help="with --gold-passages: read the gold alone"
+    )
     parser.add_argument("--out", help="folder for predictions.jsonl and metrics.json")
 
 
@@ -75,17 +83,19 @@ def run(args: argparse.Namespace) -> int:
             from rlm.hard_subcorpus import load_subcorpus
 
             corpus = load_subcorpus(corpus, args.subcorpus)
+    if args.no_retriever and not args.gold_passages:
+        raise ValueError("--no-retriever only goes with --gold-passages")
+    without_retriever = args.closed_book or args.no_retriever
     retriever, reader, config = evaluation.load_checkpoint(
         args.checkpoint,
         need_reader=need_reader,
-        retriever_path=None if args.closed_book else args.retriever,
+        retriever_path=None if without_retriever else args.retriever,
+        need_retriever=not without_retriever,
     )
-    if args.closed_book:
-        retriever = None
     index = None
-    if args.index and not args.closed_book:
+    if args.index and retriever is not None:
         index = evaluation.load_index_for(args.index, corpus.ids)
-    elif args.save_index and not args.closed_book:
+    elif args.save_index and retriever is not None:
         embeddings = evaluation.embed_corpus(
             retriever.passage_tower, corpus.retrieval_texts(), show_progress=True
         )
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         k=min(args.k, len(corpus)) if corpus is not None else args.k,
         num_passages=num_passages,
         closed_book=args.closed_book,
+        gold_passages=args.gold_passages,
         batch_size=args.batch_size,
         num_beams=args.num_beams,
         out_dir=args.out,
