@@ -157,11 +157,7 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
     reader = collator = None
     if cfg.algorithm == 2:
         reader = build_reader(cfg, corpus, train_examples)
-        collator = FiDCollator(
-            reader.tokenizer,
-            max_passage_length=cfg.reader.max_passage_length,
-            max_answer_length=cfg.reader.max_answer_length,
-        )
+        collator = reader.collator  # carries the reader's own template and lengths (fid_config.json)
     corrector = None
     if cfg.strategy.name == "corrector":
         dim = buffer.dim
