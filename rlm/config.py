@@ -39,6 +39,7 @@ class DataConfig:
     dev_split: str = "dev"
     max_train_examples: int | None = None
     max_dev_examples: int | None = 200
+    dev_subcorpus: str | None = None  # ids file of a hard subcorpus H_k (rlm.hard_subcorpus) to validate on
     toy_world: ToyWorldConfig = field(default_factory=ToyWorldConfig)
 
 

@@ -247,7 +247,12 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             progress.set_postfix(
                 {k: f"{sums[k]:.3f}" for k in ("loss", "reader_loss", "retriever_loss") if k in sums}
             )
-        if cfg.eval_every and state.step % cfg.eval_every == 0 and dev_examples:
+        if (
+            cfg.eval_every
+            and state.step % cfg.eval_every == 0
+            and dev_examples
+            and accelerator.is_main_process
+        ):
             record.update(validate(raw, corpus, dev_examples, cfg))
         history.append(record)
         if accelerator.is_main_process:
@@ -263,7 +268,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
         "reembedded": strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
     }
-    if dev_examples:
+    if dev_examples and accelerator.is_main_process:
         summary.update(validate(raw, corpus, dev_examples, cfg))
     if accelerator.is_main_process:
         raw.save_pretrained(output_dir / "final")

@@ -1,43 +1,38 @@
 """In-training validation with the live towers (the corrector plays no part at prediction time).
 
-The corpus is embedded with the current passage tower, each dev question retrieves its top passages by exact
-inner product, and the reader answers from the top `reader.num_passages` (Algorithm 2). Reported: EM/F1,
-answer recall@k (DPR `has_answer`) and gold-passage recall@k where gold ids are known.
+The corpus (or the hard subcorpus H_k when `data.dev_subcorpus` names its ids file, Kim et al.) is embedded
+with the current passage tower, each dev question retrieves its top passages, and the reader answers from the
+top `reader.num_passages` (Algorithm 2). The same functions as `rlm evaluate`, so the figures agree.
 """
 
 from __future__ import annotations
 
 import torch
 
-from retriever.search import corrected_topk
-from rlm.metrics import gold_recall_at_k, qa_scores, recall_at_k
+from rlm.evaluation import build_index, embed_corpus, evaluate_reader, read, retrieval_metrics, retrieve
 
 KS = (1, 5, 20)
 
 
 @torch.no_grad()
 def validate(model, corpus, dev_examples, cfg, batch_size: int = 32) -> dict[str, float]:
-    retriever, reader = model.retriever, model.reader
-    questions = [ex.question for ex in dev_examples]
-    answers = [ex.answers for ex in dev_examples]
+    if cfg.data.dev_subcorpus:
+        from rlm.hard_subcorpus import load_subcorpus
+
+        corpus = load_subcorpus(corpus, cfg.data.dev_subcorpus)
     metrics: dict[str, float] = {}
-    rows: list[list[int]] = [[] for _ in dev_examples]
+    retrieved = None
     if cfg.strategy.name != "closed_book":
-        passages = retriever.passage_tower.encode(corpus.retrieval_texts(), batch_size=cfg.buffer.batch_size)
-        queries = retriever.query_tower.encode(questions, batch_size=batch_size)
-        k = min(max(KS), len(corpus))
-        rows = corrected_topk(queries, passages, None, k).indices.tolist()
-        texts = corpus.retrieval_texts()
-        metrics.update(recall_at_k([[texts[r] for r in row] for row in rows], answers, KS))
-        ids = corpus.ids
-        metrics.update(
-            gold_recall_at_k(
-                [[ids[r] for r in row] for row in rows], [ex.gold_passage_ids for ex in dev_examples], KS
-            )
-        )
-    if reader is not None:
+        tower = model.retriever.passage_tower
+        embeddings = embed_corpus(tower, corpus.retrieval_texts(), batch_size=cfg.buffer.batch_size)
+        index = build_index(embeddings, list(corpus.ids))
+        questions = [ex.question for ex in dev_examples]
+        retrieved = retrieve(model.retriever.query_tower, index, questions, k=min(max(KS), len(corpus)))
+        metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, KS))
+    if model.reader is not None:
         n = cfg.reader.num_passages or cfg.strategy.k
-        read = [[(corpus[r].title, corpus[r].text) for r in row[:n]] for row in rows]
-        predictions = reader.answer(questions, read, batch_size=batch_size)
-        metrics.update(qa_scores(predictions, answers))
+        predictions = read(
+            model.reader, dev_examples, corpus, retrieved, num_passages=n, batch_size=batch_size
+        )
+        metrics.update(evaluate_reader(predictions, dev_examples))
     return {f"dev_{key}": round(value, 4) for key, value in metrics.items()}

@@ -186,3 +186,20 @@ def test_closed_book_reads_no_passages(world):
     batch = make_batch(parts.train_examples, [0, 1], parts.corpus, 2)
     out = model(batch, strategy, parts.corpus)
     assert set(out.terms) == {"reader"} and torch.isfinite(out.loss)
+
+
+def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(world):
+    from rlm.hard_subcorpus import save_subcorpus_ids
+    from rlm.validation import validate
+
+    cfg, parts, model, strategy = make_parts(world)
+    dev = parts.dev_examples[:6]
+    full = validate(model, parts.corpus, dev, cfg)
+    assert {"dev_exact_match", "dev_f1", "dev_recall@1", "dev_gold_recall@5"} <= set(full)
+    assert 0 <= full["dev_gold_recall@1"] <= full["dev_gold_recall@5"] <= 1
+    # A subcorpus of exactly the gold passages: every question's gold passage is then in its top 5.
+    ids = sorted({pid for ex in dev for pid in ex.gold_passage_ids})
+    save_subcorpus_ids(ids, world / "hard.txt")
+    cfg.data.dev_subcorpus = str(world / "hard.txt")
+    hard = validate(model, parts.corpus, dev, cfg)
+    assert hard["dev_gold_recall@5"] == 1.0
