@@ -273,13 +273,6 @@ class Corpus(Sequence[Passage]):
         """Lazy sequence of the strings the retriever encodes (`"{title}. {text}"`)."""
         return _RetrievalTexts(self)
 
-    def fingerprint(self) -> str:
-        """Cheap identity of the file: path, size, mtime and passage count (not a content hash)."""
-        stat = self.path.stat()
-        return hashlib.sha1(
-            f"{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{len(self)}".encode()
-        ).hexdigest()
-
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_fd"], state["_fd_pid"] = None, None
