@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-STRATEGIES = ("corrector", "stale", "exhaustive", "snm", "two_round", "frozen", "closed_book")
+STRATEGIES = ("corrector", "stale", "exhaustive", "snm", "two_round", "frozen", "closed_book", "in_batch")
+READER_ARCHS = ("t5", "warm_start")
 
 
 @dataclass
@@ -69,6 +70,26 @@ class ReaderConfig:
     max_answer_length: int = 16
     num_passages: int | None = None  # how many of the selected k the FiD reader reads; None: all k
     score_reduction: str = "sum"  # P(a|y,x) from summed (paper) or mean token log-likelihood
+    # "t5": the small T5 above, trained from scratch; "warm_start": the first `warm_start_layers` layers of a
+    # pretrained BERT-family encoder (`warm_start_path`, None: the packaged MiniLM) + a fresh decoder of
+    # `num_decoder_layers` layers, `num_heads` heads, feed-forward `d_ff`, with the encoder's WordPiece
+    # (see docs/reader_recipe.md). Ignored when `path` is set.
+    arch: str = "t5"
+    warm_start_path: str | None = None
+    warm_start_layers: int = 2
+    warm_start_freeze_embeddings: bool = True  # keep the pretrained token embeddings (and tied output) fixed
+    # The first N optimizer steps train the reader alone on the strategy's selection (no retriever or
+    # corrector loss, no per-passage scoring): the reader learns to read before its P(a|y,x) teaches the
+    # retriever. 0: joint from the first step.
+    reader_only_steps: int = 0
+
+    def __post_init__(self):
+        if self.arch not in READER_ARCHS:
+            raise ValueError(f"reader.arch must be one of {READER_ARCHS}, got {self.arch!r}")
+        if self.warm_start_layers < 1:
+            raise ValueError(f"reader.warm_start_layers must be >= 1, got {self.warm_start_layers}")
+        if self.reader_only_steps < 0:
+            raise ValueError(f"reader.reader_only_steps must be >= 0, got {self.reader_only_steps}")
 
 
 @dataclass
@@ -143,6 +164,8 @@ class TrainConfig:
             raise ValueError(f"strategy.name must be one of {STRATEGIES}, got {self.strategy.name!r}")
         if self.algorithm == 1 and self.strategy.name in ("frozen", "closed_book"):
             raise ValueError(f"strategy {self.strategy.name!r} only makes sense for algorithm 2")
+        if self.algorithm == 2 and self.strategy.name == "in_batch":
+            raise ValueError("strategy 'in_batch' needs gold passages: use it with algorithm 1")
         if self.corrector.loss not in ("ce", "mse"):
             raise ValueError(f"corrector.loss must be 'ce' or 'mse', got {self.corrector.loss!r}")
         if self.reader.score_reduction not in ("sum", "mean"):

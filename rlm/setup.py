@@ -16,7 +16,7 @@ from reader.tokenizer import load_tokenizer, train_tokenizer
 from retriever.buffer import PassageBuffer, build_passage_buffer
 from retriever.corrector import CorrectorNetwork
 from retriever.encoder import DualEncoder, default_retriever_path
-from rlm.config import TrainConfig
+from rlm.config import ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.qa import QAExample, load_qa_dataset
 
@@ -42,7 +42,7 @@ def resolve_data(cfg: TrainConfig) -> tuple[str, str | None, str | None]:
         from rlm.data.toy_world import build_toy_world
 
         toy_dir = Path(data.toy_world.dir)
-        if not (toy_dir / "corpus.jsonl").exists():
+        if not (toy_dir / "world.json").exists():  # written last: a half-built world is rebuilt
             build_toy_world(
                 toy_dir,
                 num_passages=data.toy_world.num_passages,
@@ -74,6 +74,8 @@ def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) ->
         return FiDReader.from_pretrained(
             rc.path, max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length
         )
+    if rc.arch == "warm_start":
+        return build_warm_started_reader(rc, fid_config, seed=cfg.seed)
     tok_dir = Path(cfg.output_dir) / "tokenizer"
     if rc.tokenizer:
         tokenizer = load_tokenizer(rc.tokenizer)
@@ -93,6 +95,24 @@ def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) ->
         dropout_rate=rc.dropout_rate,
     )
     return FiDReader.from_config(tokenizer, model_config, fid_config, seed=cfg.seed)
+
+
+def build_warm_started_reader(rc: ReaderConfig, fid_config: FiDConfig, seed: int) -> FiDReader:
+    """FiD over the first `rc.warm_start_layers` pretrained encoder layers + a fresh decoder (`reader.arch:
+    warm_start`); the encoder's own WordPiece tokenizer, so no tokenizer is trained or saved for the run."""
+    from reader.warm_start import WarmStartConfig, build_warm_started_encoder_decoder
+
+    encoder_path = rc.warm_start_path or default_retriever_path()
+    warm = WarmStartConfig(
+        encoder_layers=rc.warm_start_layers,
+        decoder_layers=rc.num_decoder_layers,
+        decoder_heads=rc.num_heads,
+        decoder_ff=rc.d_ff,
+        decoder_dropout=rc.dropout_rate,
+        freeze_embeddings=rc.warm_start_freeze_embeddings,
+    )
+    model, tokenizer = build_warm_started_encoder_decoder(encoder_path, warm, seed=seed)
+    return FiDReader(model, tokenizer, fid_config)
 
 
 def load_or_build_buffer(

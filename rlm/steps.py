@@ -56,9 +56,12 @@ def corrector_quality(fresh_logits: torch.Tensor, other_logits: torch.Tensor, ma
 def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fresh_logits, beta, cfg):
     """Step 7: the corrector's loss on S_x, from detached queries and detached targets; plus drift metrics."""
     stale = strategy.buffer.embeddings[_rows_or_zero(rows)].to(queries.dtype)  # B_y: the fixed buffer rows
-    metrics = {}
     stale_logits = beta * _scores(queries.detach(), stale)
-    metrics["kl_fresh_stale"] = corrector_quality(fresh_logits.detach(), stale_logits, mask)["kl"]
+    drift = (fresh_passages.detach().float() - stale.float()).norm(dim=-1)[mask].mean()
+    metrics = {
+        "drift": float(drift),  # mean ||g(y) - B_y|| over S_x: how stale the buffer has become
+        "kl_fresh_stale": corrector_quality(fresh_logits.detach(), stale_logits, mask)["kl"],
+    }
     if not strategy.uses_corrector:
         return None, metrics
     corrected = model.corrector(stale)
@@ -72,8 +75,12 @@ def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fr
     return loss, metrics
 
 
-def algorithm2_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
-    """Algorithm 2: train reader and retriever jointly; S_x chosen by the strategy (corrector: <q, h(B)>)."""
+def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: bool = False) -> StepOutput:
+    """Algorithm 2: train reader and retriever jointly; S_x chosen by the strategy (corrector: <q, h(B)>).
+
+    `reader_only` (the `reader.reader_only_steps` warm-up) keeps the selection but trains the reader alone:
+    steps 3-5 and 7 are skipped, so neither the retriever nor the corrector moves.
+    """
     beta, k_read = cfg.beta, cfg.reader.num_passages
     reader = model.reader
 
@@ -83,9 +90,10 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
 
     phase = model.timer  # per-phase wall time for the training benchmark; a no-op otherwise
+    trains_retriever = strategy.trains_retriever and not reader_only
 
     # 1. q = f(x), with gradient (frozen retriever: no gradient anywhere in it).
-    with phase("retriever"), torch.set_grad_enabled(strategy.trains_retriever):
+    with phase("retriever"), torch.set_grad_enabled(trains_retriever):
         queries = model.retriever.encode_queries(batch.questions)
 
     # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient.
@@ -97,7 +105,7 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
     # 3. p_y = g(y) for y in S_x with gradient; P~(y|x) = softmax(beta <q, p_y>) over S_x.
     metrics: dict[str, float] = {}
     retriever_loss = corrector_loss = None
-    if strategy.trains_retriever:
+    if trains_retriever:
         with phase("retriever"):
             texts = corpus.retrieval_texts()
             flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
@@ -158,7 +166,7 @@ def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         queries.detach(), model.corrector, include=gold[:, None], num_random=cfg.strategy.num_random
     )
     rows = top.indices
-    if cfg.strategy.share_across_batch:  # Appendix B.1: every question scores the union of the batch's S_x
+    if cfg.strategy.share_across_batch or strategy.shares_batch:  # Appendix B.1: score the batch's union
         union = torch.unique(rows[rows >= 0])
         rows = union.expand(len(gold), -1)
     mask = rows >= 0

@@ -14,6 +14,7 @@ passages every R steps; two-round re-embeds the corpus once, half way.
 | two_round | stale, B re-embedded once at max_steps / 2 | N |
 | frozen | top-k <q, B>, retriever not trained | 0 |
 | closed_book | none | 0 |
+| in_batch (Algorithm 1) | the batch's gold passages | 0 |
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class SelectionStrategy:
     trains_retriever = True
     uses_passages = True
     uses_corrector = False
+    shares_batch = False  # every question of a batch scores the union of the batch's S_x
 
     def __init__(
         self,
@@ -112,6 +114,19 @@ class CorrectorStrategy(SelectionStrategy):
         if corrector is None:
             raise ValueError("the corrector strategy needs a corrector network")
         return corrector
+
+
+class InBatchStrategy(SelectionStrategy):
+    """Algorithm 1's cheapest baseline: no buffer search; each question scores the batch's gold passages."""
+
+    name = "in_batch"
+    shares_batch = True
+
+    def select(self, queries, corrector=None, include=None, num_random=0):
+        if include is None:
+            raise ValueError("in_batch selects the batch's labels: algorithm 1 only")
+        scores = torch.einsum("bd,bmd->bm", queries.float(), self.buffer.embeddings[include].float())
+        return TopK(scores, include)
 
 
 class ClosedBookStrategy(SelectionStrategy):
@@ -237,6 +252,7 @@ def _merge(scores_a, idx_a, scores_b, idx_b) -> TopK:
 STRATEGY_CLASSES: dict[str, type[SelectionStrategy]] = {
     cls.name: cls
     for cls in (
+        InBatchStrategy,
         CorrectorStrategy,
         StaleStrategy,
         ExhaustiveStrategy,

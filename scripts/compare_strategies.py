@@ -1,0 +1,246 @@
+"""Train every selection strategy with the same budget and seeds; report quality against re-embedding cost.
+
+The paper's Table 1 (Algorithm 1, supervised retrieval) and Table 3 (Algorithm 2, retrieval-augmented QA) at
+CPU scale, with the Fig. 2 plot (quality against passages re-embedded during training).
+
+    # Algorithm 1 on the toy world, from the packaged MiniLM (small drift) and from a tiny random GTR (large drift)
+    python scripts/compare_strategies.py --algorithm 1 --data toy --start minilm
+    python scripts/compare_strategies.py --algorithm 1 --data toy --start random_gtr
+    # Algorithm 1 on ../shared/data/multihop200 (150 train / 50 held-out questions)
+    python scripts/compare_strategies.py --algorithm 1 --data multihop200 --start minilm
+    # Algorithm 2 on the toy world (the quickstart recipe), Table 3's strategies
+    python scripts/compare_strategies.py --algorithm 2 --data toy
+
+Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (data, start). Output:
+`<out>.md` (mean and spread over seeds), `<out>.json` (every run), `<out>.png` (quality vs re-embedded).
+The drift columns explain the table: mean ||g(y) - B_y|| and KL(P~ || P_stale) on the selected passages,
+averaged over the last quarter of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+DEFAULT_STRATEGIES = {
+    1: ["in_batch", "stale", "corrector", "exhaustive", "snm", "two_round"],
+    2: ["closed_book", "frozen", "stale", "corrector", "exhaustive"],
+}
+
+
+def make_random_gtr(out_dir: Path, seed: int = 0) -> str:
+    """A tiny GTR-shaped retriever (T5 encoder + Dense) with random weights, in the sentence-transformers layout."""
+    import torch
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+    from retriever.encoder import SentenceEncoder, default_retriever_path
+
+    if (out_dir / "modules.json").exists():
+        return str(out_dir)
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(
+        default_retriever_path()
+    )  # a vocabulary; the weights are random
+    config = T5Config(vocab_size=len(tokenizer), d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4)
+    encoder = SentenceEncoder(T5EncoderModel(config), tokenizer, dense=torch.nn.Linear(128, 128, bias=False))
+    encoder.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def split_multihop(work: Path, held_out: int = 50) -> tuple[str, str]:
+    """Deterministic train / held-out split of multihop200 by a hash of the question id."""
+    from rlm.data.qa import load_qa_dataset
+
+    examples = load_qa_dataset("multihop200", "all", str(SHARED / "multihop200"))
+    ranked = sorted(examples, key=lambda ex: hashlib.sha256(ex.id.encode()).hexdigest())
+    work.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, part in (("train", ranked[held_out:]), ("dev", ranked[:held_out])):
+        path = work / f"multihop200_{name}.jsonl"
+        with open(path, "w") as fh:
+            for ex in part:
+                row = {"id": ex.id, "question": ex.question, "answers": ex.answers}
+                fh.write(json.dumps({**row, "gold_passage_ids": ex.gold_passage_ids}) + "\n")
+        paths.append(str(path))
+    return paths[0], paths[1]
+
+
+def base_overrides(args, work: Path) -> list[str]:
+    out = [f"algorithm={args.algorithm}", f"optim.max_steps={args.steps}", "save_every=0", "log_every=10"]
+    if args.start == "random_gtr":
+        out.append(f"retriever.path={make_random_gtr(work / 'random_gtr')}")
+    if args.data == "toy":
+        out += [f"data.toy_world.dir={work / 'toy'}", f"data.toy_world.num_passages={args.num_passages}"]
+    else:
+        train, dev = split_multihop(work)
+        out += [
+            f"data.corpus={SHARED / 'multihop200' / 'corpus.jsonl'}",
+            f"data.train={train}",
+            f"data.dev={dev}",
+        ]
+    if args.algorithm == 1:
+        out += [
+            f"strategy.k={args.k}",
+            f"strategy.num_random={args.num_random}",
+            "strategy.share_across_batch=true",
+            f"optim.batch_size={args.batch_size}",
+            f"optim.lr_retriever={args.lr}",
+            f"optim.warmup_steps={max(1, args.steps // 10)}",
+        ]
+    return out
+
+
+def one_run(args, work: Path, strategy: str, seed: int) -> dict:
+    from rlm.config import load_config
+    from rlm.train import train
+
+    out_dir = work / f"{strategy}_seed{seed}"
+    overrides = base_overrides(args, work) + [
+        f"output_dir={out_dir}",
+        f"buffer.dir={work / 'buffer'}",
+        f"strategy.name={strategy}",
+        f"strategy.refresh_every={args.refresh_every}",
+        f"strategy.snm_size={args.snm_size}",
+        f"seed={seed}",
+        *args.overrides,
+    ]
+    config = ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
+    cfg = load_config(config, overrides)
+    start = time.time()
+    summary = train(cfg)
+    wall = time.time() - start
+    log = [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
+    tail = log[-max(1, len(log) // 4) :]
+
+    def tail_mean(key):
+        values = [r[key] for r in tail if key in r]
+        return statistics.fmean(values) if values else None
+
+    return {
+        "strategy": strategy,
+        "seed": seed,
+        "wall_s": round(wall, 1),
+        **summary,
+        "drift": tail_mean("drift"),
+        "kl_fresh_stale": tail_mean("kl_fresh_stale"),
+        "kl_fresh_corrected": tail_mean("kl_fresh_corrected"),
+    }
+
+
+def summarise(runs: list[dict], metrics: list[str]) -> list[dict]:
+    rows = []
+    for strategy in dict.fromkeys(r["strategy"] for r in runs):
+        mine = [r for r in runs if r["strategy"] == strategy]
+        row = {"strategy": strategy, "seeds": len(mine)}
+        for key in metrics + ["reembedded", "wall_s", "drift", "kl_fresh_stale", "kl_fresh_corrected"]:
+            values = [r[key] for r in mine if r.get(key) is not None]
+            if values:
+                row[key] = statistics.fmean(values)
+                row[key + "_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def to_markdown(rows: list[dict], metrics: list[str], title: str) -> str:
+    def cell(row, key, scale=100.0, digits=1):
+        if key not in row:
+            return "-"
+        value, spread = row[key] * scale, row.get(key + "_std", 0.0) * scale
+        return f"{value:.{digits}f} ± {spread:.{digits}f}" if row["seeds"] > 1 else f"{value:.{digits}f}"
+
+    head = ["strategy", *metrics, "re-embedded", "drift", "KL(P~||P_stale)", "KL(P~||P_h)", "wall (s)"]
+    lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for row in rows:
+        cells = [row["strategy"], *(cell(row, m) for m in metrics)]
+        cells += [
+            f"{row.get('reembedded', 0):.0f}",
+            cell(row, "drift", 1, 3),
+            cell(row, "kl_fresh_stale", 1, 3),
+        ]
+        cells += [cell(row, "kl_fresh_corrected", 1, 3), f"{row.get('wall_s', 0):.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], metric: str, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for row in rows:
+        if metric not in row:
+            continue
+        x = row.get("reembedded", 0) + 1  # log axis: 0 re-embedded plots at 1
+        ax.errorbar(x, row[metric] * 100, yerr=row.get(metric + "_std", 0) * 100, fmt="o", capsize=3)
+        ax.annotate(row["strategy"], (x, row[metric] * 100), textcoords="offset points", xytext=(5, 5))
+    ax.set_xscale("log")
+    ax.set_xlabel("passages re-embedded during training (+1, log scale)")
+    ax.set_ylabel(metric.replace("dev_", "") + " (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--algorithm", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--data", choices=("toy", "multihop200"), default="toy")
+    parser.add_argument("--start", choices=("minilm", "random_gtr"), default="minilm")
+    parser.add_argument("--strategies", help="comma-separated; default: the paper's table for the algorithm")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--num-passages", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--k", type=int, default=8, help="top-k from the strategy (Algorithm 1)")
+    parser.add_argument("--num-random", type=int, default=16, help="uniform negatives shared by the batch")
+    parser.add_argument("--lr", type=float, default=5e-5, help="retriever learning rate (Algorithm 1)")
+    parser.add_argument("--refresh-every", type=int, default=50, help="R for exhaustive and snm")
+    parser.add_argument("--snm-size", type=int, default=500)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--work", default=None, help="run folder (default runs/compare/<name>)")
+    parser.add_argument("--out", default=None, help="output path stem (default docs/results/<name>)")
+    args = parser.parse_args()
+
+    name = f"alg{args.algorithm}_{args.data}_{args.start}"
+    work = Path(args.work or ROOT / "runs" / "compare" / name)
+    out = Path(args.out or ROOT / "docs" / "results" / f"compare_{name}")
+    strategies = args.strategies.split(",") if args.strategies else DEFAULT_STRATEGIES[args.algorithm]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = []
+    for strategy in strategies:
+        for seed in seeds:
+            runs.append(one_run(args, work, strategy, seed))
+            print(json.dumps(runs[-1]))
+    if args.algorithm == 1:
+        metrics = ["dev_gold_recall@1", "dev_gold_recall@5", "dev_gold_recall@20"]
+    else:
+        metrics = ["dev_exact_match", "dev_gold_recall@1", "dev_gold_recall@5"]
+    rows = summarise(runs, metrics)
+    title = (
+        f"Algorithm {args.algorithm}, {args.data}, start {args.start}: {args.steps} steps, seeds {args.seeds} "
+        f"(R={args.refresh_every}, SNM M={args.snm_size})"
+    )
+    table = to_markdown(rows, metrics, title)
+    print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": vars(args), "runs": runs, "rows": rows}, indent=2)
+    )
+    plot(rows, metrics[0], out.with_suffix(".png"), title.split(":")[0])
+
+
+if __name__ == "__main__":
+    main()
