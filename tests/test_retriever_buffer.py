@@ -199,7 +199,7 @@ def test_torchrun_two_processes(encoder, tmp_path):
         f"ids = {IDS!r}\ntexts = {TEXTS!r}\n"
         "enc = SentenceEncoder.from_pretrained(sys.argv[1], max_length=32)\n"
         "buf = build_passage_buffer(ids, texts, enc, sys.argv[2], shard_size=6, accelerator=state, show_progress=False)\n"
-        "print('rank', state.process_index, 'rows', len(buf))\n"
+        "open(f'{sys.argv[2]}.rank{state.process_index}', 'w').write(str(len(buf)))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     torchrun = [
@@ -219,6 +219,45 @@ def test_torchrun_two_processes(encoder, tmp_path):
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "rank 0 rows 23" in done.stdout and "rank 1 rows 23" in done.stdout
+    for rank in (0, 1):  # both ranks ran distributed and returned the finished buffer
+        assert Path(f"{tmp_path / 'b'}.rank{rank}").read_text() == "23"
+    single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=6, show_progress=False)
+    assert torch.equal(PassageBuffer.load(tmp_path / "b").embeddings, single.embeddings)
+
+
+@pytest.mark.slow
+def test_rlm_embed_under_torchrun_splits_the_work(encoder, tmp_path):
+    """`rlm embed` launched with 2 CPU processes really runs distributed (one summary, from the main rank)."""
+    tower = tmp_path / "tower"
+    encoder.save_pretrained(tower)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"id": i, "title": "", "text": t}) + "\n" for i, t in zip(IDS, TEXTS))
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29534",
+    ]
+    embed = [
+        "-m",
+        "rlm.cli",
+        "embed",
+        "--corpus",
+        str(corpus),
+        "--encoder",
+        str(tower),
+        "--out",
+        str(tmp_path / "b"),
+    ]
+    args = [*torchrun, *embed, "--shard-size", "6", "--max-length", "32", "--no-progress"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("23 passages x 16") == 1, done.stdout
     single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=6, show_progress=False)
     assert torch.equal(PassageBuffer.load(tmp_path / "b").embeddings, single.embeddings)

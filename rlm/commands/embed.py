@@ -45,14 +45,21 @@ def run(args: argparse.Namespace) -> int:
     if (Path(encoder_path) / "passage_tower").is_dir():
         encoder_path = str(Path(encoder_path) / "passage_tower")
     encoder = SentenceEncoder.from_pretrained(encoder_path, max_length=args.max_length)
+    import torch
+
     accelerator = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # launched by `accelerate launch` or torchrun
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:  # launched by `accelerate launch` or torchrun
         from accelerate import PartialState
 
-        accelerator = PartialState()
+        # Without cpu=True accelerate treats a CPU-only torchrun as one process per rank, each doing it all.
+        accelerator = PartialState(cpu=not torch.cuda.is_available())
+        if accelerator.num_processes != world_size:
+            raise ValueError(
+                f"WORLD_SIZE={world_size} but accelerate set up {accelerator.num_processes} process(es); "
+                "launch with `accelerate launch` or `torchrun --nproc_per_node N`"
+            )
     else:
-        import torch
-
         encoder.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     started = time.perf_counter()
     buffer = build_passage_buffer(
