@@ -14,6 +14,7 @@ import sys
 
 # name -> (module, one-line help). Order is the order `rlm --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("rlm.commands.quickstart", "Offline: toy world, train, dev EM vs baselines, then demo."),
     "embed": (
         "rlm.commands.embed",
         "Embed a corpus once into a fixed passage buffer (memory-mapped shards).",
@@ -22,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "toy-world": ("rlm.commands.toy_world", "Generate the offline toy world (corpus + held-out QA splits)."),
     "evaluate": ("rlm.commands.evaluate", "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."),
     "train": ("rlm.commands.train", "Train reader + retriever jointly with a corrector over a fixed buffer."),
+    "demo": ("rlm.commands.demo", "Serve the Gradio QA demo over a trained checkpoint."),
+    "bench": ("rlm.commands.bench", "Run a benchmark script: retrieval, reader or training."),
 }
 
 USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, KeyError)

@@ -1,0 +1,182 @@
+"""The demo's answering logic as a plain object: question -> retrieved passages -> FiD answer.
+
+`QAService.from_checkpoint(DIR)` loads a trained checkpoint (the `final/` folder of a run: `retriever/`,
+`reader/`, `config.yaml`), finds the corpus the run trained on, and embeds it once with the trained passage
+tower into a faiss index cached in the checkpoint folder. `QAService.answer(question, k)` is what the Gradio
+page calls; it has no UI code so it can be tested (and reused) without a browser.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlm.metrics import has_answer
+
+MAX_QUESTION_CHARS = 300
+MAX_K = 20
+INDEX_CACHE = "demo_index"
+
+
+class InvalidQuestion(ValueError):
+    """A question the demo refuses (empty or too long); the message is meant for the user."""
+
+
+@dataclass
+class QAService:
+    """Retrieve with the trained towers and a faiss index, read with the FiD reader."""
+
+    retriever: object  # retriever.encoder.DualEncoder
+    reader: object  # reader.fid.FiDReader
+    corpus: object  # rlm.data.corpus.Corpus
+    index: object  # retriever.index.PassageIndex over the corpus, same row order
+    default_k: int = 4
+    max_k: int = MAX_K
+    max_question_chars: int = MAX_QUESTION_CHARS
+    examples: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint: str | os.PathLike,
+        corpus_path: str | os.PathLike | None = None,
+        examples_path: str | os.PathLike | None = None,
+        num_examples: int = 8,
+        show_progress: bool = False,
+    ) -> QAService:
+        """Load reader + retriever from `checkpoint`, the corpus from `corpus_path` or the run's config.
+
+        The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved
+        there atomically; the key hashes the passage tower's and the corpus's fingerprints, so a changed
+        tower or corpus never reuses a stale index.
+        """
+        from rlm import evaluation
+        from rlm.data.corpus import load_corpus
+
+        root = Path(checkpoint)
+        if not root.is_dir():
+            raise FileNotFoundError(
+                f"checkpoint folder {root} not found: pass the final/ folder of a training run "
+                "(e.g. runs/quickstart/final; `rlm quickstart --no-serve` makes one)"
+            )
+        retriever, reader, config = evaluation.load_checkpoint(root)
+        corpus_file = Path(corpus_path) if corpus_path else corpus_from_config(config, root)
+        if not corpus_file.is_file():
+            raise FileNotFoundError(f"corpus file {corpus_file} not found: pass --corpus PATH")
+        corpus = load_corpus(corpus_file)
+        retriever.eval()
+        reader.eval()
+        index = cached_index(root, retriever.passage_tower, corpus, show_progress=show_progress)
+        default_k = min(evaluation.reader_passages_from_config(config, default=4), MAX_K)
+        examples_file = Path(examples_path) if examples_path else corpus_file.parent / "dev.jsonl"
+        return cls(
+            retriever,
+            reader,
+            corpus,
+            index,
+            default_k=default_k,
+            examples=example_questions(examples_file, num_examples),
+        )
+
+    def check_question(self, question: str | None) -> str:
+        """The stripped question, or InvalidQuestion with a message for the user."""
+        text = (question or "").strip()
+        if not text:
+            raise InvalidQuestion("Type a question first.")
+        if len(text) > self.max_question_chars:
+            raise InvalidQuestion(
+                f"The question is {len(text)} characters long; the limit is {self.max_question_chars}."
+            )
+        return text
+
+    def answer(self, question: str, k: int | None = None) -> dict:
+        """Answer one question from its top-k passages.
+
+        Returns {"question", "answer", "k", "latency_ms", "passages": [{"id", "title", "text", "score",
+        "has_answer"}]}, passages best first. Raises InvalidQuestion for empty or oversized input.
+        """
+        import torch
+
+        text = self.check_question(question)
+        k = max(1, min(int(k or self.default_k), self.max_k, self.index.ntotal))
+        start = time.perf_counter()
+        with torch.inference_mode():
+            query = self.retriever.query_tower.encode([text]).numpy()
+            scores, ids = self.index.search(query, k)
+            passages = [self.corpus[self.corpus.index_of(pid)] for pid in ids[0]]
+            answer = self.reader.answer([text], [[(p.title, p.text) for p in passages]])[0]
+        latency_ms = (time.perf_counter() - start) * 1000
+        return {
+            "question": text,
+            "answer": answer,
+            "k": k,
+            "latency_ms": round(latency_ms, 1),
+            "passages": [
+                {
+                    "id": p.id,
+                    "title": p.title,
+                    "text": p.text,
+                    "score": round(float(score), 4),
+                    "has_answer": bool(answer.strip()) and has_answer(f"{p.title} {p.text}", answer),
+                }
+                for p, score in zip(passages, scores[0])
+            ],
+        }
+
+
+def corpus_from_config(config: dict, checkpoint: Path) -> Path:
+    """The corpus a run trained on: `data.corpus`, else `<data.toy_world.dir>/corpus.jsonl`.
+
+    A relative path (`runs/quickstart/toy_world`) is tried from the working directory, then from the run
+    folder and each folder above it, so the demo also starts from outside the project root.
+    """
+    data = config.get("data") or {}
+    if data.get("corpus"):
+        raw = Path(data["corpus"])
+    elif (data.get("toy_world") or {}).get("dir"):
+        raw = Path(data["toy_world"]["dir"]) / "corpus.jsonl"
+    else:
+        raise ValueError(
+            f"{checkpoint / 'config.yaml'} names no corpus (data.corpus or data.toy_world.dir); pass --corpus PATH"
+        )
+    if raw.is_absolute() or raw.exists():
+        return raw
+    run_dir = checkpoint.resolve().parent
+    for base in (run_dir, *run_dir.parents):
+        if (base / raw).exists():
+            return base / raw
+    raise FileNotFoundError(
+        f"corpus {raw} (from {checkpoint / 'config.yaml'}) not found from {Path.cwd()} or {run_dir}; "
+        "pass --corpus PATH"
+    )
+
+
+def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False):
+    """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save)."""
+    from retriever.buffer import corpus_fingerprint
+    from retriever.index import PassageIndex
+    from rlm import evaluation
+
+    texts = corpus.retrieval_texts()
+    key = hashlib.sha256(
+        f"{passage_tower.fingerprint()}:{corpus_fingerprint(corpus.ids, texts)}".encode()
+    ).hexdigest()[:16]
+    folder = root / INDEX_CACHE / key
+    if (folder / "index.faiss").is_file():
+        return evaluation.load_index_for(folder, corpus.ids)
+    embeddings = evaluation.embed_corpus(passage_tower, texts, show_progress=show_progress)
+    index = PassageIndex.build(embeddings, list(corpus.ids))
+    index.save(folder)
+    return index
+
+
+def example_questions(path: Path, limit: int) -> list[str]:
+    """The first `limit` questions of a QA JSONL file (the dev split next to the corpus); [] when absent."""
+    from rlm.data.qa import read_qa_jsonl
+
+    if limit <= 0 or not path.is_file():
+        return []
+    return [ex.question for ex in read_qa_jsonl(path)[:limit]]

@@ -1,0 +1,54 @@
+"""`rlm demo`: serve the Gradio QA page over a trained checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Serve the Gradio QA demo over a trained checkpoint (reader + retriever + faiss index)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `rlm demo`."""
+    parser.add_argument(
+        "--checkpoint", required=True, help="the final/ folder of a run (e.g. runs/quickstart/final)"
+    )
+    parser.add_argument("--corpus", help="corpus file; default: the one named in <checkpoint>/config.yaml")
+    parser.add_argument(
+        "--examples", help="QA JSONL with example questions; default: dev.jsonl by the corpus"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
+
+
+def serve_checkpoint(
+    checkpoint,
+    corpus: str | None = None,
+    examples: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    concurrency: int = 2,
+) -> None:
+    """Load the checkpoint (its index built and cached on first use), then serve the page until interrupted."""
+    from pathlib import Path
+
+    import torch
+
+    from app.demo import build_demo, launch_kwargs
+    from app.qa import QAService
+
+    if concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+    # One request is a few small forward passes: intra-op threads only add synchronisation on a busy CPU,
+    # so requests run single-threaded and the queue runs `concurrency` of them side by side.
+    torch.set_num_threads(1)
+    service = QAService.from_checkpoint(checkpoint, corpus, examples, show_progress=True)
+    demo = build_demo(service, concurrency_limit=concurrency)
+    print(f"demo on http://{host}:{port}  (Ctrl-C stops it)", flush=True)
+    demo.launch(**launch_kwargs(host, port, blocked=[checkpoint, Path(service.corpus.path).parent]))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the demo of `--checkpoint`."""
+    serve_checkpoint(args.checkpoint, args.corpus, args.examples, args.host, args.port, args.concurrency)
+    return 0

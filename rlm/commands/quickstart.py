@@ -1,0 +1,51 @@
+"""`rlm quickstart` (what `make demo` runs): toy world, buffer, corrector training, dev EM table, demo."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Offline end to end: toy world, buffer, Algorithm 2 training, dev EM vs baselines, then the demo."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `rlm quickstart`."""
+    parser.add_argument("--config", default=None, help="run config (default: configs/quickstart.yaml)")
+    parser.add_argument(
+        "--output-dir", default=None, help="run folder (default: the config's, runs/quickstart)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set optim.max_steps=50 (repeatable)",
+    )
+    parser.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also train the closed-book and frozen-retriever baselines now (same budget; ~3x the time); "
+        "otherwise their figures come from an earlier run's cache",
+    )
+    parser.add_argument(
+        "--no-serve", action="store_true", help="stop after evaluation; do not serve the demo"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="demo interface (0.0.0.0 exposes it)")
+    parser.add_argument("--port", type=int, default=7860, help="demo port")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train, evaluate, print the table, write metrics.json, then serve unless --no-serve."""
+    from rlm.quickstart import quickstart_config, run_quickstart
+
+    cfg = quickstart_config(args.config, args.output_dir, args.overrides)
+    result = run_quickstart(cfg, measure_baselines=args.baselines)
+    print("\n" + result.table)
+    print(f"\nwrote {result.metrics_path}; checkpoint {result.checkpoint}")
+    if args.no_serve:
+        print(f"serve it later with: rlm demo --checkpoint {result.checkpoint}")
+        return 0
+    from rlm.commands.demo import serve_checkpoint
+
+    serve_checkpoint(result.checkpoint, host=args.host, port=args.port)
+    return 0

@@ -1,0 +1,219 @@
+"""The one-command offline path: toy world -> buffer -> Algorithm 2 training (corrector) -> dev EM table.
+
+`run_quickstart` trains with `configs/quickstart.yaml` into `output_dir` (the checkpoint lands in
+`<output_dir>/final`), then puts its dev EM next to two baselines trained on the same budget and config with
+only `strategy.name` changed: `closed_book` (no passages) and `frozen` (retriever never trained). The
+baselines are measured in this run when asked (`measure_baselines=True`) and cached in
+`<output_dir>/baselines.json`; otherwise the cached figures are shown with the date they were measured,
+flagged when they came from other settings. Everything is recorded in `<output_dir>/metrics.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from retriever.io import atomic_write_text
+from rlm.config import TrainConfig, dump_config, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+BASELINES = {"closed_book": "closed book (no passages)", "frozen": "frozen retriever (reader trained)"}
+BASELINES_FILE = "baselines.json"
+METRICS_FILE = "metrics.json"
+
+
+@dataclass
+class QuickstartResult:
+    """What `run_quickstart` measured and where it wrote it."""
+
+    metrics: dict
+    table: str
+    checkpoint: Path
+    metrics_path: Path
+
+
+def quickstart_config(
+    config_path: str | Path | None = None, output_dir: str | Path | None = None, overrides: list[str] = ()
+) -> TrainConfig:
+    """The quickstart config; `output_dir` also moves the toy world (and buffer) under it. `overrides` win."""
+    pre = []
+    if output_dir is not None:
+        pre = [f"output_dir={output_dir}", f"data.toy_world.dir={Path(output_dir) / 'toy_world'}"]
+    cfg = load_config(config_path or DEFAULT_CONFIG, [*pre, *overrides])
+    if cfg.algorithm != 2:
+        raise ValueError(
+            "the quickstart trains reader + retriever (algorithm: 2); drop the algorithm override"
+        )
+    return cfg
+
+
+def baseline_config(cfg: TrainConfig, strategy: str) -> TrainConfig:
+    """`cfg` with only the strategy changed, its own output folder, and the main run's buffer and toy world."""
+    root = Path(cfg.output_dir)
+    return replace(
+        cfg,
+        output_dir=str(root / "baselines" / strategy),
+        strategy=replace(cfg.strategy, name=strategy),
+        buffer=replace(cfg.buffer, dir=cfg.buffer.dir or str(root / "buffer")),
+    )
+
+
+def settings_key(cfg: TrainConfig) -> str:
+    """A short hash of everything that decides a baseline's figure (the config minus strategy and folders)."""
+    neutral = replace(
+        cfg,
+        output_dir="",
+        strategy=replace(cfg.strategy, name=""),
+        buffer=replace(cfg.buffer, dir=None),
+        data=replace(cfg.data, toy_world=replace(cfg.data.toy_world, dir="")),
+    )
+    return hashlib.sha256(dump_config(neutral).encode()).hexdigest()[:12]
+
+
+def dev_scores(summary: dict) -> dict:
+    """EM and F1 (fractions) from a `train()` summary's final dev validation."""
+    missing = [key for key in ("dev_exact_match", "dev_f1") if key not in summary]
+    if missing:
+        raise ValueError(f"training summary has no {', '.join(missing)}: the quickstart needs data.dev set")
+    return {"exact_match": summary["dev_exact_match"], "f1": summary["dev_f1"]}
+
+
+def load_cached_baselines(path: Path) -> dict:
+    """{strategy: {"exact_match", "f1", "measured_at", "settings"}} from a baselines file; {} when absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}:{err.lineno}: not valid JSON ({err.msg}); delete it or rerun with --baselines"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{path}: expected a JSON object of baseline figures; delete it or rerun with --baselines"
+        )
+    return data
+
+
+def baseline_rows(measured: dict, cached: dict, key: str) -> dict:
+    """For each baseline: its EM/F1 and a `source` label (measured now / cached from DATE / not measured)."""
+    rows = {}
+    for name in BASELINES:
+        if name in measured:
+            rows[name] = {**measured[name], "source": "measured now"}
+        elif name in cached:
+            entry = cached[name]
+            day = str(entry.get("measured_at", "?"))[:10]
+            other = "" if entry.get("settings") == key else ", other settings"
+            rows[name] = {**entry, "source": f"cached from {day}{other}"}
+        else:
+            rows[name] = {"exact_match": None, "f1": None, "source": "not measured (run with --baselines)"}
+    return rows
+
+
+def format_results(metrics: dict) -> str:
+    """The quickstart's table: this run's dev EM/F1 next to the baselines, each labelled with its source."""
+
+    def pct(value) -> str:
+        return "-" if value is None else f"{100 * value:.1f}"
+
+    lines = [
+        f"toy world dev set ({metrics['dev_questions']} questions), {metrics['steps']} training steps",
+        "",
+        "| run | dev EM | dev F1 | source |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    dev = metrics["dev"]
+    lines.append(
+        f"| {metrics['strategy']} (this run) | {pct(dev['exact_match'])} | {pct(dev['f1'])} | measured now |"
+    )
+    for name, row in metrics["baselines"].items():
+        lines.append(
+            f"| {BASELINES[name]} | {pct(row['exact_match'])} | {pct(row['f1'])} | {row['source']} |"
+        )
+    majority = metrics.get("majority_answer")
+    if majority:
+        lines.append(
+            f"| majority answer per question type (no model) | {pct(majority['exact_match'])} "
+            f"| {pct(majority['f1'])} | measured now |"
+        )
+    closed = metrics["baselines"]["closed_book"]["exact_match"]
+    if closed is not None:
+        gain = 100 * (dev["exact_match"] - closed)
+        lines += ["", f"EM over closed book: {gain:+.1f} points"]
+    return "\n".join(lines)
+
+
+def _dev_reference(cfg: TrainConfig) -> tuple[int, dict]:
+    """(number of dev questions scored, EM/F1 of guessing the most frequent train answer per question type)."""
+    from rlm.evaluation import majority_answer_baseline
+    from rlm.setup import load_examples, resolve_data
+
+    _, train_path, dev_path = resolve_data(cfg)
+    train = load_examples(cfg.data.train, cfg.data.train_split, train_path, cfg.data.max_train_examples)
+    dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    return len(dev), majority_answer_baseline(train, dev)
+
+
+def _stage(number: int, total: int, text: str) -> None:
+    print(f"\n[{number}/{total}] {text}", flush=True)
+
+
+def run_quickstart(cfg: TrainConfig, measure_baselines: bool = False) -> QuickstartResult:
+    """Train the corrector run (and the baselines when asked), evaluate on dev, write metrics.json."""
+    from rlm.setup import resolve_data
+    from rlm.train import train
+
+    if not cfg.data.dev:
+        raise ValueError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
+    root = Path(cfg.output_dir)
+    total = 3 + (len(BASELINES) if measure_baselines else 0)
+    _stage(1, total, "data: toy world (generated once, then reused)")
+    corpus_path, _, _ = resolve_data(cfg)
+    print(f"corpus: {corpus_path}")
+
+    _stage(2, total, f"train: strategy={cfg.strategy.name}, {cfg.optim.max_steps} steps (buffer built once)")
+    started = time.perf_counter()
+    summary = train(cfg)
+    train_seconds = time.perf_counter() - started
+    dev_scores(summary)  # fail now, not after the baselines, when the summary has no dev figures
+
+    key = settings_key(cfg)
+    measured: dict = {}
+    for offset, name in enumerate(BASELINES if measure_baselines else ()):
+        _stage(3 + offset, total, f"baseline: {BASELINES[name]}, same config and budget")
+        scores = dev_scores(train(baseline_config(cfg, name)))
+        measured[name] = {**scores, "measured_at": _now(), "settings": key}
+
+    cache_path = root / BASELINES_FILE
+    cached = load_cached_baselines(cache_path)
+    if measured:
+        atomic_write_text(cache_path, json.dumps({**cached, **measured}, indent=2) + "\n")
+
+    _stage(total, total, "evaluate: dev EM next to the baselines")
+    num_dev, majority = _dev_reference(cfg)
+    metrics = {
+        "created_at": _now(),
+        "strategy": cfg.strategy.name,
+        "steps": summary["steps"],
+        "reembedded": summary["reembedded"],
+        "train_seconds": round(train_seconds, 1),
+        "dev_questions": num_dev,
+        "dev": {key[len("dev_") :]: value for key, value in summary.items() if key.startswith("dev_")},
+        "baselines": baseline_rows(measured, cached, key),
+        "majority_answer": majority,
+        "settings": key,
+        "checkpoint": str(root / "final"),
+    }
+    table = format_results(metrics)
+    metrics_path = root / METRICS_FILE
+    atomic_write_text(metrics_path, json.dumps(metrics, indent=2) + "\n")
+    return QuickstartResult(metrics, table, root / "final", metrics_path)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,110 @@
+"""The demo's answering logic without a browser: QAService over the tiny quickstart checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from test_quickstart import build_tiny_quickstart
+
+from app.demo import highlight, launch_kwargs, passages_html, respond
+from app.qa import INDEX_CACHE, InvalidQuestion, QAService, corpus_from_config
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory) -> QAService:
+    run = build_tiny_quickstart(tmp_path_factory.getbasetemp())
+    return QAService.from_checkpoint(run / "final")
+
+
+def test_answer_returns_passages_best_first_with_scores(service):
+    question = service.examples[0]
+    result = service.answer(question, 3)
+    assert result["question"] == question and result["k"] == 3
+    assert isinstance(result["answer"], str) and result["latency_ms"] > 0
+    scores = [p["score"] for p in result["passages"]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    first = result["passages"][0]
+    assert first["id"] and first["text"] and isinstance(first["has_answer"], bool)
+
+
+def test_gold_passage_is_retrieved_for_a_dev_question(service, tmp_path_factory):
+    from rlm.data.qa import read_qa_jsonl
+
+    run = build_tiny_quickstart(tmp_path_factory.getbasetemp())
+    example = read_qa_jsonl(run / "toy_world" / "dev.jsonl")[0]
+    assert example.question == service.examples[0]  # examples come from the dev split next to the corpus
+    ids = [p["id"] for p in service.answer(example.question, 5)["passages"]]
+    assert set(example.gold_passage_ids) & set(ids)
+
+
+def test_k_is_clamped_to_the_slider_range(service):
+    assert service.answer(service.examples[0], 0)["k"] == service.default_k
+    assert service.answer(service.examples[0], 10_000)["k"] == service.max_k
+
+
+def test_empty_and_oversized_questions_are_refused_with_a_message(service):
+    with pytest.raises(InvalidQuestion, match="Type a question"):
+        service.answer("   ", 3)
+    with pytest.raises(InvalidQuestion, match="limit is 300"):
+        service.answer("x" * 301, 3)
+    answer, latency, html = respond(service, "", 3)
+    assert answer == "" and html == "" and "Type a question" in latency
+    assert "limit" in respond(service, "y" * 1000, 3)[1]
+
+
+def test_index_is_cached_in_the_checkpoint_and_reused(service, tmp_path_factory):
+    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+    cached = list((final / INDEX_CACHE).iterdir())
+    assert len(cached) == 1 and (cached[0] / "index.faiss").is_file()
+    stamp = (cached[0] / "index.faiss").stat().st_mtime_ns
+    again = QAService.from_checkpoint(final)
+    assert (cached[0] / "index.faiss").stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert again.index.ids == service.index.ids
+
+
+def test_corpus_is_found_from_a_relative_config_path(tmp_path):
+    run = tmp_path / "runs" / "qs"
+    (run / "final").mkdir(parents=True)
+    (run / "toy_world").mkdir()
+    (run / "toy_world" / "corpus.jsonl").write_text("{}\n")
+    config = {"data": {"toy_world": {"dir": "qs/toy_world"}}}
+    assert corpus_from_config(config, run / "final") == run.parent / "qs" / "toy_world" / "corpus.jsonl"
+    with pytest.raises(FileNotFoundError, match="pass --corpus"):
+        corpus_from_config({"data": {"corpus": "nowhere/c.jsonl"}}, run / "final")
+
+
+def test_missing_checkpoint_says_how_to_make_one(tmp_path):
+    with pytest.raises(FileNotFoundError, match="rlm quickstart --no-serve"):
+        QAService.from_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="retriever"):
+        QAService.from_checkpoint(tmp_path / "empty")
+
+
+def test_highlight_escapes_html_and_marks_the_answer():
+    out = highlight("Born in <b>Paris</b>, paris.", "paris")
+    assert out == "Born in &lt;b&gt;<mark>Paris</mark>&lt;/b&gt;, <mark>paris</mark>."
+    assert highlight("a <x>", "") == "a &lt;x&gt;"
+    card = passages_html(
+        {
+            "answer": "Oslo",
+            "passages": [{"title": "T", "text": "in Oslo", "score": 0.5, "has_answer": True}],
+        }
+    )
+    assert "<mark>Oslo</mark>" in card and "score 0.500" in card and "contains the answer" in card
+
+
+def test_launch_policy_binds_localhost_and_serves_no_files(tmp_path):
+    kwargs = launch_kwargs(blocked=[tmp_path])
+    assert kwargs["server_name"] == "127.0.0.1"
+    assert kwargs["allowed_paths"] == []
+    assert str(tmp_path.resolve()) in kwargs["blocked_paths"]
+
+
+def test_service_survives_a_deleted_index_cache(service, tmp_path_factory):
+    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+    shutil.rmtree(final / INDEX_CACHE)
+    rebuilt = QAService.from_checkpoint(final)
+    assert rebuilt.answer(service.examples[1], 2)["k"] == 2
+    assert (final / INDEX_CACHE).is_dir()

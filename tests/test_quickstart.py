@@ -1,0 +1,138 @@
+"""`rlm quickstart`: a tiny end-to-end run (toy world -> buffer -> corrector training -> dev table), the
+baseline cache and its labels. The tiny run's checkpoint is also what the app tests serve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rlm.cli import main
+from rlm.quickstart import (
+    BASELINES,
+    baseline_config,
+    baseline_rows,
+    format_results,
+    load_cached_baselines,
+    quickstart_config,
+    settings_key,
+)
+
+# Small enough for a 2-core CPU shared with others: 150 passages, 2 steps of 4 questions, 8 dev questions.
+TINY = [
+    "data.toy_world.num_passages=150",
+    "optim.max_steps=2",
+    "optim.batch_size=4",
+    "optim.warmup_steps=1",
+    "data.max_dev_examples=8",
+    "save_every=0",
+]
+
+
+def build_tiny_quickstart(base: Path) -> Path:
+    """Run `rlm quickstart --no-serve` once into `base/quickstart` (reused when already there); its run folder."""
+    out = base / "quickstart"
+    if not (out / "metrics.json").is_file():
+        argv = ["quickstart", "--no-serve", "--output-dir", str(out)]
+        for assignment in TINY:
+            argv += ["--set", assignment]
+        assert main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    return build_tiny_quickstart(tmp_path_factory.getbasetemp())
+
+
+def test_quickstart_writes_checkpoint_metrics_and_table(tiny_run, capsys):
+    metrics = json.loads((tiny_run / "metrics.json").read_text())
+    assert metrics["strategy"] == "corrector" and metrics["steps"] == 2
+    assert metrics["reembedded"] == 0  # the corrector never re-embeds the buffer
+    assert metrics["dev_questions"] == 8
+    assert 0.0 <= metrics["dev"]["exact_match"] <= 1.0 and "recall@5" in metrics["dev"]
+    for name in BASELINES:
+        assert metrics["baselines"][name]["source"].startswith(("not measured", "cached from"))
+    for part in ("retriever", "reader", "config.yaml"):
+        assert (tiny_run / "final" / part).exists()
+    assert (tiny_run / "toy_world" / "corpus.jsonl").is_file()  # --output-dir moved the toy world too
+
+
+def test_baselines_from_cache_are_labelled_with_their_date():
+    cfg = quickstart_config(None, "/tmp/x", TINY)
+    key = settings_key(cfg)
+    cached = {
+        "closed_book": {
+            "exact_match": 0.1,
+            "f1": 0.2,
+            "measured_at": "2026-11-20T10:00:00+00:00",
+            "settings": key,
+        },
+        "frozen": {
+            "exact_match": 0.3,
+            "f1": 0.4,
+            "measured_at": "2026-11-21T10:00:00+00:00",
+            "settings": "other",
+        },
+    }
+    rows = baseline_rows({}, cached, key)
+    assert rows["closed_book"]["source"] == "cached from 2026-11-20"
+    assert rows["frozen"]["source"] == "cached from 2026-11-21, other settings"
+    measured = {"frozen": {"exact_match": 0.5, "f1": 0.6}}
+    assert baseline_rows(measured, {}, key)["frozen"]["source"] == "measured now"
+    assert baseline_rows({}, {}, key)["closed_book"]["source"].startswith("not measured")
+
+    metrics = {
+        "strategy": "corrector",
+        "steps": 2,
+        "dev_questions": 8,
+        "dev": {"exact_match": 0.625, "f1": 0.7},
+        "baselines": rows,
+        "majority_answer": {"exact_match": 0.05, "f1": 0.05},
+    }
+    table = format_results(metrics)
+    assert "| corrector (this run) | 62.5 | 70.0 | measured now |" in table
+    assert "| closed book (no passages) | 10.0 | 20.0 | cached from 2026-11-20 |" in table
+    assert "EM over closed book: +52.5 points" in table
+
+
+def test_baseline_config_changes_only_strategy_and_folders():
+    cfg = quickstart_config(None, "/tmp/qs", TINY)
+    frozen = baseline_config(cfg, "frozen")
+    assert frozen.strategy.name == "frozen" and frozen.strategy.k == cfg.strategy.k
+    assert frozen.output_dir == "/tmp/qs/baselines/frozen"
+    assert frozen.buffer.dir == "/tmp/qs/buffer"  # the main run's buffer: same corpus, same initial tower
+    assert frozen.data.toy_world.dir == cfg.data.toy_world.dir
+    assert frozen.optim == cfg.optim and frozen.reader == cfg.reader
+    assert settings_key(frozen) == settings_key(cfg)
+    assert settings_key(quickstart_config(None, "/tmp/qs", [*TINY, "optim.max_steps=3"])) != settings_key(cfg)
+
+
+def test_corrupt_baseline_cache_names_the_file(tmp_path):
+    bad = tmp_path / "baselines.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"baselines.json:1: not valid JSON"):
+        load_cached_baselines(bad)
+    assert load_cached_baselines(tmp_path / "missing.json") == {}
+
+
+@pytest.mark.slow
+def test_baselines_measured_then_reused_from_cache(tmp_path, capsys):
+    out = tmp_path / "qs"
+    argv = ["quickstart", "--no-serve", "--output-dir", str(out)]
+    for assignment in [*TINY, "optim.max_steps=1"]:
+        argv += ["--set", assignment]
+    assert main([*argv, "--baselines"]) == 0
+    first = json.loads((out / "metrics.json").read_text())
+    assert {row["source"] for row in first["baselines"].values()} == {"measured now"}
+    cache = json.loads((out / "baselines.json").read_text())
+    assert set(cache) == set(BASELINES) and all(0 <= v["exact_match"] <= 1 for v in cache.values())
+    assert (out / "baselines" / "frozen" / "final" / "reader").is_dir()
+
+    assert main(argv) == 0  # no --baselines: the figures come from the cache, labelled with the date
+    second = json.loads((out / "metrics.json").read_text())
+    for name in BASELINES:
+        assert second["baselines"][name]["source"].startswith("cached from 20")
+        assert second["baselines"][name]["exact_match"] == cache[name]["exact_match"]
+    assert "cached from" in capsys.readouterr().out
