@@ -30,6 +30,10 @@ class WarmStartConfig:
     decoder_ff: int | None = None
     decoder_dropout: float = 0.1
     copy_word_embeddings: bool = True  # start the decoder's token embeddings from the encoder's
+    # Keep the pretrained token embeddings fixed, in the encoder and (when copied) in the decoder, whose
+    # output layer is tied to them: the answer is then scored against the pretrained vectors of the tokens
+    # the encoder read, and the optimizer skips the two vocabulary-sized matrices (most of the parameters).
+    freeze_embeddings: bool = False
 
 
 def build_warm_started_encoder_decoder(
@@ -77,6 +81,11 @@ def build_warm_started_encoder_decoder(
         if source.shape == decoder.get_input_embeddings().weight.shape:
             with torch.no_grad():
                 decoder.get_input_embeddings().weight.copy_(source)
+
+    if config.freeze_embeddings:
+        encoder.get_input_embeddings().weight.requires_grad_(False)
+        if config.copy_word_embeddings:
+            decoder.get_input_embeddings().weight.requires_grad_(False)
 
     model = EncoderDecoderModel(encoder=encoder, decoder=decoder)
     for cfg in (model.config, model.generation_config):

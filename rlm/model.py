@@ -40,9 +40,10 @@ class RetrievalAugmentedModel(nn.Module):
         self.cfg = cfg
         self.timer = null_timer  # replaced by a PhaseTimer when profiling (scripts/bench_training.py)
 
-    def forward(self, batch: Batch, strategy, corpus) -> StepOutput:
-        step = algorithm2_step if self.cfg.algorithm == 2 else algorithm1_step
-        return step(self, batch, strategy, corpus, self.cfg)
+    def forward(self, batch: Batch, strategy, corpus, reader_only: bool = False) -> StepOutput:
+        if self.cfg.algorithm == 1:
+            return algorithm1_step(self, batch, strategy, corpus, self.cfg)
+        return algorithm2_step(self, batch, strategy, corpus, self.cfg, reader_only=reader_only)
 
     def parameter_groups(self, strategy, optim_cfg) -> list[dict]:
         """One group per component with its own learning rate; components the strategy does not train are frozen."""

@@ -198,7 +198,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             )
             batch = make_batch(train_examples, indices, corpus, cfg.algorithm)
             with accelerator.accumulate(model):
-                out = model(batch, strategy, corpus)
+                out = model(batch, strategy, corpus, reader_only=state.step < cfg.reader.reader_only_steps)
                 # Every process must agree to skip, or DDP's collective calls would deadlock.
                 finite = accelerator.reduce(torch.isfinite(out.loss.detach()).float().reshape(1), "min")
                 if finite.item() < 1:

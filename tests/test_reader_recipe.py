@@ -1,0 +1,143 @@
+"""The quickstart's reader recipe: the warm-started reader built from config, and the reader-only warm-up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from reader.fid import FiDReader
+from rlm.config import load_config
+from rlm.model import RetrievalAugmentedModel
+from rlm.setup import build_components, build_reader
+from rlm.strategies import make_strategy
+from rlm.train import make_batch, train
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+WARM = [
+    "reader.arch=warm_start",
+    "reader.warm_start_layers=1",
+    "reader.num_decoder_layers=1",
+    "reader.num_heads=2",
+    "reader.d_ff=64",
+    "reader.max_passage_length=40",
+    "reader.max_answer_length=8",
+]
+QUESTIONS = ["Where was Talia Vorne born?", "What is the occupation of Brus Kelan?"]
+PASSAGES = [
+    [
+        ("Talia Vorne", "Talia Vorne is a native of Grewick."),
+        ("Talia Vorna", "Talia Vorna was born in Muholm."),
+    ],
+    [("Brus Kelan", "By profession, Brus Kelan is a baker.")],
+]
+ANSWERS = ["Grewick", "baker"]
+
+
+def tiny_world_overrides(root: Path) -> list[str]:
+    return [
+        f"output_dir={root}/run",
+        f"buffer.dir={root}/buffer",
+        f"data.toy_world.dir={root}/toy",
+        "data.toy_world.num_passages=120",
+        "data.dev=null",
+        "strategy.k=4",
+        "retriever.passage_max_length=40",
+        "retriever.query_max_length=24",
+        "optim.batch_size=2",
+        "cpu=true",
+    ]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("reader.arch=bart", "reader.arch must be one of"),
+        ("reader.warm_start_layers=0", "reader.warm_start_layers must be >= 1"),
+        ("reader.reader_only_steps=-1", "reader.reader_only_steps must be >= 0"),
+    ],
+)
+def test_reader_recipe_keys_are_validated(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_warm_started_reader_from_config_is_small_to_train_and_round_trips(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path}", *WARM])
+    reader = build_reader(cfg, corpus=None, examples=[])
+    model = reader.model
+    assert len(model.encoder.encoder.layer) == 1 and len(model.decoder.bert.encoder.layer) == 1
+    # Frozen pretrained token embeddings, the decoder's output layer tied to its (frozen) copy of them.
+    decoder_embeddings = model.decoder.get_input_embeddings().weight
+    assert model.decoder.get_output_embeddings().weight is decoder_embeddings
+    assert not decoder_embeddings.requires_grad
+    assert not model.encoder.get_input_embeddings().weight.requires_grad
+    trainable = sum(p.numel() for p in reader.parameters() if p.requires_grad)
+    assert trainable < 0.25 * sum(p.numel() for p in reader.parameters())
+    # The same seed builds the same reader (a resumed run rebuilds it before loading its checkpoint).
+    again = build_reader(cfg, corpus=None, examples=[])
+    assert all(torch.equal(a, b) for a, b in zip(reader.parameters(), again.parameters()))
+
+    batch = reader.collator(QUESTIONS, PASSAGES, ANSWERS)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    frozen_before = decoder_embeddings.detach().clone()
+    opt = torch.optim.AdamW([p for p in reader.parameters() if p.requires_grad], lr=1e-3)
+    reader.train()
+    losses = []
+    for _ in range(8):
+        loss = reader(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+    assert torch.equal(decoder_embeddings, frozen_before)
+
+    reader.save_pretrained(tmp_path / "reader")
+    loaded = FiDReader.from_pretrained(tmp_path / "reader")
+    reader.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.allclose(reader(**inputs).logits, loaded(**inputs).logits, atol=1e-5)
+
+
+def test_unfrozen_warm_start_trains_its_embeddings(tmp_path):
+    cfg = load_config(None, [f"output_dir={tmp_path}", *WARM, "reader.warm_start_freeze_embeddings=false"])
+    reader = build_reader(cfg, corpus=None, examples=[])
+    assert reader.model.encoder.get_input_embeddings().weight.requires_grad
+    assert reader.model.decoder.get_output_embeddings().weight.requires_grad
+
+
+def test_reader_only_step_moves_the_reader_alone(tmp_path):
+    cfg = load_config(None, tiny_world_overrides(tmp_path) + WARM)
+    parts = build_components(cfg)
+    model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
+    strategy = make_strategy(cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=0)
+    model.parameter_groups(strategy, cfg.optim)
+    batch = make_batch(parts.train_examples, [0, 1], parts.corpus, cfg.algorithm)
+
+    warm_up = model(batch, strategy, parts.corpus, reader_only=True)
+    assert set(warm_up.terms) == {"reader"} and "retriever_loss" not in warm_up.metrics
+    warm_up.loss.backward()
+    assert all(p.grad is None for p in model.retriever.parameters())
+    assert all(p.grad is None for p in model.corrector.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.reader.parameters())
+
+    joint = model(batch, strategy, parts.corpus)
+    assert set(joint.terms) == {"reader", "retriever", "corrector"}
+
+
+def test_training_switches_from_reader_only_to_joint(tmp_path):
+    cfg = load_config(
+        None,
+        tiny_world_overrides(tmp_path)
+        + WARM
+        + ["reader.reader_only_steps=2", "optim.max_steps=3", "log_every=1", "save_every=0"],
+    )
+    train(cfg)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3]
+    assert ["retriever_loss" in r for r in log] == [False, False, True]
+    assert all(r["reader_loss"] > 0 for r in log)
