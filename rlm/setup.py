@@ -124,10 +124,11 @@ def load_or_build_buffer(
     buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
     tower = retriever.passage_tower
     texts = corpus.retrieval_texts()
-    corpus_fp = corpus_fingerprint(corpus.ids, texts)
     if (buffer_dir / "meta.json").exists():
         buffer = PassageBuffer.load(
-            buffer_dir, encoder_fingerprint=tower.fingerprint(), corpus_fingerprint=corpus_fp
+            buffer_dir,
+            encoder_fingerprint=tower.fingerprint(),
+            corpus_fingerprint=corpus_fingerprint(corpus.ids, texts),
         )
     else:
         buffer = build_passage_buffer(

@@ -55,7 +55,7 @@ def corrector_quality(fresh_logits: torch.Tensor, other_logits: torch.Tensor, ma
 
 def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fresh_logits, beta, cfg):
     """Step 7: the corrector's loss on S_x, from detached queries and detached targets; plus drift metrics."""
-    stale = strategy.buffer.embeddings[_rows_or_zero(rows)].to(queries.dtype)  # B_y: the fixed buffer rows
+    stale = strategy.buffer.rows(_rows_or_zero(rows)).to(queries.dtype)  # B_y: the fixed buffer rows
     stale_logits = beta * _scores(queries.detach(), stale)
     drift = (fresh_passages.detach().float() - stale.float()).norm(dim=-1)[mask].mean()
     metrics = {

@@ -63,9 +63,9 @@ class SelectionStrategy:
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
         """Called before optimizer step `step` (0-based); refreshing strategies re-embed here."""
 
-    def search_space(self) -> torch.Tensor:
-        """The [N, D] matrix the queries are scored against at this step."""
-        return self.buffer.embeddings
+    def search_space(self) -> PassageBuffer | torch.Tensor:
+        """What the queries are scored against at this step (the buffer itself streams its memory-mapped shards)."""
+        return self.buffer
 
     def select(
         self,
@@ -125,7 +125,7 @@ class InBatchStrategy(SelectionStrategy):
     def select(self, queries, corrector=None, include=None, num_random=0):
         if include is None:
             raise ValueError("in_batch selects the batch's labels: algorithm 1 only")
-        scores = torch.einsum("bd,bmd->bm", queries.float(), self.buffer.embeddings[include].float())
+        scores = torch.einsum("bd,bmd->bm", queries.float(), self.buffer.rows(include).float())
         return TopK(scores, include)
 
 
@@ -154,8 +154,8 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
             self.fresh = embed_rows(range(len(self.buffer))).to(torch.float32)
             self.reembedded += len(self.buffer)
 
-    def search_space(self) -> torch.Tensor:
-        return self.buffer.embeddings if self.fresh is None else self.fresh
+    def search_space(self) -> PassageBuffer | torch.Tensor:
+        return self.buffer if self.fresh is None else self.fresh
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "fresh": self.fresh}
@@ -215,7 +215,7 @@ class SNMStrategy(SelectionStrategy):
             uniform = torch.randint(len(self.buffer), (num_random,), generator=self.generator)
             extra.append(uniform.expand(len(queries), -1))
         extra_idx = torch.cat(extra, dim=1)
-        extra_scores = torch.einsum("bd,bmd->bm", queries.float(), self.buffer.embeddings[extra_idx].float())
+        extra_scores = torch.einsum("bd,bmd->bm", queries.float(), self.buffer.rows(extra_idx).float())
         return _merge(top.scores, indices, extra_scores, extra_idx)
 
     def state_dict(self) -> dict:

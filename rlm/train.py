@@ -125,7 +125,8 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     accelerator = accelerator or Accelerator(
         gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
         mixed_precision=cfg.mixed_precision,
-        cpu=cfg.cpu,
+        # Without CUDA, accelerate must be told it is on CPU, or torchrun ranks run as unrelated processes.
+        cpu=cfg.cpu or not torch.cuda.is_available(),
         log_with="tensorboard",
         project_dir=str(output_dir),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
