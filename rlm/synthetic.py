@@ -1,0 +1,299 @@
+"""The paper's Section 5.3 synthetic study: how well a corrector h(g') recovers the softmax of drifted targets.
+
+Vectors stand in for the encoders (no text, no dual-encoder training):
+
+* g'(y), the stale buffer: targets drawn from a mixture of Gaussians (paper: 4,096 targets, D = 8, 20
+  components);
+* g(y) = m(g'(y)), the fresh targets: g' pushed through a randomly initialised residual MLP m; its depth, width
+  and init scale set how stale g' is;
+* f(x), the queries: drawn from the same mixture as g' (the paper does not say how it draws them; this keeps
+  every query near some targets, so P is peaked the way a retrieval softmax is).
+
+P(y|x) = softmax_y(beta <f(x), g(y)>) over all targets is the truth, P_g' uses g' and P_h uses h(g'). The
+corrector h is trained alone (Adam, lr 0.03, at most 1,000 full-batch epochs, patience 100) with the
+cross-entropy between the truncated softmaxes of g and h(g') over a sampled fraction of the targets (Eq. 6),
+and judged by KL(P || P_h) over *all* targets on held-out queries, so targets it never saw count.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from retriever.corrector import CorrectorNetwork
+
+
+@dataclass(frozen=True)
+class GaussianMixture:
+    """Isotropic Gaussian mixture with uniform weights: `means` [C, D], per-component `stds` [C]."""
+
+    means: Tensor
+    stds: Tensor
+
+    @classmethod
+    def random(
+        cls,
+        dim: int,
+        num_components: int,
+        generator: torch.Generator,
+        spread: float = 1.0,
+        std_range: tuple[float, float] = (0.1, 0.4),
+    ) -> GaussianMixture:
+        """Means ~ N(0, spread^2 I); each component's std uniform in `std_range`."""
+        if dim <= 0 or num_components <= 0:
+            raise ValueError(f"need dim > 0 and num_components > 0, got {dim} and {num_components}")
+        low, high = std_range
+        means = spread * torch.randn(num_components, dim, generator=generator)
+        stds = low + (high - low) * torch.rand(num_components, generator=generator)
+        return cls(means, stds)
+
+    def sample(self, n: int, generator: torch.Generator) -> Tensor:
+        """`n` points [n, D]: pick a component uniformly, add its isotropic noise."""
+        component = torch.randint(len(self.means), (n,), generator=generator)
+        noise = torch.randn(n, self.means.shape[1], generator=generator)
+        return self.means[component] + self.stds[component, None] * noise
+
+
+class ResidualMLP(nn.Module):
+    """x + W_out relu(... relu(W_1 x)); with 0 hidden layers it is the linear residual map x + W x + b.
+
+    Used as the random drift m (g = m(g')) and as the 0-hidden-layer corrector, which
+    `retriever.corrector.CorrectorNetwork` (at least one hidden layer) cannot express.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_hidden_layers: int):
+        super().__init__()
+        if dim <= 0 or hidden_dim <= 0 or num_hidden_layers < 0:
+            raise ValueError(
+                f"ResidualMLP needs dim > 0, hidden_dim > 0, num_hidden_layers >= 0; "
+                f"got {dim}, {hidden_dim}, {num_hidden_layers}"
+            )
+        widths = [dim] + [hidden_dim] * num_hidden_layers
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.output = nn.Linear(widths[-1], dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x
+        for layer in self.hidden:
+            y = F.relu(layer(y))
+        return x + self.output(y)
+
+
+def random_drift(
+    dim: int, hidden_dim: int, num_hidden_layers: int, init_scale: float, seed: int
+) -> ResidualMLP:
+    """A frozen random residual MLP whose weights are N(0, init_scale^2 / fan_in) and biases N(0, (init_scale/2)^2).
+
+    `init_scale` 0 gives the identity (no drift). The fan-in scaling keeps each layer's output on the scale of
+    its input, so `init_scale` reads as "how far, relative to |g'|, the targets move".
+    """
+    if init_scale < 0:
+        raise ValueError(f"init_scale must be >= 0, got {init_scale}")
+    generator = torch.Generator().manual_seed(seed)
+    drift = ResidualMLP(dim, hidden_dim, num_hidden_layers)
+    with torch.no_grad():
+        for layer in [*drift.hidden, drift.output]:
+            fan_in = layer.weight.shape[1]
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / math.sqrt(fan_in))
+            layer.bias.copy_(0.5 * torch.randn(layer.bias.shape, generator=generator))
+        # Only the output layer is scaled: the hidden ReLU features keep their shape and the size of the
+        # residual update is set by one number.
+        drift.output.weight.mul_(init_scale)
+        drift.output.bias.mul_(init_scale)
+    return drift.requires_grad_(False)
+
+
+def build_corrector(dim: int, hidden_dim: int, num_hidden_layers: int, seed: int = 0) -> nn.Module:
+    """The corrector h, identity at init: `CorrectorNetwork` for >= 1 hidden layer, else a linear residual map."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if num_hidden_layers >= 1:
+            return CorrectorNetwork(dim, hidden_dim, num_hidden_layers)
+        linear = ResidualMLP(dim, dim, 0)
+    nn.init.zeros_(linear.output.weight)
+    nn.init.zeros_(linear.output.bias)
+    return linear
+
+
+def parameter_count(module: nn.Module) -> int:
+    """Number of trainable scalars, the paper's |Psi|."""
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def softmax_kl(queries: Tensor, true_targets: Tensor, approx_targets: Tensor, beta: float) -> float:
+    """Mean over queries of KL(P || Q), P = softmax(beta <x, true>), Q = softmax(beta <x, approx>), all targets."""
+    if true_targets.shape != approx_targets.shape:
+        raise ValueError(f"true {tuple(true_targets.shape)} and approx {tuple(approx_targets.shape)} differ")
+    log_p = (beta * queries @ true_targets.T).log_softmax(-1)
+    log_q = (beta * queries @ approx_targets.T).log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """How a corrector fit went: epochs run, best training loss and the truncated KL it corresponds to."""
+
+    epochs: int
+    best_epoch: int
+    train_ce: float
+    train_kl: float
+    seconds: float
+
+
+def train_corrector(
+    corrector: nn.Module,
+    stale: Tensor,
+    fresh: Tensor,
+    queries: Tensor,
+    beta: float,
+    lr: float = 0.03,
+    max_epochs: int = 1000,
+    patience: int = 100,
+    min_delta: float = 1e-6,
+) -> FitResult:
+    """Fit h so that softmax(beta <x, h(stale)>) matches softmax(beta <x, fresh>) over the given targets (Eq. 6).
+
+    `stale`, `fresh` [M, D] are the sampled targets (the truncated set S(Y)), `queries` [Q, D]. One epoch is
+    one full-batch Adam step. Stops when the loss has not improved by `min_delta` for `patience` epochs or
+    after `max_epochs`; the corrector is left with its best-loss weights.
+    """
+    if stale.shape != fresh.shape:
+        raise ValueError(f"stale {tuple(stale.shape)} and fresh {tuple(fresh.shape)} differ")
+    start = time.perf_counter()
+    p_target = (beta * queries @ fresh.T).softmax(-1)
+    # The CE floor is the entropy of the target softmax; subtracting it reports the truncated KL.
+    entropy = -(p_target * p_target.clamp_min(1e-30).log()).sum(-1).mean().item()
+    optimizer = torch.optim.Adam(corrector.parameters(), lr=lr)
+    best, best_epoch, best_state = math.inf, 0, None
+    epoch = 0
+    for epoch in range(1, max_epochs + 1):
+        log_q = (beta * queries @ corrector(stale).T).log_softmax(-1)
+        loss = -(p_target * log_q).sum(-1).mean()
+        value = loss.item()
+        if value < best - min_delta:
+            # The loss belongs to the weights before this step, so they are the ones kept.
+            best, best_epoch = value, epoch
+            best_state = {k: v.detach().clone() for k, v in corrector.state_dict().items()}
+        if epoch - best_epoch >= patience:
+            break
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    if best_state is not None:
+        corrector.load_state_dict(best_state)
+    return FitResult(epoch, best_epoch, best, best - entropy, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class DriftSpec:
+    """A staleness setting: g = m(g') with m a random residual MLP of this shape and init scale."""
+
+    num_hidden_layers: int
+    width_mult: int
+    init_scale: float
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_hidden_layers}x{self.width_mult}D@{self.init_scale:g}"
+
+
+@dataclass(frozen=True)
+class CorrectorSpec:
+    """A corrector shape: residual MLP with `num_hidden_layers` ReLU layers of width `width_mult` * D."""
+
+    num_hidden_layers: int
+    width_mult: int
+
+    @property
+    def label(self) -> str:
+        return "linear" if self.num_hidden_layers == 0 else f"{self.num_hidden_layers}x{self.width_mult}D"
+
+
+@dataclass(frozen=True)
+class SyntheticWorld:
+    """Stale targets g' [N, D], training and held-out queries f(x), and the softmax temperature beta."""
+
+    stale: Tensor
+    train_queries: Tensor
+    eval_queries: Tensor
+    beta: float
+
+    @property
+    def dim(self) -> int:
+        return self.stale.shape[1]
+
+    @classmethod
+    def generate(
+        cls,
+        num_targets: int = 4096,
+        dim: int = 8,
+        num_components: int = 20,
+        num_train_queries: int = 128,
+        num_eval_queries: int = 256,
+        beta: float = 2.0,
+        seed: int = 0,
+    ) -> SyntheticWorld:
+        """Targets and queries from one random Gaussian mixture (paper: 4,096 targets, D = 8, 20 components)."""
+        generator = torch.Generator().manual_seed(seed)
+        mixture = GaussianMixture.random(dim, num_components, generator)
+        stale = mixture.sample(num_targets, generator)
+        return cls(
+            stale,
+            mixture.sample(num_train_queries, generator),
+            mixture.sample(num_eval_queries, generator),
+            beta,
+        )
+
+    def drifted(self, drift: DriftSpec) -> Tensor:
+        """The fresh targets g = m(g') for one staleness setting."""
+        net = random_drift(
+            self.dim, drift.width_mult * self.dim, drift.num_hidden_layers, drift.init_scale, drift.seed
+        )
+        with torch.no_grad():
+            return net(self.stale)
+
+    def stale_kl(self, fresh: Tensor) -> float:
+        """KL(P || P_g') on the held-out queries: how stale the buffer is."""
+        return softmax_kl(self.eval_queries, fresh, self.stale, self.beta)
+
+
+def fit_corrector(
+    world: SyntheticWorld,
+    fresh: Tensor,
+    corrector: CorrectorSpec,
+    fraction: float,
+    seed: int = 0,
+    **train_kwargs,
+) -> dict:
+    """Train one corrector on a uniform sample of `fraction` of the targets; score it on all of them.
+
+    Returns a flat record: the corrector shape and parameter count, the number of sampled targets, the
+    held-out KL(P || P_h) over all targets, and the fit (epochs, truncated training KL, seconds).
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    num_targets = len(world.stale)
+    generator = torch.Generator().manual_seed(seed)
+    sampled = torch.randperm(num_targets, generator=generator)[: max(2, round(fraction * num_targets))]
+    h = build_corrector(world.dim, corrector.width_mult * world.dim, corrector.num_hidden_layers, seed=seed)
+    fit = train_corrector(
+        h, world.stale[sampled], fresh[sampled], world.train_queries, world.beta, **train_kwargs
+    )
+    with torch.no_grad():
+        corrected = h(world.stale)
+    return {
+        "corrector": corrector.label,
+        "corrector_layers": corrector.num_hidden_layers,
+        "corrector_width_mult": corrector.width_mult,
+        "params": parameter_count(h),
+        "fraction": fraction,
+        "sampled_targets": len(sampled),
+        "corrected_kl": softmax_kl(world.eval_queries, fresh, corrected, world.beta),
+        **{f"fit_{k}": v for k, v in asdict(fit).items()},
+    }

@@ -1,0 +1,140 @@
+"""The Section 5.3 synthetic study: drift, corrector shapes, the fit, and the report script (tiny sizes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlm.synthetic import (
+    CorrectorSpec,
+    DriftSpec,
+    SyntheticWorld,
+    build_corrector,
+    fit_corrector,
+    parameter_count,
+    softmax_kl,
+    train_corrector,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def world() -> SyntheticWorld:
+    torch.set_num_threads(1)
+    return SyntheticWorld.generate(num_targets=512, num_train_queries=48, num_eval_queries=64, seed=3)
+
+
+def test_identity_drift_gives_zero_stale_kl(world):
+    fresh = world.drifted(DriftSpec(2, 8, 0.0))
+    assert torch.equal(fresh, world.stale)
+    assert abs(world.stale_kl(fresh)) < 1e-6
+
+
+def test_stale_kl_grows_with_init_scale(world):
+    kls = [world.stale_kl(world.drifted(DriftSpec(1, 4, scale, seed=1))) for scale in (0.1, 0.5, 1.5)]
+    assert 0 < kls[0] < kls[1] < kls[2]
+
+
+def test_kl_is_zero_only_for_same_targets(world):
+    shifted = world.stale + 0.3 * torch.randn(world.stale.shape, generator=torch.Generator().manual_seed(0))
+    assert softmax_kl(world.eval_queries, world.stale, world.stale, world.beta) == pytest.approx(
+        0.0, abs=1e-6
+    )
+    assert softmax_kl(world.eval_queries, world.stale, shifted, world.beta) > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("layers", "mult", "params"), [(0, 1, 8 * 8 + 8), (1, 2, 2 * (8 * 16) + 16 + 8), (2, 1, 216)]
+)
+def test_corrector_is_identity_at_init_with_expected_size(world, layers, mult, params):
+    h = build_corrector(8, mult * 8, layers)
+    with torch.no_grad():
+        assert torch.equal(h(world.stale), world.stale)
+    assert parameter_count(h) == params
+
+
+def test_trained_corrector_beats_stale_buffer(world):
+    fresh = world.drifted(DriftSpec(2, 8, 2.0, seed=5))
+    stale_kl = world.stale_kl(fresh)
+    record = fit_corrector(world, fresh, CorrectorSpec(1, 4), fraction=0.5, max_epochs=200, patience=50)
+    assert stale_kl > 0.3
+    assert record["corrected_kl"] < 0.3 * stale_kl
+    assert record["sampled_targets"] == 256
+
+
+def test_linear_corrector_recovers_linear_drift(world):
+    fresh = world.drifted(DriftSpec(0, 1, 0.3, seed=2))
+    record = fit_corrector(world, fresh, CorrectorSpec(0, 1), fraction=1.0, max_epochs=400, patience=50)
+    assert world.stale_kl(fresh) > 0.05
+    assert record["corrected_kl"] < 1e-3
+
+
+def test_more_sampled_targets_generalise_better(world):
+    fresh = world.drifted(DriftSpec(2, 8, 3.0, seed=7))
+    few = fit_corrector(world, fresh, CorrectorSpec(2, 8), fraction=0.02, max_epochs=150, patience=50)
+    all_ = fit_corrector(world, fresh, CorrectorSpec(2, 8), fraction=1.0, max_epochs=150, patience=50)
+    # With 10 targets the big corrector fits them (tiny training KL) but not the rest of the softmax.
+    assert few["fit_train_kl"] < all_["fit_train_kl"]
+    assert all_["corrected_kl"] < 0.5 * few["corrected_kl"]
+
+
+def test_fit_keeps_best_weights_and_reports_their_loss(world):
+    fresh = world.drifted(DriftSpec(1, 8, 1.0, seed=4))
+    h = build_corrector(8, 16, 1)
+    # Each epoch scores the weights and then steps them, so without restoring the best state the
+    # corrector would hold weights one step past any reported loss.
+    fit = train_corrector(h, world.stale, fresh, world.train_queries, world.beta, lr=0.5, max_epochs=60)
+    with torch.no_grad():
+        p = (world.beta * world.train_queries @ fresh.T).softmax(-1)
+        log_q = (world.beta * world.train_queries @ h(world.stale).T).log_softmax(-1)
+        ce = -(p * log_q).sum(-1).mean().item()
+    assert ce == pytest.approx(fit.train_ce, rel=1e-5)
+
+
+def test_no_drift_stops_after_patience(world):
+    h = build_corrector(8, 8, 1)
+    fit = train_corrector(
+        h, world.stale, world.stale, world.train_queries, world.beta, max_epochs=1000, patience=7
+    )
+    assert fit.epochs == 8 and fit.best_epoch == 1
+    assert abs(fit.train_kl) < 1e-5
+
+
+def test_bad_arguments_are_refused(world):
+    with pytest.raises(ValueError, match="fraction"):
+        fit_corrector(world, world.stale, CorrectorSpec(0, 1), fraction=0.0)
+    with pytest.raises(ValueError, match="differ"):
+        softmax_kl(world.eval_queries, world.stale, world.stale[:10], world.beta)
+    with pytest.raises(ValueError, match="init_scale"):
+        world.drifted(DriftSpec(1, 1, -1.0))
+
+
+def test_quick_script_writes_report_and_keeps_findings(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "synthetic_corrector", ROOT / "scripts" / "synthetic_corrector.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "report"
+    findings = f"{script.FINDINGS_START}\nhand-written notes\n{script.FINDINGS_END}"
+    out.with_suffix(".md").write_text(f"# old\n\n{findings}\n\nold table\n")
+
+    assert script.main(["--quick", "--out", str(out), "--max-epochs", "30"]) == 0
+
+    results = json.loads(out.with_suffix(".json").read_text())
+    # quick grid: 3 drifts x 3 correctors at 10%, plus 5% and 100% for the one Fig. 3 drift
+    assert len(results["fits"]) == 15
+    assert all(f["fit_epochs"] <= 30 and f["corrected_kl"] >= 0 for f in results["fits"])
+    strongest = max(results["drifts"], key=lambda d: d["stale_kl"])
+    best = min(f["corrected_kl"] for f in results["fits"] if f["drift"] == strongest["label"])
+    assert best < strongest["stale_kl"]
+    report = out.with_suffix(".md").read_text()
+    assert findings in report and "old table" not in report
+    assert "| 2x8D@3 |" in report
+    for name in ("report_fig3.png", "report_fig4.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
