@@ -141,3 +141,33 @@ def test_training_switches_from_reader_only_to_joint(tmp_path):
     assert [r["step"] for r in log] == [1, 2, 3]
     assert ["retriever_loss" in r for r in log] == [False, False, True]
     assert all(r["reader_loss"] > 0 for r in log)
+
+
+def test_learning_curve_rebuilds_wall_time_and_plots(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "learning_curve", CONFIGS.parent / "scripts" / "learning_curve.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": 10, "steps_per_s": 0.5},
+        {"step": 20, "steps_per_s": 1.0, "dev_exact_match": 0.25},
+        {"step": 30, "steps_per_s": 0.25},
+    ]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "summary.json").write_text(json.dumps({"steps": 30, "dev_exact_match": 0.5}))
+    assert module.main([str(run), "--labels", "demo", "--out", str(tmp_path / "curve")]) == 0
+    curve = json.loads((tmp_path / "curve.json").read_text())["curves"][0]
+    assert curve["label"] == "demo"
+    assert curve["points"] == [
+        {"step": 20, "wall_s": 30.0, "dev_em": 0.25},
+        {"step": 30, "wall_s": 70.0, "dev_em": 0.5},
+    ]
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    (run / "log.jsonl").write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(ValueError, match="log.jsonl:2"):
+        module.load_curve(run)
