@@ -166,15 +166,20 @@ def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         queries.detach(), model.corrector, include=gold[:, None], num_random=cfg.strategy.num_random
     )
     rows = top.indices
-    if cfg.strategy.share_across_batch or strategy.shares_batch:  # Appendix B.1: score the batch's union
+
+    # 3. p_y = g(y) for y in S_x, with gradient.
+    texts = corpus.retrieval_texts()
+    if cfg.strategy.share_across_batch or strategy.shares_batch:
+        # Appendix B.1: every question scores the union of the batch's S_x; g runs once per distinct passage.
         union = torch.unique(rows[rows >= 0])
-        rows = union.expand(len(gold), -1)
+        fresh = model.retriever.encode_passages([texts[r] for r in union.tolist()])
+        rows, fresh = union.expand(len(gold), -1), fresh.expand(len(gold), -1, -1)
+    else:
+        flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
+        fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
     mask = rows >= 0
 
-    # 3. p_y = g(y) for y in S_x, with gradient; P~ = softmax(beta <q, p_y>).
-    texts = corpus.retrieval_texts()
-    flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
-    fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
+    # P~ = softmax(beta <q, p_y>) over S_x.
     logits = beta * _scores(queries, fresh)
 
     # Task loss: cross-entropy against the one-hot label P*.

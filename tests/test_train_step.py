@@ -66,9 +66,14 @@ def moved(grad_list):
     return any(g is not None and g.abs().sum() > 0 for g in grad_list)
 
 
-@pytest.mark.parametrize("algorithm", [2, 1])
+@pytest.mark.parametrize("algorithm", [2, 1, "1-shared"])
 def test_gradient_isolation(world, algorithm):
-    overrides = ["algorithm=1", "strategy.num_random=4"] if algorithm == 1 else []
+    overrides = {
+        2: [],
+        1: ["algorithm=1", "strategy.num_random=4"],
+        "1-shared": ["algorithm=1", "strategy.num_random=4", "strategy.share_across_batch=true"],
+    }[algorithm]
+    algorithm = 2 if algorithm == 2 else 1
     cfg, parts, model, strategy = make_parts(world, *overrides)
     model.parameter_groups(strategy, cfg.optim)  # sets requires_grad per strategy
     batch = make_batch(parts.train_examples, list(range(4)), parts.corpus, cfg.algorithm)
@@ -203,3 +208,12 @@ def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(
     cfg.data.dev_subcorpus = str(world / "hard.txt")
     hard = validate(model, parts.corpus, dev, cfg)
     assert hard["dev_gold_recall@5"] == 1.0
+
+
+def test_in_batch_scores_exactly_the_batchs_gold_passages(world):
+    cfg, parts, model, strategy = make_parts(world, "algorithm=1", "strategy.name=in_batch")
+    batch = make_batch(parts.train_examples, list(range(5)), parts.corpus, 1)
+    top = strategy.select(torch.zeros(5, parts.buffer.dim), include=batch.gold_rows[:, None])
+    assert torch.equal(top.indices, batch.gold_rows[:, None])
+    out = model(batch, strategy, parts.corpus)
+    assert torch.isfinite(out.loss) and "corrector" not in out.terms
