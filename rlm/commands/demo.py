@@ -34,7 +34,6 @@ def serve_checkpoint(
 
     import torch
 
-    from app.demo import build_demo, launch_kwargs
     from app.qa import QAService
 
     if concurrency < 1:
@@ -43,6 +42,8 @@ def serve_checkpoint(
     # so requests run single-threaded and the queue runs `concurrency` of them side by side.
     torch.set_num_threads(1)
     service = QAService.from_checkpoint(checkpoint, corpus, examples, show_progress=True)
+    from app.demo import build_demo, launch_kwargs  # gradio takes seconds to import: only once loading worked
+
     demo = build_demo(service, concurrency_limit=concurrency)
     print(f"demo on http://{host}:{port}  (Ctrl-C stops it)", flush=True)
     demo.launch(**launch_kwargs(host, port, blocked=[checkpoint, Path(service.corpus.path).parent]))

@@ -1,0 +1,133 @@
+"""User-facing CLI errors: one readable line on stderr that says what is wrong and how to fix it, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlm.cli import COMMANDS, main
+
+
+def one_error_line(capsys) -> str:
+    """The single `error: ...` line, last on stderr (progress bars of model loading may come before it)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error")]
+    assert len(errors) == 1 and err[-1] == errors[0], err
+    assert "Traceback" not in "\n".join(err)
+    return errors[0]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_help_lists_the_product_commands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("quickstart", "embed", "index", "train", "evaluate", "demo", "bench"):
+        assert name in COMMANDS
+        line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
+        assert len(line.split(None, 1)[1]) > 10  # a one-line help, not just the name
+
+
+@pytest.mark.parametrize("command", ["demo", "evaluate"])
+def test_missing_checkpoint_folder(command, tmp_path, capsys):
+    missing = tmp_path / "runs" / "nothing" / "final"
+    extra = []
+    if command == "evaluate":
+        questions = write_jsonl(tmp_path / "q.jsonl", [{"question": "what?", "answers": ["a"]}])
+        extra = ["--dataset", "jsonl", "--data-path", questions, "--closed-book"]
+    assert main([command, "--checkpoint", str(missing), *extra]) == 2
+    line = one_error_line(capsys)
+    assert "not found" in line and str(missing) in line
+
+
+def test_demo_missing_checkpoint_says_how_to_make_one(tmp_path, capsys):
+    assert main(["demo", "--checkpoint", str(tmp_path / "x")]) == 2
+    assert "rlm quickstart --no-serve" in one_error_line(capsys)
+
+
+def test_checkpoint_without_its_parts(tmp_path, capsys):
+    (tmp_path / "final").mkdir()
+    assert main(["demo", "--checkpoint", str(tmp_path / "final")]) == 2
+    line = one_error_line(capsys)
+    assert "retriever" in line and "rlm train" in line
+
+
+def test_hub_model_while_offline_points_to_the_packaged_default(tmp_path, capsys):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "1", "title": "A", "text": "alpha"}])
+    argv = [
+        "embed",
+        "--corpus",
+        corpus,
+        "--out",
+        str(tmp_path / "buf"),
+        "--encoder",
+        "sentence-transformers/gtr-t5-base",
+    ]
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    assert "sentence-transformers/gtr-t5-base" in line
+    assert "packaged default" in line and "local sentence-transformers folder" in line
+
+
+def test_buffer_built_for_another_corpus_is_refused(tmp_path, capsys):
+    corpus_a = write_jsonl(
+        tmp_path / "a.jsonl", [{"id": str(i), "title": "T", "text": f"passage {i}"} for i in range(3)]
+    )
+    corpus_b = write_jsonl(
+        tmp_path / "b.jsonl", [{"id": str(i), "title": "T", "text": f"other text {i}"} for i in range(3)]
+    )
+    questions = write_jsonl(tmp_path / "q.jsonl", [{"question": "what?", "answers": ["passage"]}] * 4)
+    assert (
+        main(
+            [
+                "embed",
+                "--corpus",
+                corpus_a,
+                "--out",
+                str(tmp_path / "buf"),
+                "--no-progress",
+                "--max-length",
+                "128",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    overrides = [
+        f"data.corpus={corpus_b}",
+        f"data.train={questions}",
+        "data.dev=null",
+        f"buffer.dir={tmp_path / 'buf'}",
+        f"output_dir={tmp_path / 'run'}",
+        "optim.max_steps=1",
+        "optim.batch_size=2",
+    ]
+    argv = ["train"]
+    for assignment in overrides:
+        argv += ["--set", assignment]
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    assert "corpus fingerprint" in line and "rlm embed" in line
+
+
+def test_unknown_config_key_suggests_the_right_one(capsys):
+    assert main(["quickstart", "--no-serve", "--set", "optim.max_stepz=3"]) == 2
+    line = one_error_line(capsys)
+    assert "optim.max_stepz" in line and "max_steps" in line
+
+
+def test_quickstart_without_dev_set_is_refused_before_training(tmp_path, capsys):
+    argv = ["quickstart", "--no-serve", "--output-dir", str(tmp_path / "qs"), "--set", "data.dev=null"]
+    assert main(argv) == 2
+    assert "data.dev" in one_error_line(capsys)
+    assert not (tmp_path / "qs" / "final").exists()
+
+
+def test_bench_runs_the_named_script(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "no-such-benchmark"])
+    assert "invalid choice" in capsys.readouterr().err
