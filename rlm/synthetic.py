@@ -87,10 +87,11 @@ class ResidualMLP(nn.Module):
 def random_drift(
     dim: int, hidden_dim: int, num_hidden_layers: int, init_scale: float, seed: int
 ) -> ResidualMLP:
-    """A frozen random residual MLP whose weights are N(0, init_scale^2 / fan_in) and biases N(0, (init_scale/2)^2).
+    """A frozen random residual MLP m, g = m(g'): weights N(0, 1 / fan_in), biases N(0, 1/4), and the output
+    layer (weights and bias) then multiplied by `init_scale`.
 
     `init_scale` 0 gives the identity (no drift). The fan-in scaling keeps each layer's output on the scale of
-    its input, so `init_scale` reads as "how far, relative to |g'|, the targets move".
+    its input, so `init_scale` reads roughly as "how far, relative to |g'|, the targets move".
     """
     if init_scale < 0:
         raise ValueError(f"init_scale must be >= 0, got {init_scale}")

@@ -23,6 +23,8 @@ import argparse
 import json
 import platform
 import re
+import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ from rlm.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_correcto
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "results" / "synthetic_corrector"
+NUM_COMPONENTS = 20
 KL_PLOT_FLOOR = 1e-4
 FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
 
@@ -72,25 +75,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="small grid and sizes (a smoke run, < 1 min)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output path prefix (no extension)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3; quick: 1)")
     parser.add_argument("--beta", type=float, default=2.0, help="softmax temperature of P, P_g', P_h")
     parser.add_argument("--fig4-fraction", type=float, default=0.1, help="sampled fraction for Fig. 4")
     parser.add_argument("--max-epochs", type=int, default=None, help="default 1000 (quick: 150)")
     parser.add_argument("--patience", type=int, default=None, help="default 100 (quick: 30)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (others share this CPU)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.seeds is None:
+        args.seeds = 1 if args.quick else 3
+    return args
 
 
 def run_study(args: argparse.Namespace) -> dict:
-    """Every fit of both figures; fits shared by the two figures are run once."""
+    """Every fit of both figures for every seed; fits shared by the two figures are run once.
+
+    Each seed draws its own world (mixture, targets, queries), its own drift MLPs, target samples and corrector
+    inits, so the spread over seeds covers all of the set-up's randomness.
+    """
     quick = args.quick
-    world = SyntheticWorld.generate(
-        num_targets=1024 if quick else 4096,
-        num_train_queries=64 if quick else 128,
-        num_eval_queries=128 if quick else 256,
-        beta=args.beta,
-        seed=args.seed,
-    )
     train_kwargs = {
         "lr": 0.03,
         "max_epochs": args.max_epochs or (150 if quick else 1000),
@@ -102,45 +106,76 @@ def run_study(args: argparse.Namespace) -> dict:
     fractions = QUICK_FRACTIONS if quick else FULL_FRACTIONS
     if args.fig4_fraction not in fractions:
         fractions = sorted({*fractions, args.fig4_fraction})
-    drifts = [DriftSpec(*d, seed=args.seed + i) for i, d in enumerate(drift_grid)]
     missing = set(fig3_drifts) - set(drift_grid)
     if missing:
         raise ValueError(f"Fig. 3 drifts {sorted(missing)} are not in the drift grid")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
 
     jobs = []
-    for drift in drifts:
-        key = (drift.num_hidden_layers, drift.width_mult, drift.init_scale)
-        for fraction in fractions if key in fig3_drifts else [args.fig4_fraction]:
-            jobs += [(drift, corrector, fraction) for corrector in correctors]
+    for seed in range(args.seed, args.seed + args.seeds):
+        for i, shape in enumerate(drift_grid):
+            drift = DriftSpec(*shape, seed=1000 * seed + i)
+            for fraction in fractions if shape in fig3_drifts else [args.fig4_fraction]:
+                jobs += [(seed, drift, corrector, fraction) for corrector in correctors]
 
-    stale_kls, fresh_cache, fits = {}, {}, []
+    worlds, stale_kls, fresh_cache, fits = {}, {}, {}, []
     start = time.perf_counter()
-    for drift, corrector, fraction in tqdm(jobs, desc="corrector fits", unit="fit"):
+    for seed, drift, corrector, fraction in tqdm(jobs, desc="corrector fits", unit="fit"):
+        if seed not in worlds:
+            worlds = {
+                seed: SyntheticWorld.generate(
+                    num_targets=1024 if quick else 4096,
+                    num_components=NUM_COMPONENTS,
+                    num_train_queries=64 if quick else 128,
+                    num_eval_queries=128 if quick else 256,
+                    beta=args.beta,
+                    seed=seed,
+                )
+            }
+        world = worlds[seed]
         if drift not in fresh_cache:
-            fresh_cache = {drift: world.drifted(drift)}  # jobs are grouped by drift: keep one
+            fresh_cache = {drift: world.drifted(drift)}  # jobs are grouped by seed and drift: keep one
             stale_kls[drift] = world.stale_kl(fresh_cache[drift])
-        record = fit_corrector(world, fresh_cache[drift], corrector, fraction, seed=args.seed, **train_kwargs)
-        fits.append({"drift": drift.label, "stale_kl": stale_kls[drift], **record})
+        record = fit_corrector(world, fresh_cache[drift], corrector, fraction, seed=seed, **train_kwargs)
+        fits.append({"seed": seed, "drift": drift.label, "stale_kl": stale_kls[drift], **record})
     return {
-        "command": "python scripts/synthetic_corrector.py" + (" --quick" if quick else ""),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "world": {
             "num_targets": len(world.stale),
             "dim": world.dim,
-            "num_components": 20,
+            "num_components": NUM_COMPONENTS,
             "num_train_queries": len(world.train_queries),
             "num_eval_queries": len(world.eval_queries),
             "beta": world.beta,
         },
         "train": train_kwargs,
+        "seeds": list(range(args.seed, args.seed + args.seeds)),
         "fig4_fraction": args.fig4_fraction,
         "fig3_drifts": [DriftSpec(*d).label for d in fig3_drifts],
-        "drifts": [{"label": d.label, "seed": d.seed, "stale_kl": stale_kls[d]} for d in drifts],
+        "drifts": [{"label": d.label, "seed": d.seed, "stale_kl": kl} for d, kl in stale_kls.items()],
         "fits": fits,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
     }
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def _fmt(values: list[float]) -> str:
+    mean, std = _mean_std(values)
+    return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ± {std:.4f}"
+
+
+def drift_order(results: dict) -> list[str]:
+    """Drift labels from least to most stale (mean stale KL over seeds)."""
+    by_label: dict[str, list[float]] = {}
+    for d in results["drifts"]:
+        by_label.setdefault(d["label"], []).append(d["stale_kl"])
+    return sorted(by_label, key=lambda label: statistics.fmean(by_label[label]))
 
 
 def plot_fig4(results: dict, path: Path) -> None:
@@ -189,7 +224,10 @@ def plot_fig4(results: dict, path: Path) -> None:
 
 
 def plot_fig3(results: dict, path: Path) -> None:
-    """Per Fig. 3 drift: corrected KL (y) against parameter count (x), one line per sampled fraction."""
+    """Per Fig. 3 drift: corrected KL (y) against parameter count (x), one line per sampled fraction.
+
+    Lines are the mean over seeds, the band their min-max.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,22 +240,34 @@ def plot_fig3(results: dict, path: Path) -> None:
     for ax, label in zip(axes[0], panes):
         rows = [f for f in results["fits"] if f["drift"] == label]
         for fraction, colour in zip(fractions, colours):
-            sub = sorted((r for r in rows if r["fraction"] == fraction), key=lambda r: r["params"])
+            by_params: dict[int, list[dict]] = {}
+            for r in rows:
+                if r["fraction"] == fraction:
+                    by_params.setdefault(r["params"], []).append(r)
+            params = sorted(by_params)
+            kls = [[r["corrected_kl"] for r in by_params[p]] for p in params]
             ax.plot(
-                [r["params"] for r in sub],
-                [r["corrected_kl"] for r in sub],
+                params,
+                [statistics.fmean(k) for k in kls],
                 "o-",
                 color=colour,
                 ms=4,
-                label=f"{100 * fraction:g}% ({sub[0]['sampled_targets']} targets)",
+                label=f"{100 * fraction:g}% ({by_params[params[0]][0]['sampled_targets']} targets)",
             )
-        stale = rows[0]["stale_kl"]
+            if len(kls[0]) > 1:
+                ax.fill_between(
+                    params, [min(k) for k in kls], [max(k) for k in kls], color=colour, alpha=0.15
+                )
+        stale = statistics.fmean(r["stale_kl"] for r in rows)  # every seed has the same number of rows
         ax.axhline(stale, color="r", ls="--", lw=1, label="stale (no corrector)")
         ax.set(xscale="log", yscale="log")
         ax.set_xlabel("corrector parameters |Psi|")
         ax.set_ylabel("KL(P || P_h), held-out queries")
         ax.set_title(f"drift {label}: stale KL(P || P_g') = {stale:.3g}")
         ax.grid(True, which="major", alpha=0.3)
+    seeds = len(results["seeds"])
+    if seeds > 1:
+        fig.suptitle(f"mean over {seeds} seeds, band = min-max", fontsize=9)
     axes[0][0].legend(title="targets sampled", fontsize=8)
     _save(fig, path)
 
@@ -233,20 +283,26 @@ def _save(fig, path: Path) -> None:
 
 def render_markdown(results: dict, previous: str | None) -> str:
     """Tables of both figures; keeps the findings section of `previous` (the existing report) if it has one."""
-    world, train = results["world"], results["train"]
+    world, train, seeds = results["world"], results["train"], results["seeds"]
+    fits = results["fits"]
+    spread = f"mean ± std over {len(seeds)} seeds" if len(seeds) > 1 else "one seed"
+    capped = sum(f["fit_epochs"] >= train["max_epochs"] for f in fits)
     lines = [
         "# Synthetic corrector study (paper Section 5.3, Figures 3 and 4)",
         "",
         f"Command: `{results['command']}` ({results['seconds'] / 60:.1f} min, {results['threads']} thread(s), "
-        f"{results['machine']}).",
+        f"{results['machine']}; {len(fits)} corrector fits, {capped} of them stopped by the "
+        f"{train['max_epochs']}-epoch cap rather than by patience).",
         "",
         f"Set-up: {world['num_targets']} stale targets g' in D = {world['dim']} from a mixture of "
         f"{world['num_components']} Gaussians; fresh g = m(g') with m a random residual MLP (label "
-        "`layers x width @ init scale`); queries from the same mixture "
+        "`hidden layers x width @ init scale`, see `rlm/synthetic.py`); queries from the same mixture "
         f"({world['num_train_queries']} to train h, {world['num_eval_queries']} held out to score it); "
-        f"beta = {world['beta']:g}. Correctors trained with the truncated-softmax cross-entropy over the "
-        f"sampled targets, Adam lr {train['lr']}, at most {train['max_epochs']} full-batch epochs, patience "
-        f"{train['patience']}. KL is over all targets on the held-out queries (nats).",
+        f"beta = {world['beta']:g}. Correctors (label `hidden layers x width`, `linear` = 0 hidden layers) "
+        "trained alone with the cross-entropy between the truncated softmaxes of g and h(g') over the sampled "
+        f"targets, Adam lr {train['lr']}, at most {train['max_epochs']} full-batch epochs, patience "
+        f"{train['patience']}. KL in nats, over all targets, on the held-out queries; {spread} "
+        f"(seeds {', '.join(map(str, seeds))}: each draws its own world, drifts, samples and inits).",
         "",
     ]
     previous_findings = None
@@ -255,50 +311,53 @@ def render_markdown(results: dict, previous: str | None) -> str:
         previous_findings = match.group(0) if match else None
     lines += [previous_findings or f"{FINDINGS_START}\n(findings not written yet)\n{FINDINGS_END}", ""]
 
-    fig4 = [f for f in results["fits"] if f["fraction"] == results["fig4_fraction"]]
+    def cell(rows: list[dict], key: str = "corrected_kl") -> str:
+        return _fmt([r[key] for r in rows])
+
+    order = drift_order(results)
+    fig4 = [f for f in fits if f["fraction"] == results["fig4_fraction"]]
     correctors = sorted(
         {(f["corrector_layers"], f["corrector_width_mult"], f["corrector"], f["params"]) for f in fig4}
     )
+    pct = f"{100 * results['fig4_fraction']:g}%"
     lines += [
-        f"## Fig. 4 analogue: KL(P || P_h) per staleness setting and corrector ({100 * results['fig4_fraction']:g}% "
-        "of targets sampled)",
+        f"## Fig. 4 analogue: KL(P || P_h) per staleness setting and corrector ({pct} of targets sampled)",
         "",
         f"![Fig. 4 analogue]({results['png_fig4']})",
         "",
-        "| drift | stale KL | " + " | ".join(f"{c[2]} ({c[3]} p)" for c in correctors) + " |",
+        "Rows from least to most stale. Columns: corrector (parameter count).",
+        "",
+        "| drift | stale KL | " + " | ".join(f"{c[2]} ({c[3]})" for c in correctors) + " |",
         "| --- | ---: | " + " | ".join("---:" for _ in correctors) + " |",
     ]
-    for drift in results["drifts"]:
-        by_corrector = {f["corrector"]: f["corrected_kl"] for f in fig4 if f["drift"] == drift["label"]}
-        cells = [f"{by_corrector[c[2]]:.4f}" for c in correctors]
-        lines.append(f"| {drift['label']} | {drift['stale_kl']:.4f} | " + " | ".join(cells) + " |")
+    for label in order:
+        rows = [f for f in fig4 if f["drift"] == label]
+        stale = [d["stale_kl"] for d in results["drifts"] if d["label"] == label]
+        cells = [cell([r for r in rows if r["corrector"] == c[2]]) for c in correctors]
+        lines.append(f"| {label} | {_fmt(stale)} | " + " | ".join(cells) + " |")
     lines.append("")
+    lines += [f"![Fig. 3 analogue]({results['png_fig3']})", ""]
     for label in results["fig3_drifts"]:
-        rows = [f for f in results["fits"] if f["drift"] == label]
+        rows = [f for f in fits if f["drift"] == label]
+        stale = [d["stale_kl"] for d in results["drifts"] if d["label"] == label]
         fractions = sorted({f["fraction"] for f in rows})
         lines += [
-            f"## Fig. 3 analogue, drift {label} (stale KL {rows[0]['stale_kl']:.4f}): KL(P || P_h) by sampled "
-            "fraction",
+            f"## Fig. 3 analogue, drift {label} (stale KL {_fmt(stale)}): KL(P || P_h) by sampled fraction",
             "",
-            "Each cell: held-out KL over all targets / truncated training KL over the sampled targets / epochs.",
+            "Held-out KL over all targets; below it, in brackets, the truncated training KL over the sampled "
+            "targets (a small training KL with a large held-out KL is overfitting to the sample).",
             "",
             "| corrector | params | " + " | ".join(f"{100 * x:g}%" for x in fractions) + " |",
             "| --- | ---: | " + " | ".join("---:" for _ in fractions) + " |",
         ]
         for corrector in sorted({(f["corrector_layers"], f["corrector_width_mult"]) for f in rows}):
-            sub = {
-                f["fraction"]: f
-                for f in rows
-                if (f["corrector_layers"], f["corrector_width_mult"]) == corrector
-            }
-            first = next(iter(sub.values()))
-            cells = [
-                f"{sub[x]['corrected_kl']:.4f} / {sub[x]['fit_train_kl']:.4f} / {sub[x]['fit_epochs']}"
-                for x in fractions
-            ]
-            lines.append(f"| {first['corrector']} | {first['params']} | " + " | ".join(cells) + " |")
+            sub = [f for f in rows if (f["corrector_layers"], f["corrector_width_mult"]) == corrector]
+            cells = []
+            for x in fractions:
+                at = [f for f in sub if f["fraction"] == x]
+                cells.append(f"{cell(at)}<br>({statistics.fmean(f['fit_train_kl'] for f in at):.4f})")
+            lines.append(f"| {sub[0]['corrector']} | {sub[0]['params']} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += [f"![Fig. 3 analogue]({results['png_fig3']})", ""]
     return "\n".join(lines)
 
 
@@ -306,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     results = run_study(args)
+    given = sys.argv[1:] if argv is None else argv
+    results["command"] = shlex.join(["python", "scripts/synthetic_corrector.py", *given])
     out: Path = args.out
     # Names relative to the report, which sits next to the plots.
     results["png_fig3"], results["png_fig4"] = f"{out.name}_fig3.png", f"{out.name}_fig4.png"
