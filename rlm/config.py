@@ -117,6 +117,7 @@ class StrategyConfig:
     snm_size: int = 1000  # M for snm
     num_random: int = 0  # uniform random passages added to S_x (Algorithm 1 uses 64)
     share_across_batch: bool = False  # Algorithm 1: every question scores the union of the batch's S_x
+    shard_buffer: bool = False  # data-parallel: each process holds 1/W of B; top-k merged across processes
 
 
 @dataclass

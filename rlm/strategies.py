@@ -55,6 +55,15 @@ class SelectionStrategy:
         self.chunk_size = chunk_size
         self.reembedded = 0  # passages re-embedded so far (the paper's cost axis)
         self.generator = torch.Generator().manual_seed(seed)  # uniform negatives, SNM subsets
+        self.shard: BufferShard | None = None  # set by shard_across_processes
+
+    def shard_across_processes(
+        self, rank: int, world: int, gather: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Hold only rows [rank*N/W, (rank+1)*N/W) of B and merge the processes' top-k (as Atlas shards its index)."""
+        if isinstance(self, _RefreshingStrategy | SNMStrategy | InBatchStrategy | ClosedBookStrategy):
+            raise ValueError(f"strategy.shard_buffer is not supported with the {self.name!r} strategy")
+        self.shard = BufferShard(self.buffer, rank, world, gather)
 
     @property
     def k(self) -> int:
@@ -75,6 +84,12 @@ class SelectionStrategy:
         num_random: int = 0,
     ) -> TopK:
         """Row indices (into the corpus / buffer) of S_x for each query, and their selection scores."""
+        if self.shard is not None:
+            if include is not None or num_random:
+                raise ValueError(
+                    "strategy.shard_buffer supports plain top-k only (no forced labels or random rows)"
+                )
+            return self.shard.topk(queries, self._corrector_for_selection(corrector), self.k, self.chunk_size)
         return corrected_topk(
             queries,
             self.search_space(),
@@ -224,6 +239,39 @@ class SNMStrategy(SelectionStrategy):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.rows, self.subset = state["rows"], state["subset"]
+
+
+class BufferShard:
+    """One process's contiguous slice of B; a step's top-k is merged across all processes' slices.
+
+    Every process scores every process's queries against its own rows (queries are all-gathered, so each
+    process needs only N/W rows in memory), then the per-shard top-k lists are all-gathered and each process
+    keeps the global top-k of its own queries. The result equals the unsharded top-k (same ordering contract:
+    score descending, then row ascending).
+    """
+
+    def __init__(
+        self, buffer: PassageBuffer, rank: int, world: int, gather: Callable[[torch.Tensor], torch.Tensor]
+    ):
+        per = -(-len(buffer) // world)
+        self.start, stop = min(rank * per, len(buffer)), min((rank + 1) * per, len(buffer))
+        self.rows = buffer.rows(torch.arange(self.start, stop))
+        self.rank, self.world, self.gather = rank, world, gather
+
+    def topk(self, queries: torch.Tensor, corrector, k: int, chunk_size: int) -> TopK:
+        batch = queries.shape[0]
+        all_queries = self.gather(queries)  # [W*B, D]; every process has the same batch size
+        k_local = min(k, self.rows.shape[0])
+        local = corrected_topk(all_queries, self.rows, corrector, k_local, chunk_size=chunk_size)
+        scores = self.gather(local.scores.contiguous())  # [W * W*B, k_local], process-major
+        rows = self.gather((local.indices + self.start).contiguous())
+        mine = slice(self.rank * batch, (self.rank + 1) * batch)
+        scores = torch.cat([part[mine] for part in scores.chunk(self.world)], dim=1)
+        rows = torch.cat([part[mine] for part in rows.chunk(self.world)], dim=1)
+        rows, order = rows.sort(dim=1)  # row ascending, then a stable sort by score descending
+        scores, order2 = scores.gather(1, order).sort(dim=1, descending=True, stable=True)
+        rows = rows.gather(1, order2)
+        return TopK(scores[:, :k], rows[:, :k])
 
 
 def _merge(scores_a, idx_a, scores_b, idx_b) -> TopK:

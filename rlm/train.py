@@ -143,6 +143,11 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     strategy = make_strategy(
         cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=cfg.seed, chunk_size=cfg.buffer.chunk_size
     )
+    if cfg.strategy.shard_buffer and accelerator.num_processes > 1:
+        strategy.shard_across_processes(
+            accelerator.process_index, accelerator.num_processes, accelerator.gather
+        )
+        accelerator.print(f"buffer sharded across {accelerator.num_processes} processes")
     if cfg.gradient_checkpointing and model.reader is not None:
         model.reader.gradient_checkpointing_enable()
 
