@@ -72,7 +72,7 @@ class QAService:
         index = cached_index(root, retriever.passage_tower, corpus, show_progress=show_progress)
         default_k = min(evaluation.reader_passages_from_config(config, default=4), MAX_K)
         examples_file = Path(examples_path) if examples_path else corpus_file.parent / "dev.jsonl"
-        return cls(
+        service = cls(
             retriever,
             reader,
             corpus,
@@ -80,6 +80,8 @@ class QAService:
             default_k=default_k,
             examples=example_questions(examples_file, num_examples),
         )
+        service.warm_up()
+        return service
 
     def check_question(self, question: str | None) -> str:
         """The stripped question, or InvalidQuestion with a message for the user."""
@@ -92,39 +94,55 @@ class QAService:
             )
         return text
 
+    def clamp_k(self, k: int | float | None) -> int:
+        """`k` within [1, max_k] (and the corpus size); the default when None or 0."""
+        return max(1, min(int(k or self.default_k), self.max_k, self.index.ntotal))
+
     def answer(self, question: str, k: int | None = None) -> dict:
         """Answer one question from its top-k passages.
 
         Returns {"question", "answer", "k", "latency_ms", "passages": [{"id", "title", "text", "score",
         "has_answer"}]}, passages best first. Raises InvalidQuestion for empty or oversized input.
         """
+        return self.answer_many([question], k)[0]
+
+    def answer_many(self, questions: list[str], k: int | None = None) -> list[dict]:
+        """`answer` for several questions in one batched pass (one query encoding, one faiss search, one
+        FiD generation); `latency_ms` is the batch's. Raises InvalidQuestion if any question is refused."""
         import torch
 
-        text = self.check_question(question)
-        k = max(1, min(int(k or self.default_k), self.max_k, self.index.ntotal))
+        texts = [self.check_question(q) for q in questions]
+        k = self.clamp_k(k)
         start = time.perf_counter()
         with torch.inference_mode():
-            query = self.retriever.query_tower.encode([text]).numpy()
-            scores, ids = self.index.search(query, k)
-            passages = [self.corpus[self.corpus.index_of(pid)] for pid in ids[0]]
-            answer = self.reader.answer([text], [[(p.title, p.text) for p in passages]])[0]
-        latency_ms = (time.perf_counter() - start) * 1000
-        return {
-            "question": text,
-            "answer": answer,
-            "k": k,
-            "latency_ms": round(latency_ms, 1),
-            "passages": [
-                {
-                    "id": p.id,
-                    "title": p.title,
-                    "text": p.text,
-                    "score": round(float(score), 4),
-                    "has_answer": bool(answer.strip()) and has_answer(f"{p.title} {p.text}", answer),
-                }
-                for p, score in zip(passages, scores[0])
-            ],
-        }
+            queries = self.retriever.query_tower.encode(texts).numpy()
+            scores, ids = self.index.search(queries, k)
+            passages = [[self.corpus[self.corpus.index_of(pid)] for pid in row] for row in ids]
+            answers = self.reader.answer(texts, [[(p.title, p.text) for p in row] for row in passages])
+        latency_ms = round((time.perf_counter() - start) * 1000, 1)
+        return [
+            {
+                "question": text,
+                "answer": answer,
+                "k": k,
+                "latency_ms": latency_ms,
+                "passages": [
+                    {
+                        "id": p.id,
+                        "title": p.title,
+                        "text": p.text,
+                        "score": round(float(score), 4),
+                        "has_answer": bool(answer.strip()) and has_answer(f"{p.title} {p.text}", answer),
+                    }
+                    for p, score in zip(row, row_scores)
+                ],
+            }
+            for text, answer, row, row_scores in zip(texts, answers, passages, scores)
+        ]
+
+    def warm_up(self) -> None:
+        """Answer one question so the first user does not pay for lazy initialisation (about a second)."""
+        self.answer(self.examples[0] if self.examples else "warm up", self.default_k)
 
 
 def corpus_from_config(config: dict, checkpoint: Path) -> Path:

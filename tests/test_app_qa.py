@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import html
+import re
 import shutil
 
 import pytest
@@ -48,8 +50,8 @@ def test_empty_and_oversized_questions_are_refused_with_a_message(service):
         service.answer("   ", 3)
     with pytest.raises(InvalidQuestion, match="limit is 300"):
         service.answer("x" * 301, 3)
-    answer, latency, html = respond(service, "", 3)
-    assert answer == "" and html == "" and "Type a question" in latency
+    answer, latency, cards = respond(service, "", 3)
+    assert answer == "" and cards == "" and "Type a question" in latency
     assert "limit" in respond(service, "y" * 1000, 3)[1]
 
 
@@ -108,3 +110,19 @@ def test_service_survives_a_deleted_index_cache(service, tmp_path_factory):
     rebuilt = QAService.from_checkpoint(final)
     assert rebuilt.answer(service.examples[1], 2)["k"] == 2
     assert (final / INDEX_CACHE).is_dir()
+
+
+def test_batched_handler_keeps_order_and_isolates_refused_questions(service):
+    from app.demo import respond_batch
+
+    questions = [service.examples[0], "", service.examples[1], service.examples[0]]
+    answers, latencies, passages = respond_batch(service, questions, [2, 2, 2, 3])
+    assert len(answers) == len(latencies) == len(passages) == 4
+    assert "Type a question" in latencies[1] and passages[1] == ""
+    assert "batch of 2" in latencies[0] and "top-2" in latencies[0]
+    assert "top-3" in latencies[3] and "batch" not in latencies[3]
+    for row in (0, 2):  # batching does not change what is retrieved (answers may differ in the last ulp)
+        single = service.answer(questions[row], 2)
+        shown = html.unescape(re.sub(r"<[^>]+>", "", passages[row]))
+        assert all(p["text"] in shown for p in single["passages"])
+    assert passages[0].count('class="passage"') == 2 and passages[3].count('class="passage"') == 3
