@@ -3,7 +3,8 @@ the answer and passages; 20 concurrent API requests are all answered; no files a
 
 Chromium comes from `make browser` (apt-get install -y chromium, run by `make test`). Without it the browser
 test skips locally and fails in CI (CI=true). Set RLM_DEMO_SCREENSHOT=docs/demo.png to keep the screenshot,
-and RLM_DEMO_CHECKPOINT=DIR to drive a real checkpoint instead of the tiny one trained here.
+RLM_DEMO_CHECKPOINT=DIR to drive a real checkpoint instead of the tiny one trained here, and
+RLM_DEMO_QUESTION to ask something other than the first dev question.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def test_browser_asks_a_question_and_reads_answer_and_passages(served):
     from playwright.sync_api import sync_playwright
 
     url, service = served
-    question = service.examples[0]
+    question = os.environ.get("RLM_DEMO_QUESTION") or service.examples[0]
     with tempfile.TemporaryDirectory() as profile, sync_playwright() as p:
         # A fresh profile per run: Playwright takes the --user-data-dir as a persistent context's folder.
         browser = p.chromium.launch_persistent_context(
