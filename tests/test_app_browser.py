@@ -173,3 +173,32 @@ def test_make_browser_target_is_idempotent():
         pytest.skip("needs make and an installed chromium")
     out = subprocess.run([make, "-s", "browser"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "apt-get" not in out.stdout
+
+
+def test_rlm_demo_command_serves_on_localhost(checkpoint, tmp_path):
+    """`rlm demo` as a user runs it: a child process that binds 127.0.0.1 and answers over HTTP."""
+    import time
+
+    port = _free_port()
+    log = (tmp_path / "demo.log").open("w")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "rlm", "demo", "--checkpoint", str(checkpoint), "--port", str(port)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline, status = time.time() + 120, None
+        while time.time() < deadline and child.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+                    status = response.status
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(1)
+        assert status == 200, (tmp_path / "demo.log").read_text()[-2000:]
+        assert f"http://127.0.0.1:{port}" in (tmp_path / "demo.log").read_text()
+    finally:
+        child.terminate()
+        child.wait(timeout=30)
+        log.close()
