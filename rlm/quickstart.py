@@ -122,7 +122,8 @@ def format_results(metrics: dict) -> str:
         return "-" if value is None else f"{100 * value:.1f}"
 
     lines = [
-        f"toy world dev set ({metrics['dev_questions']} questions), {metrics['steps']} training steps",
+        f"dev set: {metrics['dev_questions']} questions; {metrics['strategy']} run: {metrics['steps']} steps "
+        f"in {metrics['train_seconds'] / 60:.1f} min, {metrics['reembedded']} passages re-embedded",
         "",
         "| run | dev EM | dev F1 | source |",
         "| --- | ---: | ---: | --- |",

@@ -86,12 +86,15 @@ def test_baselines_from_cache_are_labelled_with_their_date():
     metrics = {
         "strategy": "corrector",
         "steps": 2,
+        "train_seconds": 90.0,
+        "reembedded": 0,
         "dev_questions": 8,
         "dev": {"exact_match": 0.625, "f1": 0.7},
         "baselines": rows,
         "majority_answer": {"exact_match": 0.05, "f1": 0.05},
     }
     table = format_results(metrics)
+    assert table.startswith("dev set: 8 questions; corrector run: 2 steps in 1.5 min, 0 passages re-embedded")
     assert "| corrector (this run) | 62.5 | 70.0 | measured now |" in table
     assert "| closed book (no passages) | 10.0 | 20.0 | cached from 2026-11-20 |" in table
     assert "EM over closed book: +52.5 points" in table
