@@ -127,7 +127,9 @@ def test_quickstart_without_dev_set_is_refused_before_training(tmp_path, capsys)
     assert not (tmp_path / "qs" / "final").exists()
 
 
-def test_bench_runs_the_named_script(capsys):
+def test_bench_runs_the_named_script(capfd):
     with pytest.raises(SystemExit):
         main(["bench", "no-such-benchmark"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert "invalid choice" in capfd.readouterr().err
+    assert main(["bench", "training", "--help"]) == 0  # the script's own options, from a child process
+    assert "usage: bench_training.py" in capfd.readouterr().out
