@@ -38,6 +38,7 @@ from rlm.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_correcto
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "results" / "synthetic_corrector"
 NUM_COMPONENTS = 20
+DEPTH_MARKERS = {0: "s", 1: "o", 2: "^"}  # corrector hidden layers -> marker, in both plots
 KL_PLOT_FLOOR = 1e-4
 FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
 
@@ -81,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fig4-fraction", type=float, default=0.1, help="sampled fraction for Fig. 4")
     parser.add_argument("--max-epochs", type=int, default=None, help="default 1000 (quick: 150)")
     parser.add_argument("--patience", type=int, default=None, help="default 100 (quick: 30)")
+    parser.add_argument(
+        "--replot", action="store_true", help="re-render the report and plots from <out>.json, no fitting"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (others share this CPU)")
     args = parser.parse_args(argv)
     if args.seeds is None:
@@ -178,6 +182,10 @@ def drift_order(results: dict) -> list[str]:
     return sorted(by_label, key=lambda label: statistics.fmean(by_label[label]))
 
 
+def _depth_label(layers: int) -> str:
+    return f"{layers} hidden layer{'s' if layers != 1 else ''}"
+
+
 def plot_fig4(results: dict, path: Path) -> None:
     """Stale KL (x) against corrected KL (y), log-log, colour = parameter count, parity line."""
     import matplotlib
@@ -191,9 +199,8 @@ def plot_fig4(results: dict, path: Path) -> None:
     # keeps the axis on the range where the settings differ.
     floor = KL_PLOT_FLOOR
     fig, ax = plt.subplots(figsize=(6.4, 5.2))
-    markers = {0: "s", 1: "o", 2: "^"}
     norm = LogNorm(min(r["params"] for r in rows), max(r["params"] for r in rows))
-    for layers, marker in markers.items():
+    for layers, marker in DEPTH_MARKERS.items():
         sub = [r for r in rows if r["corrector_layers"] == layers]
         if not sub:
             continue
@@ -207,7 +214,7 @@ def plot_fig4(results: dict, path: Path) -> None:
             s=36,
             edgecolors="k",
             linewidths=0.4,
-            label=f"{layers} hidden layer{'s' if layers != 1 else ''}",
+            label=_depth_label(layers),
         )
     lo = max(floor, min(min(r["corrected_kl"] for r in rows), min(r["stale_kl"] for r in rows))) * 0.5
     hi = max(r["stale_kl"] for r in rows) * 2
@@ -240,20 +247,24 @@ def plot_fig3(results: dict, path: Path) -> None:
     for ax, label in zip(axes[0], panes):
         rows = [f for f in results["fits"] if f["drift"] == label]
         for fraction, colour in zip(fractions, colours):
-            by_params: dict[int, list[dict]] = {}
+            # Grouped by corrector, not by parameter count: 1x4D and 2x2D both have 552 parameters.
+            by_corrector: dict[tuple[int, int], list[dict]] = {}
             for r in rows:
                 if r["fraction"] == fraction:
-                    by_params.setdefault(r["params"], []).append(r)
-            params = sorted(by_params)
-            kls = [[r["corrected_kl"] for r in by_params[p]] for p in params]
+                    by_corrector.setdefault((r["params"], r["corrector_layers"]), []).append(r)
+            keys = sorted(by_corrector)
+            params = [k[0] for k in keys]
+            kls = [[r["corrected_kl"] for r in by_corrector[k]] for k in keys]
+            means = [statistics.fmean(k) for k in kls]
+            targets = by_corrector[keys[0]][0]["sampled_targets"]
             ax.plot(
-                params,
-                [statistics.fmean(k) for k in kls],
-                "o-",
-                color=colour,
-                ms=4,
-                label=f"{100 * fraction:g}% ({by_params[params[0]][0]['sampled_targets']} targets)",
+                params, means, "-", color=colour, lw=1.2, label=f"{100 * fraction:g}% ({targets} targets)"
             )
+            for layers, marker in DEPTH_MARKERS.items():
+                at = [i for i, k in enumerate(keys) if k[1] == layers]
+                ax.plot(
+                    [params[i] for i in at], [means[i] for i in at], marker, color=colour, ms=4, ls="none"
+                )
             if len(kls[0]) > 1:
                 ax.fill_between(
                     params, [min(k) for k in kls], [max(k) for k in kls], color=colour, alpha=0.15
@@ -268,7 +279,18 @@ def plot_fig3(results: dict, path: Path) -> None:
     seeds = len(results["seeds"])
     if seeds > 1:
         fig.suptitle(f"mean over {seeds} seeds, band = min-max", fontsize=9)
-    axes[0][0].legend(title="targets sampled", fontsize=8)
+    from matplotlib.lines import Line2D
+
+    depth = [
+        Line2D([], [], marker=m, color="k", ls="none", ms=4, label=_depth_label(n))
+        for n, m in DEPTH_MARKERS.items()
+    ]
+    handles, _ = axes[0][0].get_legend_handles_labels()
+    if len(panes) > 1:
+        axes[0][0].legend(handles=handles, title="targets sampled", fontsize=8)
+        axes[0][-1].legend(handles=depth, title="corrector", fontsize=8)
+    else:
+        axes[0][0].legend(handles=handles + depth, title="targets sampled / corrector", fontsize=8)
     _save(fig, path)
 
 
@@ -364,10 +386,16 @@ def render_markdown(results: dict, previous: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = run_study(args)
-    given = sys.argv[1:] if argv is None else argv
-    results["command"] = shlex.join(["python", "scripts/synthetic_corrector.py", *given])
     out: Path = args.out
+    if args.replot:
+        json_path = out.with_suffix(".json")
+        if not json_path.exists():
+            raise FileNotFoundError(f"{json_path} not found: run the study first (without --replot)")
+        results = json.loads(json_path.read_text())
+    else:
+        results = run_study(args)
+        given = sys.argv[1:] if argv is None else argv
+        results["command"] = shlex.join(["python", "scripts/synthetic_corrector.py", *given])
     # Names relative to the report, which sits next to the plots.
     results["png_fig3"], results["png_fig4"] = f"{out.name}_fig3.png", f"{out.name}_fig4.png"
     plot_fig3(results, out.with_name(results["png_fig3"]))

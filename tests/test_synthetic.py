@@ -138,3 +138,11 @@ def test_quick_script_writes_report_and_keeps_findings(tmp_path):
     assert "| 2x8D@3 |" in report
     for name in ("report_fig3.png", "report_fig4.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # --replot re-renders from the JSON alone (no fitting) and still keeps the findings
+    out.with_suffix(".md").unlink()
+    out.with_suffix(".md").write_text(f"{findings}\n")
+    assert script.main(["--out", str(out), "--replot"]) == 0
+    assert findings in out.with_suffix(".md").read_text()
+    with pytest.raises(FileNotFoundError, match="run the study first"):
+        script.main(["--out", str(tmp_path / "missing"), "--replot"])
