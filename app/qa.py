@@ -46,12 +46,15 @@ class QAService:
         examples_path: str | os.PathLike | None = None,
         num_examples: int = 8,
         show_progress: bool = False,
+        index_path: str | os.PathLike | None = None,
     ) -> QAService:
         """Load reader + retriever from `checkpoint`, the corpus from `corpus_path` or the run's config.
 
         The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved
         there atomically; the key hashes the passage tower's and the corpus's fingerprints, so a changed
-        tower or corpus never reuses a stale index.
+        tower or corpus never reuses a stale index. `index_path` uses a prebuilt index instead (`rlm embed
+        --encoder <checkpoint>/retriever` then `rlm index`: the way for a corpus too large to embed here);
+        its passage ids must be the corpus's, row for row.
         """
         from rlm import evaluation
         from rlm.data.corpus import load_corpus
@@ -69,7 +72,10 @@ class QAService:
         corpus = load_corpus(corpus_file)
         retriever.eval()
         reader.eval()
-        index = cached_index(root, retriever.passage_tower, corpus, show_progress=show_progress)
+        if index_path is not None:
+            index = evaluation.load_index_for(index_path, corpus.ids)
+        else:
+            index = cached_index(root, retriever.passage_tower, corpus, show_progress=show_progress)
         default_k = min(evaluation.reader_passages_from_config(config, default=4), MAX_K)
         examples_file = Path(examples_path) if examples_path else corpus_file.parent / "dev.jsonl"
         service = cls(
@@ -187,7 +193,10 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False)
         return evaluation.load_index_for(folder, corpus.ids)
     embeddings = evaluation.embed_corpus(passage_tower, texts, show_progress=show_progress)
     index = PassageIndex.build(embeddings, list(corpus.ids))
-    index.save(folder)
+    try:
+        index.save(folder)
+    except OSError as err:  # a read-only checkpoint still serves; it just embeds again next time
+        print(f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start")
     return index
 
 

@@ -126,3 +126,20 @@ def test_batched_handler_keeps_order_and_isolates_refused_questions(service):
         shown = html.unescape(re.sub(r"<[^>]+>", "", passages[row]))
         assert all(p["text"] in shown for p in single["passages"])
     assert passages[0].count('class="passage"') == 2 and passages[3].count('class="passage"') == 3
+
+
+def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tmp_path_factory, tmp_path):
+    import numpy as np
+
+    from retriever.index import PassageIndex
+
+    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+    prebuilt = tmp_path / "index"
+    service.index.save(prebuilt)
+    reused = QAService.from_checkpoint(final, index_path=prebuilt)
+    assert reused.index.ids == service.index.ids
+
+    other = PassageIndex.build(np.eye(3, service.index.dim, dtype=np.float32), ["a", "b", "c"])
+    other.save(tmp_path / "other")
+    with pytest.raises(ValueError, match="holds 3 passages but the corpus has"):
+        QAService.from_checkpoint(final, index_path=tmp_path / "other")

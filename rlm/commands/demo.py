@@ -16,6 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--examples", help="QA JSONL with example questions; default: dev.jsonl by the corpus"
     )
+    parser.add_argument(
+        "--index",
+        help="prebuilt faiss index folder (`rlm index`) of the corpus under the trained passage tower",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
@@ -28,6 +32,7 @@ def serve_checkpoint(
     host: str = "127.0.0.1",
     port: int = 7860,
     concurrency: int = 2,
+    index: str | None = None,
 ) -> None:
     """Load the checkpoint (its index built and cached on first use), then serve the page until interrupted."""
     from pathlib import Path
@@ -41,7 +46,7 @@ def serve_checkpoint(
     # One request is a few small forward passes: intra-op threads only add synchronisation on a busy CPU,
     # so requests run single-threaded and the queue runs `concurrency` of them side by side.
     torch.set_num_threads(1)
-    service = QAService.from_checkpoint(checkpoint, corpus, examples, show_progress=True)
+    service = QAService.from_checkpoint(checkpoint, corpus, examples, show_progress=True, index_path=index)
     from app.demo import build_demo, launch_kwargs  # gradio takes seconds to import: only once loading worked
 
     demo = build_demo(service, concurrency_limit=concurrency)
@@ -51,5 +56,7 @@ def serve_checkpoint(
 
 def run(args: argparse.Namespace) -> int:
     """Serve the demo of `--checkpoint`."""
-    serve_checkpoint(args.checkpoint, args.corpus, args.examples, args.host, args.port, args.concurrency)
+    serve_checkpoint(
+        args.checkpoint, args.corpus, args.examples, args.host, args.port, args.concurrency, args.index
+    )
     return 0
