@@ -82,6 +82,10 @@ class ReaderConfig:
     # corrector loss, no per-passage scoring): the reader learns to read before its P(a|y,x) teaches the
     # retriever. 0: joint from the first step.
     reader_only_steps: int = 0
+    # Curriculum: the first N optimizer steps the reader reads each question's gold passage(s) alone, and
+    # only the reader trains. A reader that cannot yet copy an answer from one passage does not learn to do
+    # it among K retrieved ones (docs/reader_recipe.md); needs gold_passage_ids in the training data.
+    gold_passage_steps: int = 0
 
     def __post_init__(self):
         if self.arch not in READER_ARCHS:
@@ -90,6 +94,8 @@ class ReaderConfig:
             raise ValueError(f"reader.warm_start_layers must be >= 1, got {self.warm_start_layers}")
         if self.reader_only_steps < 0:
             raise ValueError(f"reader.reader_only_steps must be >= 0, got {self.reader_only_steps}")
+        if self.gold_passage_steps < 0:
+            raise ValueError(f"reader.gold_passage_steps must be >= 0, got {self.gold_passage_steps}")
 
 
 @dataclass

@@ -22,6 +22,9 @@ class Batch:
     questions: list[str]
     answers: list[str]  # the target answer string of each question
     gold_rows: torch.Tensor | None = None  # [B] corpus row of the gold passage (Algorithm 1)
+    # (title, text) passages the reader reads instead of the strategy's selection (the gold-passage
+    # curriculum, `reader.gold_passage_steps`); such a step trains the reader alone.
+    reader_passages: list[list[tuple[str, str]]] | None = None
 
 
 @dataclass
@@ -84,8 +87,10 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
     beta, k_read = cfg.beta, cfg.reader.num_passages
     reader = model.reader
 
-    if not strategy.uses_passages:  # closed book: the reader alone, answer NLL only
-        inputs = model.collator(batch.questions, [[] for _ in batch.questions], batch.answers)
+    if not strategy.uses_passages or batch.reader_passages is not None:
+        # Closed book (no passages), or the curriculum's given passages: the reader alone, answer NLL only.
+        given = batch.reader_passages if strategy.uses_passages else None
+        inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
         reader_loss = reader(**_reader_inputs(inputs)).loss
         return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
 

@@ -72,12 +72,37 @@ def batch_indices(micro_step: int, num_examples: int, batch_size: int, rank: int
     return order[start : start + batch_size].tolist()
 
 
-def make_batch(examples, indices, corpus, algorithm: int) -> Batch:
+def make_batch(examples, indices, corpus, algorithm: int, gold_passages: bool = False) -> Batch:
+    """The questions at `indices`; `gold_passages`: the reader reads each question's gold passages only."""
     chosen = [examples[i] for i in indices]
     gold = None
     if algorithm == 1:
         gold = torch.tensor([corpus.index_of(ex.gold_passage_ids[0]) for ex in chosen], dtype=torch.long)
-    return Batch([ex.question for ex in chosen], [ex.answers[0] for ex in chosen], gold)
+    given = None
+    if gold_passages:
+        given = [
+            [(corpus[r].title, corpus[r].text) for r in map(corpus.index_of, ex.gold_passage_ids)]
+            for ex in chosen
+        ]
+    return Batch([ex.question for ex in chosen], [ex.answers[0] for ex in chosen], gold, given)
+
+
+def check_gold_passages(examples, corpus) -> None:
+    """The gold-passage curriculum needs every training question's gold passages in the corpus."""
+    for ex in examples:
+        if not ex.gold_passage_ids:
+            raise ValueError(
+                f"reader.gold_passage_steps needs gold_passage_ids on every training question; {ex.id} has "
+                "none (set reader.gold_passage_steps=0 for data without gold passages)"
+            )
+        for gid in ex.gold_passage_ids:
+            try:
+                corpus.index_of(gid)
+            except KeyError:
+                raise ValueError(
+                    f"reader.gold_passage_steps: gold passage {gid!r} of {ex.id} is not in the corpus "
+                    "(set reader.gold_passage_steps=0)"
+                ) from None
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -139,6 +164,8 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
     parts = build_components(cfg, accelerator)
     corpus, train_examples, dev_examples = parts.corpus, parts.train_examples, parts.dev_examples
+    if cfg.algorithm == 2 and cfg.reader.gold_passage_steps:
+        check_gold_passages(train_examples, corpus)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = make_strategy(
         cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=cfg.seed, chunk_size=cfg.buffer.chunk_size
@@ -202,7 +229,8 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
                 accelerator.num_processes,
                 cfg.seed,
             )
-            batch = make_batch(train_examples, indices, corpus, cfg.algorithm)
+            gold_phase = cfg.algorithm == 2 and state.step < cfg.reader.gold_passage_steps
+            batch = make_batch(train_examples, indices, corpus, cfg.algorithm, gold_passages=gold_phase)
             with accelerator.accumulate(model):
                 out = model(batch, strategy, corpus, reader_only=state.step < cfg.reader.reader_only_steps)
                 # Every process must agree to skip, or DDP's collective calls would deadlock.

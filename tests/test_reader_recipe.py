@@ -10,10 +10,11 @@ import torch
 
 from reader.fid import FiDReader
 from rlm.config import load_config
+from rlm.data.qa import QAExample
 from rlm.model import RetrievalAugmentedModel
 from rlm.setup import build_components, build_reader
 from rlm.strategies import make_strategy
-from rlm.train import make_batch, train
+from rlm.train import check_gold_passages, make_batch, train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WARM = [
@@ -36,11 +37,17 @@ PASSAGES = [
 ANSWERS = ["Grewick", "baker"]
 
 
-def tiny_world_overrides(root: Path) -> list[str]:
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """One tiny toy world and MiniLM buffer shared by this module's runs (each run has its own output_dir)."""
+    return tmp_path_factory.mktemp("recipe_world")
+
+
+def tiny_world_overrides(root: Path, world: Path) -> list[str]:
     return [
         f"output_dir={root}/run",
-        f"buffer.dir={root}/buffer",
-        f"data.toy_world.dir={root}/toy",
+        f"buffer.dir={world}/buffer",
+        f"data.toy_world.dir={world}/toy",
         "data.toy_world.num_passages=120",
         "data.dev=null",
         "strategy.k=4",
@@ -57,6 +64,7 @@ def tiny_world_overrides(root: Path) -> list[str]:
         ("reader.arch=bart", "reader.arch must be one of"),
         ("reader.warm_start_layers=0", "reader.warm_start_layers must be >= 1"),
         ("reader.reader_only_steps=-1", "reader.reader_only_steps must be >= 0"),
+        ("reader.gold_passage_steps=-1", "reader.gold_passage_steps must be >= 0"),
     ],
 )
 def test_reader_recipe_keys_are_validated(override, message):
@@ -110,8 +118,8 @@ def test_unfrozen_warm_start_trains_its_embeddings(tmp_path):
     assert reader.model.decoder.get_output_embeddings().weight.requires_grad
 
 
-def test_reader_only_step_moves_the_reader_alone(tmp_path):
-    cfg = load_config(None, tiny_world_overrides(tmp_path) + WARM)
+def test_reader_only_step_moves_the_reader_alone(tmp_path, world):
+    cfg = load_config(None, tiny_world_overrides(tmp_path, world) + WARM)
     parts = build_components(cfg)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = make_strategy(cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=0)
@@ -129,12 +137,42 @@ def test_reader_only_step_moves_the_reader_alone(tmp_path):
     assert set(joint.terms) == {"reader", "retriever", "corrector"}
 
 
-def test_training_switches_from_reader_only_to_joint(tmp_path):
+def test_gold_passage_batch_reads_the_gold_passages_alone(tmp_path, world):
+    cfg = load_config(None, tiny_world_overrides(tmp_path, world) + WARM)
+    parts = build_components(cfg)
+    model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
+    strategy = make_strategy(cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=0)
+    model.parameter_groups(strategy, cfg.optim)
+    corpus, examples = parts.corpus, parts.train_examples
+    batch = make_batch(examples, [0, 1], corpus, cfg.algorithm, gold_passages=True)
+    for ex, given in zip(examples[:2], batch.reader_passages):
+        assert given == [
+            (corpus[corpus.index_of(g)].title, corpus[corpus.index_of(g)].text) for g in ex.gold_passage_ids
+        ]
+    out = model(batch, strategy, corpus)
+    assert set(out.terms) == {"reader"}
+    out.loss.backward()
+    assert all(p.grad is None for p in model.retriever.parameters())
+    # The same loss as the reader alone on those passages: the strategy's selection plays no part.
+    inputs = parts.collator(batch.questions, batch.reader_passages, batch.answers)
+    with torch.no_grad():
+        alone = parts.reader(**{k: inputs[k] for k in ("input_ids", "attention_mask", "labels")}).loss
+    assert torch.allclose(out.loss.detach(), alone)
+
+    no_gold = [QAExample("q1", "Who?", ["x"], [], {})]
+    with pytest.raises(ValueError, match="q1 has none"):
+        check_gold_passages(no_gold, corpus)
+    with pytest.raises(ValueError, match="'nope' of q1 is not in the corpus"):
+        check_gold_passages([QAExample("q1", "Who?", ["x"], ["nope"], {})], corpus)
+
+
+def test_training_switches_from_reader_only_to_joint(tmp_path, world):
     cfg = load_config(
         None,
-        tiny_world_overrides(tmp_path)
+        tiny_world_overrides(tmp_path, world)
         + WARM
-        + ["reader.reader_only_steps=2", "optim.max_steps=3", "log_every=1", "save_every=0"],
+        + ["reader.gold_passage_steps=1", "reader.reader_only_steps=2", "optim.max_steps=3", "log_every=1"]
+        + ["save_every=0"],
     )
     train(cfg)
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
