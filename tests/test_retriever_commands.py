@@ -10,6 +10,7 @@ from retriever.buffer import PassageBuffer
 from retriever.encoder import SentenceEncoder, default_retriever_path
 from retriever.index import PassageIndex
 from rlm.cli import main
+from rlm.config import RetrieverConfig
 
 PASSAGES = [
     ("capital-fr", "France", "Paris is the capital and largest city of France."),
@@ -38,7 +39,10 @@ def test_embed_then_index_then_search(tmp_path, capsys):
         == 0
     )
     assert "7 passages x 384" in capsys.readouterr().out
-    encoder = SentenceEncoder.from_pretrained(default_retriever_path())
+    # rlm embed's default length is rlm train's retriever.passage_max_length, so training accepts the buffer.
+    encoder = SentenceEncoder.from_pretrained(
+        default_retriever_path(), max_length=RetrieverConfig.passage_max_length
+    )
     buffer = PassageBuffer.load(buffer_dir, encoder_fingerprint=encoder.fingerprint())
     assert buffer.ids == [p[0] for p in PASSAGES] and len(buffer.meta["shards"]) == 3
 

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+from rlm.config import RetrieverConfig
+
 HELP = "Embed a corpus once into a fixed passage buffer (memory-mapped shards)."
 
 
@@ -26,7 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, help="buffer folder (an unfinished build there is resumed)")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=256, help="passage token limit")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=RetrieverConfig.passage_max_length,
+        help="passage token limit; must equal the run's retriever.passage_max_length for rlm train to accept "
+        "the buffer (default: that config default)",
+    )
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype")
     parser.add_argument("--shard-size", type=int, default=100_000, help="rows per .npy shard")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
