@@ -82,6 +82,9 @@ class ReaderConfig:
     # corrector loss, no per-passage scoring): the reader learns to read before its P(a|y,x) teaches the
     # retriever. 0: joint from the first step.
     reader_only_steps: int = 0
+    # The last N optimizer steps train the reader alone on the (by then trained) retriever's selection: the
+    # reader ends on the passages it will read at prediction time. 0: joint until the end.
+    final_reader_only_steps: int = 0
     # Curriculum: the first N optimizer steps the reader reads each question's gold passage(s) alone, and
     # only the reader trains. A reader that cannot yet copy an answer from one passage does not learn to do
     # it among K retrieved ones (docs/reader_recipe.md); needs gold_passage_ids in the training data.
@@ -94,6 +97,10 @@ class ReaderConfig:
             raise ValueError(f"reader.warm_start_layers must be >= 1, got {self.warm_start_layers}")
         if self.reader_only_steps < 0:
             raise ValueError(f"reader.reader_only_steps must be >= 0, got {self.reader_only_steps}")
+        if self.final_reader_only_steps < 0:
+            raise ValueError(
+                f"reader.final_reader_only_steps must be >= 0, got {self.final_reader_only_steps}"
+            )
         if self.gold_passage_steps < 0:
             raise ValueError(f"reader.gold_passage_steps must be >= 0, got {self.gold_passage_steps}")
 

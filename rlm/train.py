@@ -87,6 +87,13 @@ def make_batch(examples, indices, corpus, algorithm: int, gold_passages: bool = 
     return Batch([ex.question for ex in chosen], [ex.answers[0] for ex in chosen], gold, given)
 
 
+def reader_only_step(cfg: TrainConfig, step: int) -> bool:
+    """Whether optimizer step `step` (0-based) trains the reader alone: the first `reader.reader_only_steps`
+    and the last `reader.final_reader_only_steps` of the run."""
+    rc = cfg.reader
+    return step < rc.reader_only_steps or step >= cfg.optim.max_steps - rc.final_reader_only_steps
+
+
 def check_gold_passages(examples, corpus) -> None:
     """The gold-passage curriculum needs every training question's gold passages in the corpus."""
     for ex in examples:
@@ -232,7 +239,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             gold_phase = cfg.algorithm == 2 and state.step < cfg.reader.gold_passage_steps
             batch = make_batch(train_examples, indices, corpus, cfg.algorithm, gold_passages=gold_phase)
             with accelerator.accumulate(model):
-                out = model(batch, strategy, corpus, reader_only=state.step < cfg.reader.reader_only_steps)
+                out = model(batch, strategy, corpus, reader_only=reader_only_step(cfg, state.step))
                 # Every process must agree to skip, or DDP's collective calls would deadlock.
                 finite = accelerator.reduce(torch.isfinite(out.loss.detach()).float().reshape(1), "min")
                 if finite.item() < 1:

@@ -14,7 +14,7 @@ from rlm.data.qa import QAExample
 from rlm.model import RetrievalAugmentedModel
 from rlm.setup import build_components, build_reader
 from rlm.strategies import make_strategy
-from rlm.train import check_gold_passages, make_batch, train
+from rlm.train import check_gold_passages, make_batch, reader_only_step, train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WARM = [
@@ -65,11 +65,26 @@ def tiny_world_overrides(root: Path, world: Path) -> list[str]:
         ("reader.warm_start_layers=0", "reader.warm_start_layers must be >= 1"),
         ("reader.reader_only_steps=-1", "reader.reader_only_steps must be >= 0"),
         ("reader.gold_passage_steps=-1", "reader.gold_passage_steps must be >= 0"),
+        ("reader.final_reader_only_steps=-1", "reader.final_reader_only_steps must be >= 0"),
     ],
 )
 def test_reader_recipe_keys_are_validated(override, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [override])
+
+
+def test_quickstart_uses_the_recipe():
+    cfg = load_config(CONFIGS / "quickstart.yaml")
+    assert cfg.algorithm == 2 and cfg.strategy.name == "corrector"
+    assert (
+        cfg.reader.arch == "t5" and cfg.reader.num_passages >= 4 and cfg.strategy.k >= cfg.reader.num_passages
+    )
+    # Copy first (gold passage alone), then Algorithm 2 proper, then the reader alone on the trained top-K.
+    rc = cfg.reader
+    assert rc.gold_passage_steps > 0 and rc.final_reader_only_steps > 0
+    assert rc.gold_passage_steps + rc.final_reader_only_steps < cfg.optim.max_steps
+    joint = [s for s in range(cfg.optim.max_steps) if not reader_only_step(cfg, s)]
+    assert joint and joint[0] >= rc.gold_passage_steps
 
 
 def test_warm_started_reader_from_config_is_small_to_train_and_round_trips(tmp_path):
@@ -166,18 +181,20 @@ def test_gold_passage_batch_reads_the_gold_passages_alone(tmp_path, world):
         check_gold_passages([QAExample("q1", "Who?", ["x"], ["nope"], {})], corpus)
 
 
-def test_training_switches_from_reader_only_to_joint(tmp_path, world):
+def test_training_runs_the_curriculum_phases_in_order(tmp_path, world):
     cfg = load_config(
         None,
         tiny_world_overrides(tmp_path, world)
         + WARM
-        + ["reader.gold_passage_steps=1", "reader.reader_only_steps=2", "optim.max_steps=3", "log_every=1"]
-        + ["save_every=0"],
+        + ["reader.gold_passage_steps=1", "reader.reader_only_steps=2", "reader.final_reader_only_steps=1"]
+        + ["optim.max_steps=4", "log_every=1", "save_every=0"],
     )
+    assert [reader_only_step(cfg, s) for s in range(4)] == [True, True, False, True]
     train(cfg)
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3]
-    assert ["retriever_loss" in r for r in log] == [False, False, True]
+    assert [r["step"] for r in log] == [1, 2, 3, 4]
+    # Gold passages, reader-only on the selection, Algorithm 2, reader-only again at the end.
+    assert ["retriever_loss" in r for r in log] == [False, False, True, False]
     assert all(r["reader_loss"] > 0 for r in log)
 
 
