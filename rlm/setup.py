@@ -71,9 +71,15 @@ def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) ->
     rc = cfg.reader
     fid_config = FiDConfig(max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length)
     if rc.path:
-        return FiDReader.from_pretrained(
-            rc.path, max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length
-        )
+        try:
+            return FiDReader.from_pretrained(
+                rc.path, max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length
+            )
+        except OSError as err:  # transformers' "can't reach the hub / not a folder"
+            raise FileNotFoundError(
+                f"reader.path={rc.path!r} could not be loaded ({str(err).splitlines()[0]}); offline, point "
+                "reader.path at a local model folder, or unset it to train the small T5 built from reader.*"
+            ) from err
     if rc.arch == "warm_start":
         return build_warm_started_reader(rc, fid_config, seed=cfg.seed)
     tok_dir = Path(cfg.output_dir) / "tokenizer"
