@@ -265,6 +265,18 @@ def apply_override(data: dict, assignment: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
 
+def add_override_argument(parser, example: str = "strategy.name=exhaustive") -> None:
+    """The `--set KEY=VALUE` option every config-driven command shares."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. --set {example} (repeatable)",
+    )
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load a TrainConfig from YAML (or defaults when path is None), then apply `--set` overrides."""
     data: dict = {}

@@ -27,7 +27,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 
-from rlm.config import TrainConfig, dump_config, load_config
+from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.setup import build_components
 from rlm.steps import Batch
@@ -337,14 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML run config (configs/*.yaml); defaults when omitted")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set strategy.name=exhaustive (repeatable)",
-    )
+    add_override_argument(parser)
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
     )

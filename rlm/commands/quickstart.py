@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlm.config import add_override_argument
+
 HELP = "Offline end to end: toy world, buffer, Algorithm 2 training, dev EM vs baselines, then the demo."
 
 
@@ -13,14 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output-dir", default=None, help="run folder (default: the config's, runs/quickstart)"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set optim.max_steps=50 (repeatable)",
-    )
+    add_override_argument(parser, example="optim.max_steps=50")
     parser.add_argument(
         "--baselines",
         action="store_true",
