@@ -135,6 +135,16 @@ def _stable_hash(ids_blob: bytes, starts: np.ndarray, ends: np.ndarray) -> np.nd
     return out
 
 
+def _checked_index(i, n: int, what: str) -> int:
+    """A non-negative row for index `i` (numpy and torch integer scalars too; negative counts from the end)."""
+    i = operator.index(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"passage index {i} out of range for {n} {what}")
+    return i
+
+
 class _IdSequence(Sequence[str]):
     """The passage ids as a lazy sequence over one bytes blob."""
 
@@ -148,11 +158,7 @@ class _IdSequence(Sequence[str]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        i, n = operator.index(i), len(self)  # numpy and torch integer scalars index too
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"passage index {i} out of range for {n} passages")
+        i = _checked_index(i, len(self), "passages")
         return self._blob[self._offsets[i] : self._offsets[i + 1]].decode("utf-8")
 
 
@@ -241,11 +247,7 @@ class Corpus(Sequence[Passage]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        i, n = operator.index(i), len(self)  # numpy and torch integer scalars index too
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"passage index {i} out of range for {n} passages in {self.path}")
+        i = _checked_index(i, len(self), f"passages in {self.path}")
         # Blank lines between passages are skipped by the scan, so read up to the next passage's offset and
         # keep only the first line.
         raw = self._read_line(i).split(b"\n", 1)[0]
