@@ -209,6 +209,21 @@ class SentenceEncoder(nn.Module):
             pooled = self.dense_activation(self.dense(pooled))
         return F.normalize(pooled, p=2, dim=-1)
 
+    def set_dropout(self, p: float) -> None:
+        """Set every dropout probability of the tower (nn.Dropout modules and T5's float attention dropout).
+
+        Training-time only: the saved config keeps the checkpoint's own rates. Dropout makes g(y) in train mode
+        differ from the eval-mode buffer row even before any update (about 0.3 in norm for MiniLM at 0.1), which
+        the corrector would otherwise have to treat as staleness.
+        """
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {p}")
+        for module in self.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = p
+            elif isinstance(getattr(module, "dropout", None), float):
+                module.dropout = p
+
     def embed_texts(self, texts: Sequence[str]) -> Tensor:
         """Tokenize and forward one batch on the tower's device, keeping grad and train/eval mode as they are."""
         batch = {k: v.to(self.device) for k, v in self.tokenize(texts).items()}

@@ -50,6 +50,9 @@ class RetrieverConfig:
     shared_towers: bool = False
     query_max_length: int = 64
     passage_max_length: int = 128
+    dropout: float | None = (
+        None  # training-time dropout of both towers; None keeps the checkpoint's (0.1 for MiniLM)
+    )
 
 
 @dataclass

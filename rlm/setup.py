@@ -179,6 +179,9 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
     retriever.query_tower.max_length = cfg.retriever.query_max_length
     if not retriever.shared:
         retriever.passage_tower.max_length = cfg.retriever.passage_max_length
+    if cfg.retriever.dropout is not None:
+        for tower in {id(t): t for t in (retriever.query_tower, retriever.passage_tower)}.values():
+            tower.set_dropout(cfg.retriever.dropout)
     buffer = load_or_build_buffer(cfg, retriever, corpus, accelerator)
 
     reader = collator = None

@@ -48,10 +48,14 @@ class SelectionStrategy:
         max_steps: int,
         seed: int = 0,
         chunk_size: int = 65536,
+        start_step: int = 0,
     ):
         self.cfg = cfg
         self.buffer = buffer  # the fixed stale buffer B; the corrector always reads this one
         self.max_steps = max_steps
+        # The first step that updates the retriever (Algorithm 2's reader-only warm-up keeps it frozen
+        # before): re-embedding schedules count from here, since re-embedding an unchanged tower buys nothing.
+        self.start_step = start_step
         self.chunk_size = chunk_size
         self.reembedded = 0  # passages re-embedded so far (the paper's cost axis)
         self.generator = torch.Generator().manual_seed(seed)  # uniform negatives, SNM subsets
@@ -181,12 +185,13 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
 
 
 class ExhaustiveStrategy(_RefreshingStrategy):
-    """Re-embed every passage every R steps (step 0's buffer is already fresh)."""
+    """Re-embed every passage every R retriever updates (the buffer is fresh until the first update)."""
 
     name = "exhaustive"
 
     def due(self, step: int) -> bool:
-        return step > 0 and step % self.cfg.refresh_every == 0
+        trained = step - self.start_step
+        return trained > 0 and trained % self.cfg.refresh_every == 0
 
 
 class TwoRoundStrategy(_RefreshingStrategy):
@@ -195,7 +200,8 @@ class TwoRoundStrategy(_RefreshingStrategy):
     name = "two_round"
 
     def due(self, step: int) -> bool:
-        return step == self.max_steps // 2 and step > 0
+        half = self.start_step + (self.max_steps - self.start_step) // 2
+        return step == half and step > self.start_step
 
 
 class SNMStrategy(SelectionStrategy):
@@ -209,7 +215,9 @@ class SNMStrategy(SelectionStrategy):
         self.subset: torch.Tensor | None = None  # [M, D] their fresh embeddings
 
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
-        if step % self.cfg.refresh_every:
+        trained = step - self.start_step
+        # A subset is needed from step 0; it is resampled every R retriever updates after that.
+        if step > 0 and (trained <= 0 or trained % self.cfg.refresh_every):
             return
         m = min(self.cfg.snm_size, len(self.buffer))
         self.rows = torch.randperm(len(self.buffer), generator=self.generator)[:m].sort().values
@@ -313,8 +321,16 @@ STRATEGY_CLASSES: dict[str, type[SelectionStrategy]] = {
 
 
 def make_strategy(
-    cfg: StrategyConfig, buffer: PassageBuffer, max_steps: int, seed: int = 0, chunk_size: int = 65536
+    cfg: StrategyConfig,
+    buffer: PassageBuffer,
+    max_steps: int,
+    seed: int = 0,
+    chunk_size: int = 65536,
+    start_step: int = 0,
 ) -> SelectionStrategy:
+    """The strategy named by `cfg.name`; `start_step` is the first step that updates the retriever."""
     if cfg.name not in STRATEGY_CLASSES:
         raise ValueError(f"unknown strategy {cfg.name!r}; choose one of {', '.join(STRATEGY_CLASSES)}")
-    return STRATEGY_CLASSES[cfg.name](cfg, buffer, max_steps, seed=seed, chunk_size=chunk_size)
+    return STRATEGY_CLASSES[cfg.name](
+        cfg, buffer, max_steps, seed=seed, chunk_size=chunk_size, start_step=start_step
+    )

@@ -175,7 +175,12 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
         check_gold_passages(train_examples, corpus)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = make_strategy(
-        cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=cfg.seed, chunk_size=cfg.buffer.chunk_size
+        cfg.strategy,
+        parts.buffer,
+        cfg.optim.max_steps,
+        seed=cfg.seed,
+        chunk_size=cfg.buffer.chunk_size,
+        start_step=cfg.reader.reader_only_steps if cfg.algorithm == 2 else 0,
     )
     if cfg.strategy.shard_buffer and accelerator.num_processes > 1:
         strategy.shard_across_processes(

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from rlm.evaluation import build_index, embed_corpus, evaluate_reader, read, retrieval_metrics, retrieve
-
-KS = (1, 5, 20)
+from rlm.evaluation import (
+    RECALL_KS,
+    build_index,
+    embed_corpus,
+    evaluate_reader,
+    read,
+    retrieval_metrics,
+    retrieve,
+)
 
 
 @torch.no_grad()
@@ -27,8 +33,9 @@ def validate(model, corpus, dev_examples, cfg, batch_size: int = 32) -> dict[str
         embeddings = embed_corpus(tower, corpus.retrieval_texts(), batch_size=cfg.buffer.batch_size)
         index = build_index(embeddings, list(corpus.ids))
         questions = [ex.question for ex in dev_examples]
-        retrieved = retrieve(model.retriever.query_tower, index, questions, k=min(max(KS), len(corpus)))
-        metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, KS))
+        ks = [k for k in RECALL_KS if k <= len(corpus)] or [len(corpus)]
+        retrieved = retrieve(model.retriever.query_tower, index, questions, k=max(ks))
+        metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
     if model.reader is not None:
         n = cfg.reader.num_passages or cfg.strategy.k
         predictions = read(

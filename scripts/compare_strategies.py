@@ -111,6 +111,12 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
         *args.overrides,
     ]
     config = ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
+    # A finished run is reused when its settings are the same, so seeds and strategies can be added later
+    # (`--seeds 0` then `--seeds 0,1` trains seed 1 only); any change of settings retrains.
+    key = hashlib.sha256(json.dumps([args.algorithm, str(config), overrides]).encode()).hexdigest()[:16]
+    cached = out_dir / "compare_run.json"
+    if cached.exists() and json.loads(cached.read_text()).get("key") == key:
+        return json.loads(cached.read_text())["result"]
     cfg = load_config(config, overrides)
     start = time.time()
     summary = train(cfg)
@@ -122,7 +128,7 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
         values = [r[key] for r in tail if key in r]
         return statistics.fmean(values) if values else None
 
-    return {
+    result = {
         "strategy": strategy,
         "seed": seed,
         "wall_s": round(wall, 1),
@@ -131,6 +137,35 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
         "kl_fresh_stale": tail_mean("kl_fresh_stale"),
         "kl_fresh_corrected": tail_mean("kl_fresh_corrected"),
     }
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "result": result}, indent=2))
+    tmp.replace(cached)
+    return result
+
+
+def dropout_floor(args, work: Path, num: int = 256) -> float:
+    """Mean ||g_train(y) - g_eval(y)|| of the untrained passage tower: the part of `drift` that dropout alone
+    makes (train-mode g(y) against the eval-mode buffer), before any update."""
+    import torch
+
+    from retriever.encoder import DualEncoder, default_retriever_path
+    from rlm.config import load_config
+    from rlm.data.corpus import load_corpus
+    from rlm.setup import resolve_data
+
+    config = ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
+    cfg = load_config(config, base_overrides(args, work) + list(args.overrides))
+    corpus = load_corpus(resolve_data(cfg)[0])
+    tower = DualEncoder.from_pretrained(cfg.retriever.path or default_retriever_path()).passage_tower
+    tower.max_length = cfg.retriever.passage_max_length
+    if cfg.retriever.dropout is not None:
+        tower.set_dropout(cfg.retriever.dropout)
+    texts = corpus.retrieval_texts()[:num]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        clean = tower.eval().embed_texts(texts)
+        noisy = tower.train().embed_texts(texts)
+    return float((noisy - clean).norm(dim=-1).mean())
 
 
 def summarise(runs: list[dict], metrics: list[str]) -> list[dict]:
@@ -224,7 +259,7 @@ def main() -> None:
             runs.append(one_run(args, work, strategy, seed))
             print(json.dumps(runs[-1]))
     if args.algorithm == 1:
-        metrics = ["dev_gold_recall@1", "dev_gold_recall@5", "dev_gold_recall@20"]
+        metrics = ["dev_gold_recall@1", "dev_gold_recall@5", "dev_gold_recall@20", "dev_gold_recall@100"]
     else:
         metrics = ["dev_exact_match", "dev_gold_recall@1", "dev_gold_recall@5"]
     rows = summarise(runs, metrics)
@@ -232,12 +267,17 @@ def main() -> None:
         f"Algorithm {args.algorithm}, {args.data}, start {args.start}: {args.steps} steps, seeds {args.seeds} "
         f"(R={args.refresh_every}, SNM M={args.snm_size})"
     )
+    floor = dropout_floor(args, work)
     table = to_markdown(rows, metrics, title)
+    table += (
+        f"\n\nDropout floor of `drift` (train-mode g(y) vs eval-mode g(y) of the starting passage tower, no "
+        f"update): {floor:.3f}. Settings: {' '.join(args.overrides) or 'defaults'}."
+    )
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(table + "\n")
     out.with_suffix(".json").write_text(
-        json.dumps({"args": vars(args), "runs": runs, "rows": rows}, indent=2)
+        json.dumps({"args": vars(args), "runs": runs, "rows": rows, "dropout_floor": floor}, indent=2)
     )
     plot(rows, metrics[0], out.with_suffix(".png"), title.split(":")[0])
 

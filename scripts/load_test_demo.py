@@ -35,11 +35,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def load_test(url: str, questions: list[str], requests: int, k: int, concurrency: int) -> dict:
-    """Send `requests` questions (cycling `questions`) with `concurrency` in flight; latencies in seconds."""
+def load_test(
+    url: str, questions: list[str], requests: int, k: int, concurrency: int, warmup: int = 1
+) -> dict:
+    """Send `requests` questions (cycling `questions`) with `concurrency` in flight; latencies in seconds.
+
+    `warmup` untimed requests go first, one at a time: the client's first call opens its event stream and
+    the server's first call starts its queue workers (about a second, once per client and per server).
+    """
     from gradio_client import Client
 
     client = Client(url, verbose=False, download_files=False, analytics_enabled=False)
+    cold = []
+    for i in range(warmup):
+        start = time.perf_counter()
+        client.predict(questions[i % len(questions)], k, api_name="/answer")
+        cold.append(round(time.perf_counter() - start, 3))
 
     def one(i: int) -> dict:
         question = questions[i % len(questions)]
@@ -65,6 +76,7 @@ def load_test(url: str, questions: list[str], requests: int, k: int, concurrency
     server = [r["server"] for r in results if r["ok"]]
     return {
         "url": url,
+        "warmup_s": cold,
         "requests": requests,
         "concurrency": concurrency,
         "k": k,
@@ -82,6 +94,7 @@ def load_test(url: str, questions: list[str], requests: int, k: int, concurrency
 def format_table(report: dict) -> str:
     """The report as a markdown table."""
     rows = [
+        ("untimed warm-up requests (s)", ", ".join(f"{s:.3f}" for s in report["warmup_s"]) or "none"),
         ("requests answered", f"{report['answered']} / {report['requests']}"),
         ("in flight at once", report["concurrency"]),
         ("passages per question (k)", report["k"]),
@@ -109,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-batch-size", type=int, default=8, help="the demo's batch size (1: no batching)"
     )
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed requests sent first, one at a time (0: none)"
+    )
     parser.add_argument("--json-out", help="also write the JSON report here")
     args = parser.parse_args(argv)
 
@@ -133,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if not questions:
         questions = ["Where was the author born?"]
     try:
-        report = load_test(url, questions, args.requests, args.k, args.concurrency or args.requests)
+        report = load_test(
+            url, questions, args.requests, args.k, args.concurrency or args.requests, args.warmup
+        )
     finally:
         if demo is not None:
             demo.close()

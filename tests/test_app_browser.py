@@ -58,15 +58,12 @@ def served(checkpoint):
     """(url, service): the demo with its production settings, in this process, on a free local port."""
     import torch
 
-    from app.demo import build_demo, launch_kwargs
+    from app.demo import serve
     from app.qa import QAService
 
     torch.set_num_threads(1)  # as `rlm demo` does
     service = QAService.from_checkpoint(checkpoint)
-    demo = build_demo(service)
-    _, url, _ = demo.launch(
-        prevent_thread_lock=True, **launch_kwargs(port=_free_port(), blocked=[checkpoint])
-    )
+    demo, url = serve(service, port=_free_port(), blocked=[checkpoint])  # `rlm demo`'s launch and warm-up
     yield url.rstrip("/"), service
     demo.close()
 
@@ -188,16 +185,14 @@ def test_rlm_demo_command_serves_on_localhost(checkpoint, tmp_path):
         stderr=subprocess.STDOUT,
     )
     try:
-        deadline, status = time.time() + 120, None
-        while time.time() < deadline and child.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
-                    status = response.status
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
-        assert status == 200, (tmp_path / "demo.log").read_text()[-2000:]
-        assert f"http://127.0.0.1:{port}" in (tmp_path / "demo.log").read_text()
+        # The address is printed once the server is up and warmed (one request through its own queue).
+        deadline, ready = time.time() + 120, False
+        while time.time() < deadline and child.poll() is None and not ready:
+            time.sleep(1)
+            ready = f"http://127.0.0.1:{port}" in (tmp_path / "demo.log").read_text()
+        assert ready, (tmp_path / "demo.log").read_text()[-2000:]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+            assert response.status == 200
     finally:
         child.terminate()
         child.wait(timeout=30)

@@ -197,6 +197,23 @@ def test_training_runs_the_curriculum_phases_in_order(tmp_path, world):
     assert all(r["reader_loss"] > 0 for r in log)
 
 
+def test_exhaustive_re_embeds_only_after_the_retriever_has_moved(tmp_path, world):
+    """The reader-only warm-up freezes the retriever, so the re-embedding schedule counts from its end."""
+    cfg = load_config(
+        None,
+        tiny_world_overrides(tmp_path, world)
+        + WARM
+        + ["reader.reader_only_steps=2", "strategy.name=exhaustive", "strategy.refresh_every=1"]
+        + ["optim.max_steps=4", "log_every=1", "save_every=0"],
+    )
+    train(cfg)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    n = cfg.data.toy_world.num_passages
+    # Steps 1-2 train the reader alone (nothing to refresh); step 3 is the first retriever update, so the
+    # refresh before step 4 is the first one.
+    assert [r["reembedded"] for r in log] == [0, 0, 0, n]
+
+
 def test_learning_curve_rebuilds_wall_time_and_plots(tmp_path):
     import importlib.util
 

@@ -172,6 +172,28 @@ def test_reembedding_counts(world, name, extra, expected):
     assert strategy.reembedded == expected(len(parts.corpus))
 
 
+@pytest.mark.parametrize(
+    "name, extra, refreshed_before",
+    [
+        ("exhaustive", ["strategy.refresh_every=2"], [5, 7]),  # 2 and 4 retriever updates after step 3
+        ("snm", ["strategy.refresh_every=2", "strategy.snm_size=20"], [0, 5, 7]),  # a subset from step 0
+        ("two_round", [], [5]),  # halfway through the 5 steps that train the retriever
+    ],
+)
+def test_reembedding_schedule_counts_from_the_first_retriever_update(world, name, extra, refreshed_before):
+    from rlm.model import embed_rows
+
+    cfg, parts, model, _ = make_parts(world, f"strategy.name={name}", *extra)
+    strategy = make_strategy(cfg.strategy, parts.buffer, max_steps=8, seed=0, start_step=3)
+    texts = parts.corpus.retrieval_texts()
+    counts = []
+    for step in range(8):
+        before = strategy.reembedded
+        strategy.before_step(step, lambda rows: embed_rows(model.retriever.passage_tower, texts, rows))
+        counts.append(strategy.reembedded - before)
+    assert [step for step, c in enumerate(counts) if c] == refreshed_before
+
+
 def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
     from rlm.model import embed_rows
 
@@ -217,3 +239,21 @@ def test_in_batch_scores_exactly_the_batchs_gold_passages(world):
     assert torch.equal(top.indices, batch.gold_rows[:, None])
     out = model(batch, strategy, parts.corpus)
     assert torch.isfinite(out.loss) and "corrector" not in out.terms
+
+
+def test_retriever_dropout_setting_reaches_both_towers(world):
+    """`retriever.dropout=0`: g(y) in train mode equals the eval-mode buffer row; MiniLM's own 0.1 does not."""
+    texts = ["Ada Lovelace was born in London.", "Paris is in France."]
+
+    def gap(tower):
+        with torch.no_grad():
+            clean = tower.eval().embed_texts(texts)
+            noisy = tower.train().embed_texts(texts)
+        return float((noisy - clean).norm(dim=-1).max())
+
+    _, parts, _, _ = make_parts(world)
+    assert gap(parts.retriever.passage_tower) > 0.05
+    _, parts, _, _ = make_parts(world, "retriever.dropout=0")
+    assert gap(parts.retriever.passage_tower) == 0.0 and gap(parts.retriever.query_tower) == 0.0
+    with pytest.raises(ValueError, match="dropout must be in"):
+        parts.retriever.passage_tower.set_dropout(1.5)

@@ -47,11 +47,11 @@ def serve_checkpoint(
     # so requests run single-threaded and the queue runs `concurrency` of them side by side.
     torch.set_num_threads(1)
     service = QAService.from_checkpoint(checkpoint, corpus, examples, show_progress=True, index_path=index)
-    from app.demo import build_demo, launch_kwargs  # gradio takes seconds to import: only once loading worked
+    from app.demo import serve  # gradio takes seconds to import: only once loading worked
 
-    demo = build_demo(service, concurrency_limit=concurrency)
+    demo, _ = serve(service, host, port, concurrency, blocked=[checkpoint, Path(service.corpus.path).parent])
     print(f"demo on http://{host}:{port}  (Ctrl-C stops it)", flush=True)
-    demo.launch(**launch_kwargs(host, port, blocked=[checkpoint, Path(service.corpus.path).parent]))
+    demo.block_thread()
 
 
 def run(args: argparse.Namespace) -> int:
