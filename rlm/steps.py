@@ -25,6 +25,9 @@ class Batch:
     # (title, text) passages the reader reads instead of the strategy's selection (the gold-passage
     # curriculum, `reader.gold_passage_steps`); such a step trains the reader alone.
     reader_passages: list[list[tuple[str, str]]] | None = None
+    # [B, G] corpus rows of each question's other gold passages, -1 padded (Algorithm 1): relevant passages
+    # that are not the label, so they are left out of the softmax rather than pushed down as negatives.
+    other_gold_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -183,6 +186,9 @@ def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
         fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
     mask = rows >= 0
+    if batch.other_gold_rows is not None and batch.other_gold_rows.numel():
+        other = (rows.unsqueeze(-1) == batch.other_gold_rows.unsqueeze(1)).any(-1)
+        mask = mask & ~(other & (rows != gold[:, None]))
 
     # P~ = softmax(beta <q, p_y>) over S_x.
     logits = beta * _scores(queries, fresh)

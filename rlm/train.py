@@ -75,16 +75,24 @@ def batch_indices(micro_step: int, num_examples: int, batch_size: int, rank: int
 def make_batch(examples, indices, corpus, algorithm: int, gold_passages: bool = False) -> Batch:
     """The questions at `indices`; `gold_passages`: the reader reads each question's gold passages only."""
     chosen = [examples[i] for i in indices]
-    gold = None
+    gold = others = None
     if algorithm == 1:
-        gold = torch.tensor([corpus.index_of(ex.gold_passage_ids[0]) for ex in chosen], dtype=torch.long)
+        # The first gold passage is the label; a multi-hop question's other gold passages are relevant too,
+        # so they are kept out of its negatives (as DPR keeps positives out of its hard negatives).
+        golds = [[corpus.index_of(pid) for pid in ex.gold_passage_ids] for ex in chosen]
+        gold = torch.tensor([g[0] for g in golds], dtype=torch.long)
+        others = torch.full((len(golds), max(len(g) for g in golds) - 1), -1, dtype=torch.long)
+        for i, g in enumerate(golds):
+            others[i, : len(g) - 1] = torch.tensor(g[1:], dtype=torch.long)
     given = None
     if gold_passages:
         given = [
             [(corpus[r].title, corpus[r].text) for r in map(corpus.index_of, ex.gold_passage_ids)]
             for ex in chosen
         ]
-    return Batch([ex.question for ex in chosen], [ex.answers[0] for ex in chosen], gold, given)
+    return Batch(
+        [ex.question for ex in chosen], [ex.answers[0] for ex in chosen], gold, given, other_gold_rows=others
+    )
 
 
 def reader_only_step(cfg: TrainConfig, step: int) -> bool:

@@ -8,7 +8,7 @@ import torch
 from rlm.config import load_config
 from rlm.model import RetrievalAugmentedModel
 from rlm.setup import build_components
-from rlm.strategies import make_strategy
+from rlm.strategies import StaleStrategy, make_strategy
 from rlm.train import make_batch
 
 TINY_READER = [
@@ -257,3 +257,33 @@ def test_retriever_dropout_setting_reaches_both_towers(world):
     assert gap(parts.retriever.passage_tower) == 0.0 and gap(parts.retriever.query_tower) == 0.0
     with pytest.raises(ValueError, match="dropout must be in"):
         parts.retriever.passage_tower.set_dropout(1.5)
+
+
+def test_a_questions_other_gold_passages_are_not_its_negatives(world):
+    """Multi-hop (HotpotQA): the label is the first gold passage; the second is left out of the softmax."""
+    from retriever.search import TopK
+    from rlm.data.qa import QAExample
+    from rlm.steps import algorithm1_step
+
+    cfg, parts, model, _ = make_parts(world, "algorithm=1")
+    ids = parts.corpus.ids
+    example = QAExample("mh", "Who founded the firm that employs Ada?", ["x"], [ids[3], ids[7]], {})
+    batch = make_batch([example], [0], parts.corpus, 1)
+    assert batch.gold_rows.tolist() == [3] and batch.other_gold_rows.tolist() == [[7]]
+
+    class Fixed(StaleStrategy):
+        def __init__(self, rows):
+            super().__init__(cfg.strategy, parts.buffer, 10)
+            self.fixed = torch.tensor([rows])
+
+        def select(self, queries, corrector=None, include=None, num_random=0):
+            return TopK(torch.zeros(self.fixed.shape), self.fixed)
+
+    model.eval()  # no dropout: the two losses below see the same embeddings
+    with torch.no_grad():
+        with_other = algorithm1_step(model, batch, Fixed([3, 7, 11, 12]), parts.corpus, cfg)
+        without = algorithm1_step(model, batch, Fixed([3, -1, 11, 12]), parts.corpus, cfg)
+        batch.other_gold_rows = None  # the old behaviour: the second hop is pushed down as a negative
+        as_negative = algorithm1_step(model, batch, Fixed([3, 7, 11, 12]), parts.corpus, cfg)
+    torch.testing.assert_close(with_other.terms["retriever"], without.terms["retriever"])
+    assert as_negative.terms["retriever"] > with_other.terms["retriever"]
