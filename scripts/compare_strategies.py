@@ -226,6 +226,45 @@ def plot(rows: list[dict], metric: str, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def plot_drift(work: Path, runs: list[dict], path: Path, title: str) -> None:
+    """Drift over training, per strategy (first seed): ||g(y) - B_y|| and KL(P~ || P_stale / P_h) on S_x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_norm, ax_kl) = plt.subplots(1, 2, figsize=(11, 4))
+    first_seed = min(r["seed"] for r in runs)
+    for run in runs:
+        log_file = work / f"{run['strategy']}_seed{run['seed']}" / "log.jsonl"
+        if run["seed"] != first_seed or not log_file.exists():
+            continue
+        log = [json.loads(line) for line in log_file.read_text().splitlines()]
+        log = [r for r in log if "drift" in r]
+        if not log:
+            continue
+        steps = [r["step"] for r in log]
+        (line,) = ax_norm.plot(steps, _smooth([r["drift"] for r in log]), label=run["strategy"])
+        ax_kl.plot(steps, _smooth([r["kl_fresh_stale"] for r in log]), color=line.get_color())
+        if "kl_fresh_corrected" in log[0]:
+            corrected = _smooth([r["kl_fresh_corrected"] for r in log])
+            ax_kl.plot(steps, corrected, "--", color=line.get_color(), label=f"{run['strategy']}: P_h")
+    ax_norm.set_ylabel("mean ||g(y) - B_y|| on S_x")
+    ax_kl.set_ylabel("KL(P~ || P_stale) (solid), KL(P~ || P_h) (dashed)")
+    for ax in (ax_norm, ax_kl):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title}: drift of the fixed buffer over training (seed {first_seed}, 10-step mean)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _smooth(values: list[float], window: int = 10) -> list[float]:
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -280,6 +319,7 @@ def main() -> None:
         json.dumps({"args": vars(args), "runs": runs, "rows": rows, "dropout_floor": floor}, indent=2)
     )
     plot(rows, metrics[0], out.with_suffix(".png"), title.split(":")[0])
+    plot_drift(work, runs, out.with_name(out.name + "_drift.png"), title.split(":")[0])
 
 
 if __name__ == "__main__":
