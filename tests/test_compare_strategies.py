@@ -1,0 +1,49 @@
+"""scripts/compare_strategies.py end to end on a tiny toy world: table, JSON, plots, and reuse of finished runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(tmp_path: Path, seeds: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, str(ROOT / "scripts" / "compare_strategies.py"), "--algorithm", "1"]
+    args += ["--start", "random_gtr", "--strategies", "stale,corrector", "--seeds", seeds, "--steps", "2"]
+    args += ["--num-passages", "150", "--batch-size", "4", "--k", "4", "--num-random", "4"]
+    args += ["--set", "data.max_dev_examples=16", "--work", str(tmp_path / "work")]
+    args += ["--out", str(tmp_path / "out" / "table")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
+    first = run_script(tmp_path, "0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "table.json").read_text())
+    assert [r["strategy"] for r in report["runs"]] == ["stale", "corrector"]
+    assert all(0 <= r["dev_gold_recall@1"] <= r["dev_gold_recall@100"] <= 1 for r in report["runs"])
+    assert report["runs"][1]["kl_fresh_corrected"] is not None and report["runs"][0]["reembedded"] == 0
+    assert 0 < report["dropout_floor"] < 2
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| corrector |" in table and "Dropout floor" in table
+    for png in ("table.png", "table_drift.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 5_000
+
+    # Adding a seed trains only the new runs; the finished ones are read back unchanged.
+    second = run_script(tmp_path, "0,1")
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = json.loads((tmp_path / "out" / "table.json").read_text())
+    assert [(r["strategy"], r["seed"]) for r in again["runs"]] == [
+        ("stale", 0),
+        ("stale", 1),
+        ("corrector", 0),
+        ("corrector", 1),
+    ]
+    # Equal records, wall time included: read back, not retrained.
+    assert again["runs"][0] == report["runs"][0] and again["runs"][2] == report["runs"][1]
+    assert "±" in (tmp_path / "out" / "table.md").read_text()  # mean ± spread over the two seeds
