@@ -2,10 +2,10 @@
 
 `run_quickstart` trains with `configs/quickstart.yaml` into `output_dir` (the checkpoint lands in
 `<output_dir>/final`), then puts its dev EM next to two baselines trained on the same budget and config with
-only `strategy.name` changed: `closed_book` (no passages) and `frozen` (retriever never trained). The
-baselines are measured in this run when asked (`measure_baselines=True`) and cached in
-`<output_dir>/baselines.json`; otherwise the cached figures are shown with the date they were measured,
-flagged when they came from other settings. Everything is recorded in `<output_dir>/metrics.json`.
+only `strategy.name` changed: `closed_book` (no passages) and `frozen` (retriever never trained). A baseline
+is trained when `<output_dir>/baselines.json` has no figure for these settings (or always / never, as asked)
+and cached there; cached figures are shown with the date they were measured, flagged when they came from
+other settings. Everything is recorded in `<output_dir>/metrics.json`.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def baseline_rows(measured: dict, cached: dict, key: str) -> dict:
             other = "" if entry.get("settings") == key else ", other settings"
             rows[name] = {**entry, "source": f"cached from {day}{other}"}
         else:
-            rows[name] = {"exact_match": None, "f1": None, "source": "not measured (run with --baselines)"}
+            rows[name] = {"exact_match": None, "f1": None, "source": "not measured (--no-baselines)"}
     return rows
 
 
@@ -164,15 +164,32 @@ def _stage(number: int, total: int, text: str) -> None:
     print(f"\n[{number}/{total}] {text}", flush=True)
 
 
-def run_quickstart(cfg: TrainConfig, measure_baselines: bool = False) -> QuickstartResult:
-    """Train the corrector run (and the baselines when asked), evaluate on dev, write metrics.json."""
+BASELINE_MODES = ("missing", "always", "never")
+
+
+def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartResult:
+    """Train the corrector run and the baselines, evaluate on dev, write metrics.json.
+
+    `baselines`: "missing" trains those with no cached figure for these settings (the first run measures
+    them, later runs reuse them), "always" retrains them, "never" shows whatever the cache holds.
+    """
     from rlm.setup import resolve_data
     from rlm.train import train
 
+    if baselines not in BASELINE_MODES:
+        raise ValueError(f"baselines must be one of {BASELINE_MODES}, got {baselines!r}")
     if not cfg.data.dev:
         raise ValueError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
     root = Path(cfg.output_dir)
-    total = 3 + (len(BASELINES) if measure_baselines else 0)
+    key = settings_key(cfg)
+    cache_path = root / BASELINES_FILE
+    cached = load_cached_baselines(cache_path)
+    to_measure = {
+        "always": list(BASELINES),
+        "missing": [name for name in BASELINES if cached.get(name, {}).get("settings") != key],
+        "never": [],
+    }[baselines]
+    total = 3 + len(to_measure)
     _stage(1, total, "data: toy world (generated once, then reused)")
     corpus_path, _, _ = resolve_data(cfg)
     print(f"corpus: {corpus_path}")
@@ -183,15 +200,12 @@ def run_quickstart(cfg: TrainConfig, measure_baselines: bool = False) -> Quickst
     train_seconds = time.perf_counter() - started
     dev_scores(summary)  # fail now, not after the baselines, when the summary has no dev figures
 
-    key = settings_key(cfg)
     measured: dict = {}
-    for offset, name in enumerate(BASELINES if measure_baselines else ()):
+    for offset, name in enumerate(to_measure):
         _stage(3 + offset, total, f"baseline: {BASELINES[name]}, same config and budget")
         scores = dev_scores(train(baseline_config(cfg, name)))
         measured[name] = {**scores, "measured_at": _now(), "settings": key}
 
-    cache_path = root / BASELINES_FILE
-    cached = load_cached_baselines(cache_path)
     if measured:
         atomic_write_text(cache_path, json.dumps({**cached, **measured}, indent=2) + "\n")
 

@@ -16,11 +16,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-dir", default=None, help="run folder (default: the config's, runs/quickstart)"
     )
     add_override_argument(parser, example="optim.max_steps=50")
-    parser.add_argument(
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
         "--baselines",
-        action="store_true",
-        help="also train the closed-book and frozen-retriever baselines now (same budget; ~3x the time); "
-        "otherwise their figures come from an earlier run's cache",
+        dest="baselines",
+        action="store_const",
+        const="always",
+        default="missing",
+        help="retrain the closed-book and frozen-retriever baselines (same config and budget) even when "
+        "cached; by default they are trained only when the cache has no figures for these settings",
+    )
+    which.add_argument(
+        "--no-baselines",
+        dest="baselines",
+        action="store_const",
+        const="never",
+        help="train no baseline; show the cached figures, if any, labelled with their date",
     )
     parser.add_argument(
         "--no-serve", action="store_true", help="stop after evaluation; do not serve the demo"
@@ -34,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from rlm.quickstart import quickstart_config, run_quickstart
 
     cfg = quickstart_config(args.config, args.output_dir, args.overrides)
-    result = run_quickstart(cfg, measure_baselines=args.baselines)
+    result = run_quickstart(cfg, baselines=args.baselines)
     print("\n" + result.table)
     print(f"\nwrote {result.metrics_path}; checkpoint {result.checkpoint}")
     if args.no_serve:
