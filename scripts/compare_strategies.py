@@ -128,6 +128,8 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
         values = [r[key] for r in tail if key in r]
         return statistics.fmean(values) if values else None
 
+    if args.algorithm == 2 and strategy != "closed_book":
+        summary["dev_gold_passage_exact_match"] = gold_passage_em(cfg, out_dir)
     result = {
         "strategy": strategy,
         "seed": seed,
@@ -141,6 +143,21 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
     tmp.write_text(json.dumps({"key": key, "result": result}, indent=2))
     tmp.replace(cached)
     return result
+
+
+def gold_passage_em(cfg, out_dir: Path) -> float:
+    """EM of the run's trained reader given each dev question's gold passages alone: what it could score if
+    retrieval were perfect (the paper's 'reader EM with gold passages')."""
+    from rlm.data.corpus import load_corpus
+    from rlm.evaluation import evaluate_reader, load_checkpoint, read, with_gold_passages
+    from rlm.setup import load_examples, resolve_data
+
+    corpus_path, _, dev_path = resolve_data(cfg)
+    dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    _, reader, _ = load_checkpoint(out_dir / "final", need_retriever=False)
+    gold = with_gold_passages(dev, None, num_passages=0)
+    predictions = read(reader, dev, load_corpus(corpus_path), None, passage_ids=gold)
+    return evaluate_reader(predictions, dev)["exact_match"]
 
 
 def dropout_floor(args, work: Path, num: int = 256) -> float:
@@ -182,6 +199,12 @@ def summarise(runs: list[dict], metrics: list[str]) -> list[dict]:
     return rows
 
 
+def header(metric: str) -> str:
+    """Column name of a metric: dev_gold_recall@5 -> gold R@5, dev_exact_match -> EM."""
+    names = {"dev_exact_match": "EM", "dev_gold_passage_exact_match": "EM with gold passages"}
+    return names.get(metric, metric.replace("dev_gold_recall@", "gold R@").replace("dev_recall@", "R@"))
+
+
 def to_markdown(rows: list[dict], metrics: list[str], title: str) -> str:
     def cell(row, key, scale=100.0, digits=1):
         if key not in row:
@@ -189,7 +212,8 @@ def to_markdown(rows: list[dict], metrics: list[str], title: str) -> str:
         value, spread = row[key] * scale, row.get(key + "_std", 0.0) * scale
         return f"{value:.{digits}f} ± {spread:.{digits}f}" if row["seeds"] > 1 else f"{value:.{digits}f}"
 
-    head = ["strategy", *metrics, "re-embedded", "drift", "KL(P~||P_stale)", "KL(P~||P_h)", "wall (s)"]
+    head = ["strategy", *(header(m) for m in metrics), "re-embedded", "drift", "KL(P~‖P_stale)", "KL(P~‖P_h)"]
+    head.append("wall (s)")
     lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for row in rows:
         cells = [row["strategy"], *(cell(row, m) for m in metrics)]
@@ -300,7 +324,12 @@ def main() -> None:
     if args.algorithm == 1:
         metrics = ["dev_gold_recall@1", "dev_gold_recall@5", "dev_gold_recall@20", "dev_gold_recall@100"]
     else:
-        metrics = ["dev_exact_match", "dev_gold_recall@1", "dev_gold_recall@5"]
+        metrics = [
+            "dev_exact_match",
+            "dev_gold_passage_exact_match",
+            "dev_gold_recall@1",
+            "dev_gold_recall@5",
+        ]
     rows = summarise(runs, metrics)
     title = (
         f"Algorithm {args.algorithm}, {args.data}, start {args.start}: {args.steps} steps, seeds {args.seeds} "
