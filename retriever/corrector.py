@@ -1,7 +1,9 @@
 """The corrector network h: maps stale buffer embeddings to approximately fresh ones (paper, Section 3).
 
 h(x) = x + W_out relu(... relu(W_1 x)), a residual MLP whose output layer starts at zero, so at step 0 it is
-exactly the identity and corrected retrieval equals the stale baseline.
+exactly the identity and corrected retrieval equals the stale baseline. `linear=True` adds a zero-initialised
+linear term, h(x) = x + A x + W_out relu(...): a ReLU MLP can only approximate a general linear drift, which
+this term expresses exactly (the synthetic study, docs/results/synthetic_corrector.md, finding 3).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ WEIGHTS_NAME = "model.safetensors"
 class CorrectorNetwork(nn.Module):
     """Residual MLP [..., D] -> [..., D] with `num_hidden_layers` ReLU layers of width `hidden_dim`."""
 
-    def __init__(self, dim: int, hidden_dim: int, num_hidden_layers: int = 1):
+    def __init__(self, dim: int, hidden_dim: int, num_hidden_layers: int = 1, linear: bool = False):
         super().__init__()
         if dim <= 0 or hidden_dim <= 0 or num_hidden_layers < 1:
             raise ValueError(
@@ -32,6 +34,9 @@ class CorrectorNetwork(nn.Module):
                 f"got dim={dim}, hidden_dim={hidden_dim}, num_hidden_layers={num_hidden_layers}"
             )
         self.dim, self.hidden_dim, self.num_hidden_layers = dim, hidden_dim, num_hidden_layers
+        self.linear = nn.Linear(dim, dim, bias=False) if linear else None
+        if self.linear is not None:
+            nn.init.zeros_(self.linear.weight)
         widths = [dim] + [hidden_dim] * num_hidden_layers
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
         self.output = nn.Linear(hidden_dim, dim)
@@ -44,10 +49,16 @@ class CorrectorNetwork(nn.Module):
         y = x
         for layer in self.hidden:
             y = F.relu(layer(y))
-        return x + self.output(y)
+        out = x + self.output(y)
+        return out if self.linear is None else out + self.linear(x)
 
     def config(self) -> dict:
-        return {"dim": self.dim, "hidden_dim": self.hidden_dim, "num_hidden_layers": self.num_hidden_layers}
+        return {
+            "dim": self.dim,
+            "hidden_dim": self.hidden_dim,
+            "num_hidden_layers": self.num_hidden_layers,
+            "linear": self.linear is not None,
+        }
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> None:
         """`corrector_config.json` + `model.safetensors`, atomically replacing `out_dir`."""

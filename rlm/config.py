@@ -121,6 +121,7 @@ class CorrectorConfig:
     hidden_dim: int | None = None  # None: hidden_mult * D
     hidden_mult: int = 4
     num_hidden_layers: int = 1
+    linear: bool = False  # add a zero-initialised linear term A x to the residual MLP (not in the paper)
     loss: str = "ce"  # "ce" (Eq. 6, the paper's default) or "mse" (Eq. 5)
     weight: float = 10.0  # Appendix B.1
 

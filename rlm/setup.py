@@ -192,7 +192,10 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
     if cfg.strategy.name == "corrector":
         dim = buffer.dim
         corrector = CorrectorNetwork(
-            dim, cfg.corrector.hidden_dim or cfg.corrector.hidden_mult * dim, cfg.corrector.num_hidden_layers
+            dim,
+            cfg.corrector.hidden_dim or cfg.corrector.hidden_mult * dim,
+            cfg.corrector.num_hidden_layers,
+            linear=cfg.corrector.linear,
         )
     return Components(corpus, train_examples, dev_examples, retriever, reader, collator, corrector, buffer)
 
