@@ -183,5 +183,8 @@ def serve(
     """Launch the page without blocking and warm it up; returns (demo, local URL). `demo.block_thread()` waits."""
     demo = build_demo(service, concurrency_limit=concurrency_limit)
     _, url, _ = demo.launch(prevent_thread_lock=True, **launch_kwargs(host, port, blocked=blocked))
-    warm_up_server(url, service.examples[0] if service.examples else "warm up", service.default_k)
+    try:
+        warm_up_server(url, service.examples[0] if service.examples else "warm up", service.default_k)
+    except Exception as err:  # the page still works; only its first user waits for the lazy start-up
+        print(f"warning: warm-up request to {url} failed ({type(err).__name__}: {err}); serving anyway")
     return demo, url
