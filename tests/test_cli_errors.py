@@ -133,3 +133,5 @@ def test_bench_runs_the_named_script(capfd):
     assert "invalid choice" in capfd.readouterr().err
     assert main(["bench", "training", "--help"]) == 0  # the script's own options, from a child process
     assert "usage: bench_training.py" in capfd.readouterr().out
+    assert main(["bench", "strategies", "--help"]) == 0
+    assert "usage: compare_strategies.py" in capfd.readouterr().out

@@ -1,4 +1,5 @@
-"""`rlm bench retrieval|reader|training`: run one of the benchmark scripts in scripts/ with its own options."""
+"""`rlm bench retrieval|reader|training|strategies|synthetic`: run a benchmark script in scripts/ with its own
+options."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-HELP = "Run a benchmark: retrieval (top-k, index), reader (FiD step), training (per-strategy step time)."
+HELP = (
+    "Run a benchmark: retrieval (top-k, index), reader (FiD step), training (per-strategy step time), "
+    "strategies (the paper's Tables 1 and 3), synthetic (its Section 5.3 study)."
+)
 
 SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
 BENCHMARKS = {
     "retrieval": "bench_retrieval.py",
     "reader": "bench_reader.py",
     "training": "bench_training.py",
+    "strategies": "compare_strategies.py",
+    "synthetic": "synthetic_corrector.py",
 }
 
 
