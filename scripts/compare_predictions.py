@@ -45,7 +45,18 @@ def compare(a: dict[str, dict], b: dict[str, dict], k: int) -> dict:
         elif rb and not ra:
             flips["wrong_to_right"].append(q)
     changed = set(shared) - set(same_set)
+
+    def em_gold_first(rows):  # (EM, count) over questions whose first passage is a gold one
+        hits = [
+            rows[q]["exact_match"]
+            for q in shared
+            if top(rows[q])[:1] and top(rows[q])[0] in rows[q].get("gold_passage_ids", [])
+        ]
+        return (sum(hits) / len(hits) if hits else float("nan")), len(hits)
+
     return {
+        "em_gold_first_a": em_gold_first(a),
+        "em_gold_first_b": em_gold_first(b),
         "questions": len(shared),
         "em_a": sum(a[q]["exact_match"] for q in shared) / len(shared),
         "em_b": sum(b[q]["exact_match"] for q in shared) / len(shared),
@@ -74,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("questions in both", report["questions"]),
         ("EM of A / B", f"{100 * report['em_a']:.1f} / {100 * report['em_b']:.1f}"),
+        (
+            "EM when a gold passage is ranked first: A / B (questions)",
+            "{:.1f} ({}) / {:.1f} ({})".format(
+                100 * report["em_gold_first_a"][0],
+                report["em_gold_first_a"][1],
+                100 * report["em_gold_first_b"][0],
+                report["em_gold_first_b"][1],
+            ),
+        ),
         (f"same top-{args.k} set", report["same_topk_set"]),
         ("... of which reordered", report["same_set_reordered"]),
         ("... of which the answer changed", report["same_set_answer_changed"]),

@@ -20,6 +20,7 @@ def write(path: Path, rows: list[tuple[str, list[str], str, float]]) -> Path:
     with open(path, "w") as fh:
         for qid, ids, prediction, em in rows:
             row = {"id": qid, "question": f"q {qid}?", "answers": ["x"], "prediction": prediction}
+            row["gold_passage_ids"] = ["p1", "p3"]
             fh.write(json.dumps({**row, "exact_match": em, "retrieved_ids": ids}) + "\n")
     return path
 
@@ -39,6 +40,7 @@ def test_counts_flips_and_order_invariance(tmp_path, capsys):
     assert report["same_set_answer_changed"] == 0
     assert report["right_to_wrong"] == 1 and report["right_to_wrong_topk_changed"] == 1  # q2
     assert report["wrong_to_right"] == 0
+    assert report["em_gold_first_a"] == (1.0, 2) and report["em_gold_first_b"] == (0.0, 1)  # B: q2 only
     assert compare_predictions.main([str(a), str(b), "--k", "2", "--examples", "1"]) == 0
     assert "q 2?" in capsys.readouterr().out
 
