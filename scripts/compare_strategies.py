@@ -14,7 +14,8 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
 Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (data, start). Output:
 `<out>.md` (mean and spread over seeds), `<out>.json` (every run), `<out>.png` (quality vs re-embedded).
 The drift columns explain the table: mean ||g(y) - B_y|| and KL(P~ || P_stale) on the selected passages,
-averaged over the last quarter of training.
+averaged over the last quarter of training. For Algorithm 1 the `start` row is the starting retriever
+before any update (`--strategies start` evaluates it alone).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 DEFAULT_STRATEGIES = {
-    1: ["in_batch", "stale", "corrector", "exhaustive", "snm", "two_round"],
+    # "start" is the starting retriever evaluated before any update: the row every strategy must beat.
+    1: ["start", "in_batch", "stale", "corrector", "exhaustive", "snm", "two_round"],
     2: ["closed_book", "frozen", "stale", "corrector", "exhaustive"],
 }
 
@@ -145,6 +147,36 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
     return result
 
 
+def start_point(args, work: Path) -> dict:
+    """The starting retriever on the held-out questions, no training: the same metrics as a trained run."""
+    from types import SimpleNamespace
+
+    from retriever.encoder import DualEncoder, default_retriever_path
+    from rlm.config import load_config
+    from rlm.data.corpus import load_corpus
+    from rlm.setup import load_examples, resolve_data
+    from rlm.validation import validate
+
+    cfg = load_config(None, base_overrides(args, work) + list(args.overrides))
+    corpus_path, _, dev_path = resolve_data(cfg)
+    dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    retriever = DualEncoder.from_pretrained(
+        cfg.retriever.path or default_retriever_path(), shared=cfg.retriever.shared_towers
+    ).eval()
+    retriever.query_tower.max_length = cfg.retriever.query_max_length
+    if not retriever.shared:
+        retriever.passage_tower.max_length = cfg.retriever.passage_max_length
+    start = time.time()
+    metrics = validate(SimpleNamespace(retriever=retriever, reader=None), load_corpus(corpus_path), dev, cfg)
+    return {
+        "strategy": "start",
+        "seed": None,
+        "wall_s": round(time.time() - start, 1),
+        "reembedded": 0,
+        **metrics,
+    }
+
+
 def gold_passage_em(cfg, out_dir: Path) -> float:
     """EM of the run's trained reader given each dev question's gold passages alone: what it could score if
     retrieval were perfect (the paper's 'reader EM with gold passages')."""
@@ -258,6 +290,9 @@ def plot_drift(work: Path, runs: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_norm, ax_kl) = plt.subplots(1, 2, figsize=(11, 4))
+    runs = [r for r in runs if r["seed"] is not None]  # the "start" row did not train
+    if not runs:
+        return
     first_seed = min(r["seed"] for r in runs)
     for run in runs:
         log_file = work / f"{run['strategy']}_seed{run['seed']}" / "log.jsonl"
@@ -318,6 +353,12 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = []
     for strategy in strategies:
+        if strategy == "start":  # deterministic: one evaluation, whatever the seeds
+            if args.algorithm != 1:
+                parser.error("the 'start' row is for Algorithm 1 (Algorithm 2 has closed_book and frozen)")
+            runs.append(start_point(args, work))
+            print(json.dumps(runs[-1]))
+            continue
         for seed in seeds:
             runs.append(one_run(args, work, strategy, seed))
             print(json.dumps(runs[-1]))

@@ -13,7 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_script(tmp_path: Path, seeds: str) -> subprocess.CompletedProcess:
     args = [sys.executable, str(ROOT / "scripts" / "compare_strategies.py"), "--algorithm", "1"]
-    args += ["--start", "random_gtr", "--strategies", "stale,corrector", "--seeds", seeds, "--steps", "2"]
+    args += [
+        "--start",
+        "random_gtr",
+        "--strategies",
+        "start,stale,corrector",
+        "--seeds",
+        seeds,
+        "--steps",
+        "2",
+    ]
     args += ["--num-passages", "150", "--batch-size", "4", "--k", "4", "--num-random", "4"]
     args += ["--set", "data.max_dev_examples=16", "--work", str(tmp_path / "work")]
     args += ["--out", str(tmp_path / "out" / "table")]
@@ -25,9 +34,11 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
     first = run_script(tmp_path, "0")
     assert first.returncode == 0, first.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "table.json").read_text())
-    assert [r["strategy"] for r in report["runs"]] == ["stale", "corrector"]
+    assert [r["strategy"] for r in report["runs"]] == ["start", "stale", "corrector"]
     assert all(0 <= r["dev_gold_recall@1"] <= r["dev_gold_recall@100"] <= 1 for r in report["runs"])
-    assert report["runs"][1]["kl_fresh_corrected"] is not None and report["runs"][0]["reembedded"] == 0
+    start, stale, corrector = report["runs"]
+    assert start["reembedded"] == 0 and start["seed"] is None and "drift" not in start
+    assert corrector["kl_fresh_corrected"] is not None and stale["reembedded"] == 0
     assert 0 < report["dropout_floor"] < 2
     table = (tmp_path / "out" / "table.md").read_text()
     assert "| corrector |" in table and "Dropout floor" in table
@@ -39,11 +50,16 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     again = json.loads((tmp_path / "out" / "table.json").read_text())
     assert [(r["strategy"], r["seed"]) for r in again["runs"]] == [
+        ("start", None),  # the untrained retriever is evaluated once, whatever the seeds
         ("stale", 0),
         ("stale", 1),
         ("corrector", 0),
         ("corrector", 1),
     ]
     # Equal records, wall time included: read back, not retrained.
-    assert again["runs"][0] == report["runs"][0] and again["runs"][2] == report["runs"][1]
-    assert "±" in (tmp_path / "out" / "table.md").read_text()  # mean ± spread over the two seeds
+    assert again["runs"][1] == report["runs"][1] and again["runs"][3] == report["runs"][2]
+    recall_keys = [k for k in start if k.startswith("dev_")]
+    assert {k: again["runs"][0][k] for k in recall_keys} == {k: start[k] for k in recall_keys}
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "±" in table  # mean ± spread over the two seeds
+    assert "| start |" in table
