@@ -151,6 +151,20 @@ def load_or_build_buffer(
     return buffer
 
 
+def build_retriever(cfg: TrainConfig) -> DualEncoder:
+    """The starting dual encoder with the config's lengths and dropout, as training uses it."""
+    retriever = DualEncoder.from_pretrained(
+        cfg.retriever.path or default_retriever_path(), shared=cfg.retriever.shared_towers
+    )
+    retriever.query_tower.max_length = cfg.retriever.query_max_length
+    if not retriever.shared:
+        retriever.passage_tower.max_length = cfg.retriever.passage_max_length
+    if cfg.retriever.dropout is not None:
+        for tower in {id(t): t for t in (retriever.query_tower, retriever.passage_tower)}.values():
+            tower.set_dropout(cfg.retriever.dropout)
+    return retriever
+
+
 def build_components(cfg: TrainConfig, accelerator=None) -> Components:
     corpus_path, train_path, dev_path = resolve_data(cfg)
     corpus = load_corpus(corpus_path)
@@ -173,15 +187,7 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
                 "algorithm 1 needs training questions with gold passage ids that are in the corpus"
             )
 
-    retriever = DualEncoder.from_pretrained(
-        cfg.retriever.path or default_retriever_path(), shared=cfg.retriever.shared_towers
-    )
-    retriever.query_tower.max_length = cfg.retriever.query_max_length
-    if not retriever.shared:
-        retriever.passage_tower.max_length = cfg.retriever.passage_max_length
-    if cfg.retriever.dropout is not None:
-        for tower in {id(t): t for t in (retriever.query_tower, retriever.passage_tower)}.values():
-            tower.set_dropout(cfg.retriever.dropout)
+    retriever = build_retriever(cfg)
     buffer = load_or_build_buffer(cfg, retriever, corpus, accelerator)
 
     reader = collator = None

@@ -151,21 +151,15 @@ def start_point(args, work: Path) -> dict:
     """The starting retriever on the held-out questions, no training: the same metrics as a trained run."""
     from types import SimpleNamespace
 
-    from retriever.encoder import DualEncoder, default_retriever_path
     from rlm.config import load_config
     from rlm.data.corpus import load_corpus
-    from rlm.setup import load_examples, resolve_data
+    from rlm.setup import build_retriever, load_examples, resolve_data
     from rlm.validation import validate
 
     cfg = load_config(None, base_overrides(args, work) + list(args.overrides))
     corpus_path, _, dev_path = resolve_data(cfg)
     dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
-    retriever = DualEncoder.from_pretrained(
-        cfg.retriever.path or default_retriever_path(), shared=cfg.retriever.shared_towers
-    ).eval()
-    retriever.query_tower.max_length = cfg.retriever.query_max_length
-    if not retriever.shared:
-        retriever.passage_tower.max_length = cfg.retriever.passage_max_length
+    retriever = build_retriever(cfg).eval()
     start = time.time()
     metrics = validate(SimpleNamespace(retriever=retriever, reader=None), load_corpus(corpus_path), dev, cfg)
     return {
@@ -197,18 +191,14 @@ def dropout_floor(args, work: Path, num: int = 256) -> float:
     makes (train-mode g(y) against the eval-mode buffer), before any update."""
     import torch
 
-    from retriever.encoder import DualEncoder, default_retriever_path
     from rlm.config import load_config
     from rlm.data.corpus import load_corpus
-    from rlm.setup import resolve_data
+    from rlm.setup import build_retriever, resolve_data
 
     config = ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
     cfg = load_config(config, base_overrides(args, work) + list(args.overrides))
     corpus = load_corpus(resolve_data(cfg)[0])
-    tower = DualEncoder.from_pretrained(cfg.retriever.path or default_retriever_path()).passage_tower
-    tower.max_length = cfg.retriever.passage_max_length
-    if cfg.retriever.dropout is not None:
-        tower.set_dropout(cfg.retriever.dropout)
+    tower = build_retriever(cfg).passage_tower
     texts = corpus.retrieval_texts()[:num]
     torch.manual_seed(0)
     with torch.no_grad():
