@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +17,27 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+class _Yaml12BoolLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans (true/false only): YAML 1.1 reads `mixed_precision: no` as False."""
+
+
+_Yaml12BoolLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _first in "tTfF":
+    _Yaml12BoolLoader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool",
+        re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+        list(_first),
+    )
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Yaml12BoolLoader)  # noqa: S506 (a SafeLoader subclass)
+
 
 STRATEGIES = ("corrector", "stale", "exhaustive", "snm", "two_round", "frozen", "closed_book", "in_batch")
 READER_ARCHS = ("t5", "warm_start")
@@ -266,7 +288,7 @@ def apply_override(data: dict, assignment: str) -> None:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ValueError(f"--set {dotted}: {key} is not a section")
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    node[keys[-1]] = parse_yaml(raw) if raw.strip() else None
 
 
 def add_override_argument(parser, example: str = "strategy.name=exhaustive") -> None:
@@ -288,7 +310,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path} (see configs/ for the shipped ones)")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = parse_yaml(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a config must be a YAML mapping at the top level")
     for assignment in overrides:

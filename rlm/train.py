@@ -160,6 +160,15 @@ def lr_lambda(warmup: int, total: int):
     return fn
 
 
+def build_optimizer(model: RetrievalAugmentedModel, strategy, optim_cfg) -> torch.optim.AdamW:
+    """One AdamW, a parameter group per component. Fused (one kernel over all tensors) where torch has it: for
+    the two MiniLM towers on this 2-core CPU a step of it takes 0.02 s instead of 0.16 s (the per-tensor loop)."""
+    groups = model.parameter_groups(strategy, optim_cfg)
+    devices = {p.device.type for group in groups for p in group["params"]}
+    fused = bool(devices) and devices <= {"cpu", "cuda"}
+    return torch.optim.AdamW(groups, weight_decay=optim_cfg.weight_decay, fused=fused)
+
+
 def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | None = None) -> dict:
     output_dir = Path(cfg.output_dir)
     accelerator = accelerator or Accelerator(
@@ -198,9 +207,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     if cfg.gradient_checkpointing and model.reader is not None:
         model.reader.gradient_checkpointing_enable()
 
-    optimizer = torch.optim.AdamW(
-        model.parameter_groups(strategy, cfg.optim), weight_decay=cfg.optim.weight_decay
-    )
+    optimizer = build_optimizer(model, strategy, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.optim.max_steps)
     )
@@ -224,8 +231,15 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     texts = corpus.retrieval_texts()
     accum = cfg.optim.gradient_accumulation_steps
 
+    # Refreshes and validation run in the training step's precision (accelerate's autocast: a no-op unless
+    # mixed_precision is set); only the fixed buffer B, built once and shared by runs, is always float32.
     def reembed(rows):
-        return embed_rows(raw.retriever.passage_tower, texts, rows, batch_size=cfg.buffer.batch_size)
+        with accelerator.autocast():
+            return embed_rows(raw.retriever.passage_tower, texts, rows, batch_size=cfg.buffer.batch_size)
+
+    def validate_now() -> dict[str, float]:
+        with accelerator.autocast():
+            return validate(raw, corpus, dev_examples, cfg)
 
     progress = tqdm(
         total=cfg.optim.max_steps,
@@ -307,7 +321,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             and dev_examples
             and accelerator.is_main_process
         ):
-            record.update(validate(raw, corpus, dev_examples, cfg))
+            record.update(validate_now())
         history.append(record)
         if accelerator.is_main_process:
             accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=state.step)
@@ -323,7 +337,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
         "nonfinite_skipped": state.nonfinite_total,
     }
     if dev_examples and accelerator.is_main_process:
-        summary.update(validate(raw, corpus, dev_examples, cfg))
+        summary.update(validate_now())
     if accelerator.is_main_process:
         raw.save_pretrained(output_dir / "final")
         (output_dir / "final" / "config.yaml").write_text(dump_config(cfg))

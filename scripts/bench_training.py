@@ -32,7 +32,7 @@ from rlm.config import load_config
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.setup import build_components
 from rlm.strategies import make_strategy
-from rlm.train import batch_indices, make_batch
+from rlm.train import batch_indices, build_optimizer, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def per_phase(args) -> tuple[dict, float]:
         timer = PhaseTimer()
         model.timer = timer
         strategy = make_strategy(cfg.strategy, parts.buffer, args.steps, seed=0)
-        optimizer = torch.optim.AdamW(model.parameter_groups(strategy, cfg.optim))
+        optimizer = build_optimizer(model, strategy, cfg.optim)
         model.train()
         tower = parts.retriever.passage_tower
 

@@ -77,6 +77,24 @@ def test_encode_matches_forward_with_grad_and_keeps_mode(tiny_gtr):
     torch.testing.assert_close(with_grad.detach(), no_grad, atol=1e-6, rtol=0)
 
 
+def test_length_buckets_give_the_one_pass_embeddings_and_gradients(tiny_gtr):
+    """Training encodes S_x in length buckets; the result and the gradient must be those of one padded pass."""
+    texts = [TEXTS[i % len(TEXTS)] + " more" * (i % 5) for i in range(11)]  # mixed lengths, unsorted
+    tiny_gtr.eval()
+
+    def run(bucket_size):
+        tiny_gtr.zero_grad(set_to_none=True)
+        out = tiny_gtr.embed_texts(texts, bucket_size=bucket_size)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), tiny_gtr.dense.weight.grad.clone()
+
+    one_pass, grad_one = run(None)
+    bucketed, grad_bucketed = run(3)
+    torch.testing.assert_close(bucketed, one_pass, atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad_bucketed, grad_one, atol=1e-5, rtol=1e-4)
+    tiny_gtr.zero_grad(set_to_none=True)
+
+
 def test_fingerprint_changes_with_weights(tiny_gtr, tmp_path):
     tiny_gtr.save_pretrained(tmp_path / "a")
     other = SentenceEncoder.from_pretrained(str(tmp_path / "a"), max_length=64)

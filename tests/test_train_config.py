@@ -71,3 +71,14 @@ def test_dump_round_trips(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def test_mixed_precision_no_is_a_word_not_a_boolean(tmp_path):
+    # YAML 1.1 reads `no` as False; the documented value of mixed_precision must load, in a file and in --set.
+    assert load_config(None, ["mixed_precision=no"]).mixed_precision == "no"
+    path = tmp_path / "run.yaml"
+    path.write_text("mixed_precision: no\ncpu: true\n")
+    cfg = load_config(path)
+    assert cfg.mixed_precision == "no" and cfg.cpu is True
+    with pytest.raises(ValueError, match="expected true/false"):
+        load_config(None, ["cpu=yes"])
