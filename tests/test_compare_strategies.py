@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(tmp_path: Path, seeds: str) -> subprocess.CompletedProcess:
+def run_script(tmp_path: Path, seeds: str, *extra: str) -> subprocess.CompletedProcess:
     args = [sys.executable, str(ROOT / "scripts" / "compare_strategies.py"), "--algorithm", "1"]
     args += [
         "--start",
@@ -25,7 +25,7 @@ def run_script(tmp_path: Path, seeds: str) -> subprocess.CompletedProcess:
     ]
     args += ["--num-passages", "150", "--batch-size", "4", "--k", "4", "--num-random", "4"]
     args += ["--set", "data.max_dev_examples=16", "--work", str(tmp_path / "work")]
-    args += ["--out", str(tmp_path / "out" / "table")]
+    args += ["--out", str(tmp_path / "out" / "table"), *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -45,8 +45,9 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
     for png in ("table.png", "table_drift.png"):
         assert (tmp_path / "out" / png).stat().st_size > 5_000
 
-    # Adding a seed trains only the new runs; the finished ones are read back unchanged.
-    second = run_script(tmp_path, "0,1")
+    # Adding a seed trains only the new runs (here two at once, --jobs 2); the finished ones are read back
+    # unchanged, and the table keeps the strategies' order whichever run finishes first.
+    second = run_script(tmp_path, "0,1", "--jobs", "2")
     assert second.returncode == 0, second.stderr[-3000:]
     again = json.loads((tmp_path / "out" / "table.json").read_text())
     assert [(r["strategy"], r["seed"]) for r in again["runs"]] == [
