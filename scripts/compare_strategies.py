@@ -115,6 +115,18 @@ def base_overrides(args, work: Path) -> list[str]:
     return out
 
 
+def base_config(args) -> Path | None:
+    """The YAML every run of the table starts from: Algorithm 2 uses the quickstart recipe."""
+    return ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
+
+
+def table_config(args, work: Path, *extra: str):
+    """The table's shared settings plus `extra`, with the user's --set overrides last, as every run has them."""
+    from rlm.config import load_config
+
+    return load_config(base_config(args), base_overrides(args, work) + [*extra, *args.overrides])
+
+
 def one_run(args, work: Path, strategy: str, seed: int) -> dict:
     from rlm.config import load_config
     from rlm.train import train
@@ -129,7 +141,7 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
         f"seed={seed}",
         *args.overrides,
     ]
-    config = ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
+    config = base_config(args)
     # A finished run is reused when its settings are the same, so seeds and strategies can be added later
     # (`--seeds 0` then `--seeds 0,1` trains seed 1 only); any change of settings retrains.
     key = hashlib.sha256(json.dumps([args.algorithm, str(config), overrides]).encode()).hexdigest()[:16]
@@ -180,12 +192,10 @@ def run_precision(cfg):
 def prepare(args, work: Path) -> None:
     """Build what every run shares (data files, the starting retriever, the fixed buffer B) once, up front, so
     that runs started in parallel by --jobs only read it."""
-    from rlm.config import load_config
     from rlm.data.corpus import load_corpus
     from rlm.setup import build_retriever, load_or_build_buffer, resolve_data
 
-    config = ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
-    cfg = load_config(config, base_overrides(args, work) + [f"buffer.dir={work / 'buffer'}", *args.overrides])
+    cfg = table_config(args, work, f"buffer.dir={work / 'buffer'}")
     load_or_build_buffer(cfg, build_retriever(cfg), load_corpus(resolve_data(cfg)[0]))
 
 
@@ -227,12 +237,11 @@ def start_point(args, work: Path) -> dict:
     """The starting retriever on the held-out questions, no training: the same metrics as a trained run."""
     from types import SimpleNamespace
 
-    from rlm.config import load_config
     from rlm.data.corpus import load_corpus
     from rlm.setup import build_retriever, load_examples, resolve_data
     from rlm.validation import validate
 
-    cfg = load_config(None, base_overrides(args, work) + list(args.overrides))
+    cfg = table_config(args, work)
     corpus_path, _, dev_path = resolve_data(cfg)
     dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
     retriever = build_retriever(cfg).eval()
@@ -270,12 +279,10 @@ def dropout_floor(args, work: Path, num: int = 256) -> float:
     makes (train-mode g(y), in the runs' precision, against the float32 eval-mode buffer), before any update."""
     import torch
 
-    from rlm.config import load_config
     from rlm.data.corpus import load_corpus
     from rlm.setup import build_retriever, resolve_data
 
-    config = ROOT / "configs" / "quickstart.yaml" if args.algorithm == 2 else None
-    cfg = load_config(config, base_overrides(args, work) + list(args.overrides))
+    cfg = table_config(args, work)
     corpus = load_corpus(resolve_data(cfg)[0])
     tower = build_retriever(cfg).passage_tower
     texts = corpus.retrieval_texts()[:num]
