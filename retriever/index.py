@@ -2,17 +2,22 @@
 
 The index type is a faiss `index_factory` string ("Flat" exact by default; e.g. "IVF1024,Flat", "HNSW32",
 "IVF4096,PQ64"); trainable types are trained on a random sample. On a machine where faiss sees a GPU the
-index is moved there (and back to CPU for saving).
+index is moved there: a lone process replicates it on every GPU, one rank of a multi-process (DDP) job only on
+its own; types faiss has no GPU version of (HNSW, bare PQ) stay on CPU with a warning. Saving writes a CPU copy.
+
+faiss comes from an extra (`rlm-corrector[cpu]` or `[gpu]`: both provide the `faiss` module, so not a core
+dependency) and is imported on first use, so the project imports without it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-import faiss
 import numpy as np
 
 from retriever.io import atomic_directory, atomic_write_text
@@ -22,17 +27,57 @@ IDS_NAME = "ids.txt"
 META_NAME = "index.json"
 
 
+def _faiss():
+    """The faiss module; a missing one is reported only here, when an index is actually used."""
+    try:
+        import faiss
+    except ImportError as err:
+        raise ImportError(
+            "faiss is not installed: pip install 'rlm-corrector[cpu]' (or 'rlm-corrector[gpu]' on a CUDA machine)"
+        ) from err
+    return faiss
+
+
 def _gpu_count() -> int:
+    faiss = _faiss()
     return faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
 
 
+def _rank_device(ngpu: int) -> int | None:
+    """This process's GPU when it is one rank of a multi-process (DDP) job, else None (a lone process uses all).
+
+    Every rank replicating the index on every GPU would multiply its memory by the number of ranks.
+    """
+    if "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Modulo: a rank shown only its own GPU (CUDA_VISIBLE_DEVICES per rank) sees it as device 0.
+        return int(os.environ["LOCAL_RANK"]) % ngpu
+    # Not imported yet means no process group can exist: no need to pay for importing torch here.
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # A CPU build of torch (gloo) next to faiss-gpu has no current device: spread the ranks instead.
+        return torch.cuda.current_device() if torch.cuda.is_available() else dist.get_rank() % ngpu
+    return None
+
+
 def _to_gpu(index, use_gpu: bool | None):
-    want = _gpu_count() > 0 if use_gpu is None else use_gpu
-    if not want:
-        return index
-    if _gpu_count() == 0:
-        raise ValueError("use_gpu=True but faiss sees no GPU (install faiss-gpu-cu12 on a CUDA machine)")
-    return faiss.index_cpu_to_all_gpus(index)
+    """`(index, on_gpu)`: a GPU clone of `index` when wanted and possible, else `index` itself."""
+    faiss = _faiss()
+    ngpu = _gpu_count()
+    if not (ngpu > 0 if use_gpu is None else use_gpu):
+        return index, False
+    if ngpu == 0:
+        raise ValueError("use_gpu=True but faiss sees no GPU (install rlm-corrector[gpu] on a CUDA machine)")
+    device = _rank_device(ngpu)
+    try:
+        if device is None:
+            return faiss.index_cpu_to_all_gpus(index), True
+        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), device, index), True
+    except RuntimeError as err:
+        # faiss throws for types without a GPU version (HNSW, bare PQ): they still work, on CPU.
+        reason = " ".join(str(err).split())
+        warnings.warn(f"faiss index {type(index).__name__} stays on CPU: {reason}", stacklevel=3)
+        return index, False
 
 
 def _as_float32(array, dim: int | None = None) -> np.ndarray:
@@ -43,14 +88,18 @@ def _as_float32(array, dim: int | None = None) -> np.ndarray:
 
 
 class PassageIndex:
-    """A faiss index (inner product) and the passage id of each of its rows."""
+    """A faiss index (inner product) and the passage id of each of its rows.
 
-    def __init__(self, index, ids: Sequence[str], factory: str):
+    `on_gpu` says `index` is a GPU clone (one GPU, or `IndexReplicas`/`IndexShards` over several).
+    """
+
+    def __init__(self, index, ids: Sequence[str], factory: str, on_gpu: bool = False):
         if index.ntotal != len(ids):
             raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
         self.index = index
         self.ids = list(ids)
         self.factory = factory
+        self.on_gpu = on_gpu
 
     @property
     def ntotal(self) -> int:
@@ -74,7 +123,7 @@ class PassageIndex:
         embeddings = _as_float32(embeddings)
         if len(ids) != embeddings.shape[0]:
             raise ValueError(f"{embeddings.shape[0]} embeddings but {len(ids)} ids")
-        index = cls._empty(embeddings.shape[1], factory, use_gpu)
+        index, on_gpu = cls._empty(embeddings.shape[1], factory, use_gpu)
         if not index.is_trained:
             rng = np.random.default_rng(seed)
             sample = embeddings
@@ -82,7 +131,7 @@ class PassageIndex:
                 sample = embeddings[np.sort(rng.choice(embeddings.shape[0], train_sample, replace=False))]
             index.train(sample)
         index.add(embeddings)
-        return cls(index, ids, factory)
+        return cls(index, ids, factory, on_gpu)
 
     @classmethod
     def from_buffer(
@@ -95,7 +144,7 @@ class PassageIndex:
         seed: int = 0,
     ) -> PassageIndex:
         """Index a `PassageBuffer`, streaming its shards (row i of the buffer is row i of the index)."""
-        index = cls._empty(buffer.dim, factory, use_gpu)
+        index, on_gpu = cls._empty(buffer.dim, factory, use_gpu)
         if not index.is_trained:
             rng = np.random.default_rng(seed)
             n = len(buffer)
@@ -105,10 +154,11 @@ class PassageIndex:
             index.train(_as_float32(buffer.rows(torch.from_numpy(rows)).float().cpu().numpy()))
         for _, chunk in buffer.iter_chunks(chunk_size):
             index.add(_as_float32(chunk.float().cpu().numpy()))
-        return cls(index, buffer.ids, factory)
+        return cls(index, buffer.ids, factory, on_gpu)
 
     @staticmethod
     def _empty(dim: int, factory: str, use_gpu: bool | None):
+        faiss = _faiss()
         try:
             index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
         except RuntimeError as err:
@@ -121,7 +171,10 @@ class PassageIndex:
         """Scores [B, k] and row positions [B, k] (int64; -1 where the index found fewer than k)."""
         queries = _as_float32(queries, self.dim)
         if nprobe is not None:
-            faiss.ParameterSpace().set_index_parameter(self.index, "nprobe", nprobe)
+            faiss = _faiss()
+            # A GpuIndexIVF is no IndexIVF: only GpuParameterSpace (GPU builds) reaches its nprobe.
+            space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
+            space.set_index_parameter(self.index, "nprobe", nprobe)
         return self.index.search(queries, min(k, self.ntotal))
 
     def search(
@@ -141,9 +194,10 @@ class PassageIndex:
         bad = next((i for i, pid in enumerate(self.ids) if "\n" in pid or "\r" in pid), None)
         if bad is not None:
             raise ValueError(f"passage id at row {bad} contains a line break: {self.ids[bad]!r}")
-        index = self.index
-        if _gpu_count() > 0 and hasattr(faiss, "index_gpu_to_cpu") and "Gpu" in type(index).__name__:
-            index = faiss.index_gpu_to_cpu(index)
+        faiss = _faiss()
+        # Only a GPU clone is copied: a CPU index (possibly large: HNSW) is written as it is.
+        # index_gpu_to_cpu turns any clone into one CPU index (replicas: one copy; shards: merged).
+        index = faiss.index_gpu_to_cpu(self.index) if self.on_gpu else self.index
         with atomic_directory(out_dir) as tmp:
             faiss.write_index(index, str(tmp / INDEX_NAME))
             atomic_write_text(tmp / IDS_NAME, "\n".join(self.ids))
@@ -159,6 +213,7 @@ class PassageIndex:
                 f"{folder / INDEX_NAME} not found: build the index first with `rlm index`"
             )
         meta = json.loads((folder / META_NAME).read_text())
-        index = _to_gpu(faiss.read_index(str(folder / INDEX_NAME)), use_gpu)
+        faiss = _faiss()
+        index, on_gpu = _to_gpu(faiss.read_index(str(folder / INDEX_NAME)), use_gpu)
         ids = (folder / IDS_NAME).read_text(encoding="utf-8").split("\n")[: meta["count"]]
-        return cls(index, ids, meta["factory"])
+        return cls(index, ids, meta["factory"], on_gpu)

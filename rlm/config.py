@@ -153,7 +153,7 @@ class StrategyConfig:
     name: str = "corrector"
     k: int = 32
     refresh_every: int = 500  # R for exhaustive and snm
-    snm_size: int = 1000  # M for snm
+    snm_size: int = 1_000_000  # M for snm (the paper: 1M; toy configs set their own)
     num_random: int = 0  # uniform random passages added to S_x (Algorithm 1 uses 64)
     share_across_batch: bool = False  # Algorithm 1: every question scores the union of the batch's S_x
     shard_buffer: bool = False  # data-parallel: each process holds 1/W of B; top-k merged across processes
@@ -166,10 +166,33 @@ class OptimConfig:
     lr_corrector: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 50
-    max_steps: int = 1000
-    batch_size: int = 8
+    max_steps: int = 1000  # optimizer steps
+    batch_size: int = 8  # questions per process per micro-step
     gradient_accumulation_steps: int = 1
-    max_grad_norm: float = 1.0
+    # Questions per optimizer step over all processes (the paper: 128). When set, the accumulation is derived
+    # from it, questions_per_step / (batch_size x processes), so the effective batch does not change with the
+    # process count; numbers that do not divide are refused.
+    questions_per_step: int | None = None
+    max_grad_norm: float = 1.0  # clipped per component (reader, retriever, corrector); 0: no clipping
+
+    def accumulation_steps(self, num_processes: int) -> int:
+        """Micro-steps per optimizer step with `num_processes` data-parallel processes."""
+        if self.questions_per_step is None:
+            return self.gradient_accumulation_steps
+        per_micro_step = self.batch_size * num_processes
+        accum, rest = divmod(self.questions_per_step, per_micro_step)
+        if rest or accum < 1:
+            raise ValueError(
+                f"optim.questions_per_step={self.questions_per_step} is not a multiple of optim.batch_size x "
+                f"processes = {self.batch_size} x {num_processes} = {per_micro_step}; change one of them"
+            )
+        if self.gradient_accumulation_steps not in (1, accum):
+            raise ValueError(
+                f"optim.gradient_accumulation_steps={self.gradient_accumulation_steps} contradicts "
+                f"optim.questions_per_step={self.questions_per_step} with {num_processes} process(es) and "
+                f"batch_size {self.batch_size} (which need {accum}); set only one of them"
+            )
+        return accum
 
 
 @dataclass
@@ -219,6 +242,10 @@ class TrainConfig:
                 raise ValueError(f"strategy.{name} must be >= 1")
         if self.optim.max_steps < 1 or self.optim.batch_size < 1:
             raise ValueError("optim.max_steps and optim.batch_size must be >= 1")
+        if self.optim.gradient_accumulation_steps < 1:
+            raise ValueError("optim.gradient_accumulation_steps must be >= 1")
+        if self.optim.questions_per_step is not None and self.optim.questions_per_step < 1:
+            raise ValueError("optim.questions_per_step must be >= 1 (or null)")
         return self
 
 

@@ -175,12 +175,14 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
     if cfg.data.dev:
         dev_examples = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
     if cfg.algorithm == 1:
-        # One (question, gold passage) pair per gold passage that is in the corpus.
+        # One (question, gold passage) pair per gold passage that is in the corpus. The pair's label goes
+        # first and the question's other gold passages follow it: make_batch keeps those out of the
+        # question's negatives (a multi-hop question's second passage is relevant, not a negative).
         train_examples = [
-            QAExample(ex.id, ex.question, ex.answers, [gid], ex.meta)
+            QAExample(ex.id, ex.question, ex.answers, [gid] + [o for o in golds if o != gid], ex.meta)
             for ex in train_examples
-            for gid in ex.gold_passage_ids
-            if _in_corpus(corpus, gid)
+            for golds in [[g for g in ex.gold_passage_ids if _in_corpus(corpus, g)]]
+            for gid in golds
         ]
         if not train_examples:
             raise ValueError(

@@ -61,7 +61,8 @@ def corrector_quality(fresh_logits: torch.Tensor, other_logits: torch.Tensor, ma
 
 def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fresh_logits, beta, cfg):
     """Step 7: the corrector's loss on S_x, from detached queries and detached targets; plus drift metrics."""
-    stale = strategy.buffer.rows(_rows_or_zero(rows)).to(queries.dtype)  # B_y: the fixed buffer rows
+    # B_y: the fixed buffer rows, read from wherever B lives (host memory) onto the step's device.
+    stale = strategy.buffer.rows(_rows_or_zero(rows)).to(device=queries.device, dtype=queries.dtype)
     stale_logits = beta * _scores(queries.detach(), stale)
     drift = (fresh_passages.detach().float() - stale.float()).norm(dim=-1)[mask].mean()
     metrics = {
@@ -70,7 +71,8 @@ def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fr
     }
     if not strategy.uses_corrector:
         return None, metrics
-    corrected = model.corrector(stale)
+    # In h's own dtype: DeepSpeed casts its parameters to bf16, while B and the queries may be float32.
+    corrected = model.corrector(stale.to(next(model.corrector.parameters()).dtype))
     corrected_logits = beta * _scores(queries.detach(), corrected)
     quality = corrector_quality(fresh_logits.detach(), corrected_logits, mask)
     metrics.update(kl_fresh_corrected=quality["kl"], overlap_corrected_fresh=quality["overlap"])
@@ -164,10 +166,10 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
 def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
     """Algorithm 1: supervised dense retrieval; the gold passage is always in S_x, plus uniform negatives."""
     beta = cfg.beta
-    gold = batch.gold_rows
 
     # 1. q = f(x), with gradient.
     queries = model.retriever.encode_queries(batch.questions)
+    gold = batch.gold_rows.to(queries.device)
 
     # 2. S_x: top-k by the strategy, the label always included, plus uniform negatives shared by the batch.
     top = strategy.select(
@@ -187,7 +189,8 @@ def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
     mask = rows >= 0
     if batch.other_gold_rows is not None and batch.other_gold_rows.numel():
-        other = (rows.unsqueeze(-1) == batch.other_gold_rows.unsqueeze(1)).any(-1)
+        other_gold = batch.other_gold_rows.to(rows.device)
+        other = (rows.unsqueeze(-1) == other_gold.unsqueeze(1)).any(-1)
         mask = mask & ~(other & (rows != gold[:, None]))
 
     # P~ = softmax(beta <q, p_y>) over S_x.
@@ -223,6 +226,6 @@ def _pad_scores(scores: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """score_passages pads to the longest row of the batch; pad to the selection's width."""
     if scores.shape == shape:
         return scores
-    out = torch.full(shape, -1e4, dtype=scores.dtype)
+    out = torch.full(shape, -1e4, dtype=scores.dtype, device=scores.device)
     out[:, : scores.shape[1]] = scores
     return out

@@ -144,8 +144,9 @@ class InBatchStrategy(SelectionStrategy):
     def select(self, queries, corrector=None, include=None, num_random=0):
         if include is None:
             raise ValueError("in_batch selects the batch's labels: algorithm 1 only")
-        scores = torch.einsum("bd,bmd->bm", queries.float(), self.buffer.rows(include).float())
-        return TopK(scores, include)
+        include = include.to(queries.device)
+        rows = self.buffer.rows(include).to(device=queries.device, dtype=torch.float32)
+        return TopK(torch.einsum("bd,bmd->bm", queries.float(), rows), include)
 
 
 class ClosedBookStrategy(SelectionStrategy):
@@ -229,16 +230,17 @@ class SNMStrategy(SelectionStrategy):
             raise RuntimeError("SNM subset not sampled yet: call before_step first")
         k = min(self.k, len(self.rows))
         top = corrected_topk(queries, self.subset, None, k, chunk_size=self.chunk_size)
-        indices = self.rows[top.indices]
+        indices = self.rows.to(top.indices.device)[top.indices]
         if include is None and not num_random:
             return TopK(top.scores, indices)
         # The label and the uniform negatives come from the whole corpus, scored against their stale rows.
-        extra = [] if include is None else [include]
+        extra = [] if include is None else [include.to(queries.device)]
         if num_random:
             uniform = torch.randint(len(self.buffer), (num_random,), generator=self.generator)
-            extra.append(uniform.expand(len(queries), -1))
+            extra.append(uniform.to(queries.device).expand(len(queries), -1))
         extra_idx = torch.cat(extra, dim=1)
-        extra_scores = torch.einsum("bd,bmd->bm", queries.float(), self.buffer.rows(extra_idx).float())
+        extra_rows = self.buffer.rows(extra_idx).to(device=queries.device, dtype=torch.float32)
+        extra_scores = torch.einsum("bd,bmd->bm", queries.float(), extra_rows)
         return _merge(top.scores, indices, extra_scores, extra_idx)
 
     def state_dict(self) -> dict:
@@ -298,8 +300,8 @@ def _merge(scores_a, idx_a, scores_b, idx_b) -> TopK:
         out_scores.append(torch.cat([sa, sb[keep]]))
         out_idx.append(torch.cat([ia, ib[keep]]))
     width = max(len(i) for i in out_idx)
-    scores = torch.full((len(out_idx), width), float("-inf"))
-    idx = torch.full((len(out_idx), width), -1, dtype=torch.long)
+    scores = torch.full((len(out_idx), width), float("-inf"), device=scores_a.device)
+    idx = torch.full((len(out_idx), width), -1, dtype=torch.long, device=idx_a.device)
     for r, (s, i) in enumerate(zip(out_scores, out_idx)):
         scores[r, : len(s)], idx[r, : len(i)] = s, i
     return TopK(scores, idx)

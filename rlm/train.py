@@ -1,7 +1,10 @@
 """Joint training on accelerate: `accelerate launch -m rlm.train --config configs/x.yaml --set key=value ...`.
 
-The loop is the usual accelerate program (prepare, accumulate, clip, step, save_state/load_state); the step
-itself is `rlm.steps.algorithm2_step` (or `algorithm1_step`), run through the model's forward so DDP syncs it.
+Three parts: `build_run` (data, models, buffer, strategy, optimizer, accelerate's prepare), `train_step` (one
+optimizer step: refresh, an accumulation window, per-component clipping, step, schedule) and `train` (the loop
+around it: logging, validation, checkpoints). The algorithm itself is `rlm.steps.algorithm2_step` (or
+`algorithm1_step`), run through the model's forward so DDP syncs it. The lr schedule advances once per
+optimizer step for any process count.
 
 Data order is a pure function of (seed, micro-step): each epoch is a seeded permutation of the training set,
 and process r of W takes its slice of every global batch. Resuming at micro-step m therefore sees exactly the
@@ -24,14 +27,15 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
+from rlm.data.corpus import Corpus
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.setup import build_components
 from rlm.steps import Batch
-from rlm.strategies import make_strategy
+from rlm.strategies import SelectionStrategy, make_strategy
 from rlm.validation import validate
 
 CHECKPOINT_PREFIX = "step_"
@@ -169,27 +173,107 @@ def build_optimizer(model: RetrievalAugmentedModel, strategy, optim_cfg) -> torc
     return torch.optim.AdamW(groups, weight_decay=optim_cfg.weight_decay, fused=fused)
 
 
-def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | None = None) -> dict:
-    output_dir = Path(cfg.output_dir)
-    accelerator = accelerator or Accelerator(
-        gradient_accumulation_steps=cfg.optim.gradient_accumulation_steps,
+@dataclass
+class TrainRun:
+    """What one run holds: made by `build_run`, advanced one optimizer step at a time by `train_step`."""
+
+    cfg: TrainConfig
+    accelerator: Accelerator
+    corpus: Corpus
+    train_examples: list
+    dev_examples: list
+    model: torch.nn.Module  # as prepared by accelerate (DDP / DeepSpeed wrapper)
+    strategy: SelectionStrategy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    state: TrainState
+    accumulation_steps: int
+
+    @property
+    def raw(self) -> RetrievalAugmentedModel:
+        return self.accelerator.unwrap_model(self.model)
+
+    # Refreshes and validation run in the training step's precision (accelerate's autocast: a no-op unless
+    # mixed_precision is set); only the fixed buffer B, built once and shared by runs, is always float32.
+    def reembed(self, rows) -> torch.Tensor:
+        with self.accelerator.autocast():
+            tower = self.raw.retriever.passage_tower
+            texts = self.corpus.retrieval_texts()
+            return embed_rows(tower, texts, rows, batch_size=self.cfg.buffer.batch_size)
+
+    def validate(self) -> dict[str, float]:
+        with self.accelerator.autocast():
+            return validate(self.raw, self.corpus, self.dev_examples, self.cfg)
+
+    def batch(self, step: int, micro: int) -> Batch:
+        """This process's questions at micro-step `micro` of optimizer step `step`."""
+        cfg, acc = self.cfg, self.accelerator
+        indices = batch_indices(
+            step * self.accumulation_steps + micro,
+            len(self.train_examples),
+            cfg.optim.batch_size,
+            acc.process_index,
+            acc.num_processes,
+            cfg.seed,
+        )
+        gold_phase = cfg.algorithm == 2 and step < cfg.reader.gold_passage_steps
+        return make_batch(self.train_examples, indices, self.corpus, cfg.algorithm, gold_passages=gold_phase)
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    return Accelerator(
         mixed_precision=cfg.mixed_precision,
         # Without CUDA, accelerate must be told it is on CPU, or torchrun ranks run as unrelated processes.
         cpu=cfg.cpu or not torch.cuda.is_available(),
         log_with="tensorboard",
-        project_dir=str(output_dir),
+        project_dir=cfg.output_dir,
+        # The schedule is stepped once per optimizer step by the loop: accelerate's own stepping advances it
+        # once per process per step, W times too fast with W processes.
+        step_scheduler_with_optimizer=False,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
     )
+
+
+def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps: int) -> None:
+    """Fill DeepSpeed's batch sizes from our config (there is no prepared DataLoader for accelerate to read them
+    from) and refuse a launcher config that contradicts it."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    wanted = {
+        "train_micro_batch_size_per_gpu": optim_cfg.batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "train_batch_size": optim_cfg.batch_size * accumulation_steps * accelerator.num_processes,
+    }
+    for key, value in wanted.items():
+        have = ds.get(key, "auto")
+        if have in ("auto", None):
+            ds[key] = value
+        elif int(have) != value:
+            raise ValueError(
+                f"the DeepSpeed config sets {key}={have} but the run config needs {value} (optim.batch_size, "
+                "optim.questions_per_step / gradient_accumulation_steps and the process count); set it to "
+                "'auto' in the accelerate config"
+            )
+
+
+def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: bool = False) -> TrainRun:
+    """Data, models, the fixed buffer B, the strategy, optimizer and schedule, prepared by accelerate."""
+    accelerator = accelerator or make_accelerator(cfg)
+    accum = cfg.optim.accumulation_steps(accelerator.num_processes)
+    accelerator.gradient_accumulation_steps = accum
+    configure_deepspeed(accelerator, cfg.optim, accum)
     set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(dump_config(cfg))
 
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
     parts = build_components(cfg, accelerator)
-    corpus, train_examples, dev_examples = parts.corpus, parts.train_examples, parts.dev_examples
     if cfg.algorithm == 2 and cfg.reader.gold_passage_steps:
-        check_gold_passages(train_examples, corpus)
+        check_gold_passages(parts.train_examples, parts.corpus)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = make_strategy(
         cfg.strategy,
@@ -211,10 +295,23 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.optim.max_steps)
     )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # The scheduler is not handed to accelerate: `train_step` steps it exactly once per optimizer step taken.
+    model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
-    accelerator.register_for_checkpointing(state, strategy)
-
+    accelerator.register_for_checkpointing(state, strategy, scheduler)
+    run = TrainRun(
+        cfg,
+        accelerator,
+        parts.corpus,
+        parts.train_examples,
+        parts.dev_examples,
+        model,
+        strategy,
+        optimizer,
+        scheduler,
+        state,
+        accum,
+    )
     if resume:
         found = checkpoints(output_dir)
         if found:
@@ -222,127 +319,137 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             accelerator.print(f"resumed from {found[-1]} at step {state.step}")
         else:
             accelerator.print(f"--resume: no checkpoint under {output_dir / 'checkpoints'}, starting fresh")
+    return run
 
+
+def finite_on_every_process(accelerator: Accelerator, loss: torch.Tensor) -> bool:
+    """Whether `loss` is finite on all processes: every process must take the same decision, or DDP's
+    collectives would deadlock. A sum of non-finite flags (accelerate's reduce knows sum, mean and max)."""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1).to(accelerator.device)
+    return float(accelerator.reduce(bad, "sum")) == 0
+
+
+def clip_per_component(accelerator: Accelerator, optimizer, max_norm: float) -> dict[str, float]:
+    """Clip each component's gradient (one parameter group each) to `max_norm` on its own and return the norms.
+
+    One global norm would let one component's loss shrink another's update (the corrector term, weight 10,
+    would scale the reader's and retriever's steps), which the paper's stop-gradients keep apart. Under
+    DeepSpeed the engine clips (one global norm, `gradient_clipping` in its config) inside its step.
+    """
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return {}
+    accelerator.unscale_gradients()  # fp16: clip the true gradients (a no-op otherwise)
+    norms = {}
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+            norms[f"grad_norm_{group['name']}"] = float(norm)
+    return norms
+
+
+def train_step(run: TrainRun) -> dict | None:
+    """One optimizer step: refresh (if the strategy is due), an accumulation window of micro-batches, clip per
+    component, step, schedule. Returns the step's log record, or None when a non-finite loss on any process
+    skipped it (on every process alike)."""
+    cfg, acc, state, strategy = run.cfg, run.accelerator, run.state, run.strategy
+    strategy.before_step(state.step, run.reembed)
+    reader_only = reader_only_step(cfg, state.step)
+    sums: dict[str, float] = {}
+    finite = True
+    for micro in range(run.accumulation_steps):
+        # Every micro-step of the window goes through accumulate() and backward, a skipped one too: that keeps
+        # accelerate's micro-step counter (and DeepSpeed's) on the window and DDP's reducer in step.
+        with acc.accumulate(run.model):
+            out = run.model(run.batch(state.step, micro), strategy, run.corpus, reader_only=reader_only)
+            finite = finite_on_every_process(acc, out.loss) and finite
+            # A skipped window's gradients are thrown away; the zeroed loss keeps NaN out of them all the same.
+            acc.backward(out.loss if finite else out.loss.nan_to_num(0.0) * 0.0)
+            for key, value in {"loss": float(out.loss.detach()), **out.metrics}.items():
+                sums[key] = sums.get(key, 0.0) + value / run.accumulation_steps
+    if not finite:
+        run.optimizer.zero_grad(set_to_none=True)
+        state.nonfinite_total += 1
+        state.nonfinite_in_a_row += 1
+        return None
+    norms = clip_per_component(acc, run.optimizer, cfg.optim.max_grad_norm)
+    lrs = {f"lr_{group['name']}": group["lr"] for group in run.optimizer.param_groups}  # this step's
+    run.optimizer.step()
+    if not run.optimizer.step_was_skipped:  # fp16 loss scaling skips steps that overflowed
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    state.nonfinite_in_a_row = 0
+    state.step += 1
+    return {
+        "step": state.step,
+        **{k: round(v, 6) for k, v in sums.items()},
+        **{k: round(v, 6) for k, v in norms.items()},
+        **lrs,
+        "reembedded": strategy.reembedded,
+        "nonfinite_skipped": state.nonfinite_total,
+    }
+
+
+def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | None = None) -> dict:
+    run = build_run(cfg, accelerator, resume=resume)
+    acc, state, output_dir = run.accelerator, run.state, Path(cfg.output_dir)
     log_path = output_dir / "log.jsonl"
-    if accelerator.is_main_process:
-        accelerator.init_trackers("rlm")
+    if acc.is_main_process:
+        acc.init_trackers("rlm")
         _truncate_log(log_path, state.step)
-    raw = accelerator.unwrap_model(model)
-    texts = corpus.retrieval_texts()
-    accum = cfg.optim.gradient_accumulation_steps
-
-    # Refreshes and validation run in the training step's precision (accelerate's autocast: a no-op unless
-    # mixed_precision is set); only the fixed buffer B, built once and shared by runs, is always float32.
-    def reembed(rows):
-        with accelerator.autocast():
-            return embed_rows(raw.retriever.passage_tower, texts, rows, batch_size=cfg.buffer.batch_size)
-
-    def validate_now() -> dict[str, float]:
-        with accelerator.autocast():
-            return validate(raw, corpus, dev_examples, cfg)
-
     progress = tqdm(
         total=cfg.optim.max_steps,
         initial=state.step,
         desc=f"train[{cfg.strategy.name}]",
-        disable=not accelerator.is_local_main_process,
+        disable=not acc.is_local_main_process,
     )
-    model.train()
+    run.model.train()
     t_last, steps_since_log = time.time(), 0
-    history: list[dict] = []
     while state.step < cfg.optim.max_steps:
-        strategy.before_step(state.step, reembed)
-        sums: dict[str, float] = {}
-        skipped = False
-        for micro in range(accum):
-            indices = batch_indices(
-                state.step * accum + micro,
-                len(train_examples),
-                cfg.optim.batch_size,
-                accelerator.process_index,
-                accelerator.num_processes,
-                cfg.seed,
-            )
-            gold_phase = cfg.algorithm == 2 and state.step < cfg.reader.gold_passage_steps
-            batch = make_batch(train_examples, indices, corpus, cfg.algorithm, gold_passages=gold_phase)
-            with accelerator.accumulate(model):
-                out = model(batch, strategy, corpus, reader_only=reader_only_step(cfg, state.step))
-                # Every process must agree to skip, or DDP's collective calls would deadlock.
-                finite = accelerator.reduce(torch.isfinite(out.loss.detach()).float().reshape(1), "min")
-                if finite.item() < 1:
-                    skipped = True
-                    optimizer.zero_grad(set_to_none=True)
-                    break
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients and cfg.optim.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            for key, value in {"loss": float(out.loss.detach()), **out.metrics}.items():
-                sums[key] = sums.get(key, 0.0) + value / accum
-
-        if skipped:
-            state.nonfinite_total += 1
-            state.nonfinite_in_a_row += 1
-            accelerator.print(
+        record = train_step(run)
+        if record is None:
+            acc.print(
                 f"step {state.step}: non-finite loss, step skipped ({state.nonfinite_in_a_row} in a row)"
             )
             if state.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
-                path = save_checkpoint(accelerator, output_dir, state.step, cfg.keep_last)
+                path = save_checkpoint(acc, output_dir, state.step, cfg.keep_last)
                 raise NonFiniteLossError(
                     f"{state.nonfinite_in_a_row} non-finite losses in a row at step {state.step}; the last good "
                     f"state is saved in {path}. Lower the learning rates or use mixed_precision=no, then --resume."
                 )
             continue
-        state.nonfinite_in_a_row = 0
-        state.step += 1
         steps_since_log += 1
         progress.update(1)
-
-        record = {
-            "step": state.step,
-            **{k: round(v, 6) for k, v in sums.items()},
-            "lr_reader": scheduler.get_last_lr()[0],
-            "reembedded": strategy.reembedded,
-            "nonfinite_skipped": state.nonfinite_total,
-        }
         if state.step % cfg.log_every == 0 or state.step == cfg.optim.max_steps:
             now = time.time()
             record["steps_per_s"] = round(steps_since_log / max(now - t_last, 1e-9), 4)
             state.wall_time += now - t_last
             t_last, steps_since_log = now, 0
             progress.set_postfix(
-                {k: f"{sums[k]:.3f}" for k in ("loss", "reader_loss", "retriever_loss") if k in sums}
+                {k: f"{record[k]:.3f}" for k in ("loss", "reader_loss", "retriever_loss") if k in record}
             )
-        if (
-            cfg.eval_every
-            and state.step % cfg.eval_every == 0
-            and dev_examples
-            and accelerator.is_main_process
-        ):
-            record.update(validate_now())
-        history.append(record)
-        if accelerator.is_main_process:
-            accelerator.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=state.step)
+        if cfg.eval_every and state.step % cfg.eval_every == 0 and run.dev_examples and acc.is_main_process:
+            record.update(run.validate())
+        if acc.is_main_process:
+            acc.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=state.step)
             with open(log_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if cfg.save_every and state.step % cfg.save_every == 0:
-            save_checkpoint(accelerator, output_dir, state.step, cfg.keep_last)
+            save_checkpoint(acc, output_dir, state.step, cfg.keep_last)
 
     progress.close()
     summary = {
         "steps": state.step,
-        "reembedded": strategy.reembedded,
+        "reembedded": run.strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
     }
-    if dev_examples and accelerator.is_main_process:
-        summary.update(validate_now())
-    if accelerator.is_main_process:
-        raw.save_pretrained(output_dir / "final")
+    if run.dev_examples and acc.is_main_process:
+        summary.update(run.validate())
+    if acc.is_main_process:
+        run.raw.save_pretrained(output_dir / "final")
         (output_dir / "final" / "config.yaml").write_text(dump_config(cfg))
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    accelerator.end_training()
+    acc.end_training()
     return summary
 
 

@@ -1,8 +1,9 @@
 """Training-step benchmark: where an Algorithm 2 step spends its time, per strategy, and the paper's Table 2.
 
-Part 1 runs real steps on the toy world (quickstart config: packaged MiniLM, small T5) for the corrector, stale
-and exhaustive strategies and reports the median wall time of each phase: select, retriever (f and g
-forward), reader_scoring, reader (FiD forward), corrector (its loss), backward+optimizer.
+Part 1 runs the real training step (`rlm.train.train_step`, as `rlm train` runs it) on the toy world (quickstart
+config: packaged MiniLM, small T5) for the corrector, stale and exhaustive strategies and reports the median
+wall time of each phase: select, retriever (f and g forward), reader_scoring, reader (FiD forward), corrector
+(its loss), backward+optimizer (the rest of the step: backward, clipping, AdamW, schedule).
 
 Part 2 is the analogue of the paper's Table 2 (steps/s against re-embedding): for a buffer of N passages the
 selection cost is measured directly (corrected top-k over an [N, D] buffer with corrector hidden 1D..8D; the
@@ -25,14 +26,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from accelerate.state import AcceleratorState
 
 from retriever.corrector import CorrectorNetwork
 from retriever.search import corrected_topk
 from rlm.config import load_config
-from rlm.model import RetrievalAugmentedModel, embed_rows
-from rlm.setup import build_components
-from rlm.strategies import make_strategy
-from rlm.train import batch_indices, build_optimizer, make_batch
+from rlm.train import build_run, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,62 +56,63 @@ class PhaseTimer:
 
 
 def per_phase(args) -> tuple[dict, float]:
+    """Real training steps (`rlm.train.build_run` + `train_step`: accelerate, clipping, schedule, autocast)
+    with the model's phase timer on; everything outside the timed phases is `backward+optimizer`."""
     overrides = [
         f"output_dir={args.work}/run",
         f"buffer.dir={args.work}/buffer",
         f"data.toy_world.dir={args.work}/toy",
         f"data.toy_world.num_passages={args.num_passages}",
         f"optim.batch_size={args.batch_size}",
+        f"optim.max_steps={args.warmup + args.steps}",
         f"strategy.k={args.k}",
+        f"strategy.refresh_every={args.refresh_every}",
+        f"mixed_precision={args.mixed_precision}",
         "data.dev=null",
+        "save_every=0",
+        "cpu=true",
+        # every measured step a joint step (the quickstart's reader curriculum would make them reader-only)
+        "reader.gold_passage_steps=0",
+        "reader.reader_only_steps=0",
+        "reader.final_reader_only_steps=0",
     ]
-    cfg = load_config(ROOT / "configs" / "quickstart.yaml", overrides)
-    parts = build_components(cfg)
-    texts = parts.corpus.retrieval_texts()
-    results = {}
+    results, throughput = {}, 0.0
     for name in ("stale", "corrector", "exhaustive"):
-        torch.manual_seed(0)
-        cfg.strategy.name = name
-        cfg.strategy.refresh_every = args.refresh_every
-        dim = parts.buffer.dim
-        corrector = CorrectorNetwork(dim, cfg.corrector.hidden_mult * dim) if name == "corrector" else None
-        model = RetrievalAugmentedModel(parts.retriever, parts.reader, corrector, parts.collator, cfg)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        cfg = load_config(ROOT / "configs" / "quickstart.yaml", [*overrides, f"strategy.name={name}"])
+        run = build_run(cfg)
         timer = PhaseTimer()
-        model.timer = timer
-        strategy = make_strategy(cfg.strategy, parts.buffer, args.steps, seed=0)
-        optimizer = build_optimizer(model, strategy, cfg.optim)
-        model.train()
-        tower = parts.retriever.passage_tower
+        run.raw.timer = timer
+        before_step = run.strategy.before_step
 
-        def reembed(rows, tower=tower):
-            return embed_rows(tower, texts, rows)
+        def timed_refresh(step, embed, before_step=before_step, timer=timer):
+            with timer("reembed"):
+                before_step(step, embed)
 
+        run.strategy.before_step = timed_refresh
+        run.model.train()
         steps = []
         for step in range(args.warmup + args.steps):
-            with timer("reembed"):
-                strategy.before_step(step, reembed)
-            idx = batch_indices(step, len(parts.train_examples), cfg.optim.batch_size, 0, 1, 0)
-            batch = make_batch(parts.train_examples, idx, parts.corpus, 2)
             start = time.perf_counter()
-            out = model(batch, strategy, parts.corpus)
-            with timer("backward+optimizer"):
-                optimizer.zero_grad(set_to_none=True)
-                out.loss.backward()
-                optimizer.step()
+            train_step(run)
             phases = timer.take()
-            phases["step_total"] = time.perf_counter() - start
+            total = time.perf_counter() - start
+            phases["backward+optimizer"] = total - sum(phases.values())
+            phases["step_total"] = total - phases.get("reembed", 0.0)
             if step >= args.warmup:
                 steps.append(phases)
         keys = sorted({k for s in steps for k in s})
         results[name] = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
         # Re-embedding happens once every R steps: a median would hide it, so it is amortised (mean).
         results[name]["reembed"] = statistics.fmean(s.get("reembed", 0.0) for s in steps)
-        results[name]["reembedded"] = strategy.reembedded
-    # Passage-tower throughput (passages/s), for extrapolating a full re-embedding of N passages.
-    sample = [texts[i] for i in range(min(len(texts), 512))]
-    start = time.perf_counter()
-    parts.retriever.passage_tower.encode(sample, batch_size=cfg.buffer.batch_size)
-    throughput = len(sample) / (time.perf_counter() - start)
+        results[name]["reembedded"] = run.strategy.reembedded
+        if name == "stale":
+            # Passage-tower throughput (passages/s), for extrapolating a full re-embedding of N passages.
+            texts = run.corpus.retrieval_texts()
+            sample = [texts[i] for i in range(min(len(texts), 512))]
+            start = time.perf_counter()
+            run.raw.retriever.passage_tower.encode(sample, batch_size=cfg.buffer.batch_size)
+            throughput = len(sample) / (time.perf_counter() - start)
     return results, throughput
 
 
@@ -176,6 +176,13 @@ def main() -> None:
     parser.add_argument("--table2-n", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--mixed-precision",
+        default="no",
+        choices=("no", "bf16"),
+        help="accelerate's mixed precision for the training steps (bf16 is emulated, and slow, on CPUs "
+        "without AVX512-BF16 or AMX)",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer steps, N=20k for table 2")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_training"))
     args = parser.parse_args()

@@ -25,6 +25,44 @@ def test_paper_configs_use_the_papers_settings():
             assert cfg.strategy.name == strategy
             assert cfg.strategy.k == 32 and cfg.optim.max_steps == 20000 and cfg.corrector.weight == 10.0
             assert cfg.retriever.path == "sentence-transformers/gtr-t5-base" and cfg.reader.path == "t5-base"
+            assert cfg.corrector.hidden_dim == 8192
+            assert_128_questions_per_step(cfg)
+    alg1 = load_config(CONFIGS / "nq_alg1_corrector.yaml")
+    assert alg1.algorithm == 1 and alg1.optim.max_steps == 40000 and alg1.corrector.hidden_dim == 8192
+    assert alg1.strategy.k == 64 and alg1.strategy.num_random == 64 and alg1.strategy.share_across_batch
+    assert_128_questions_per_step(alg1)
+    assert load_config().strategy.snm_size == 1_000_000
+
+
+def assert_128_questions_per_step(cfg):
+    """The paper's 128 questions per optimizer step, whatever the number of processes that divides it."""
+    for processes in (1, 2, 8):
+        accum = cfg.optim.accumulation_steps(processes)
+        assert accum * cfg.optim.batch_size * processes == 128, (processes, accum)
+
+
+def test_questions_per_step_refuses_what_does_not_divide_or_contradicts():
+    cfg = load_config(None, ["optim.questions_per_step=128", "optim.batch_size=4"])
+    assert cfg.optim.accumulation_steps(8) == 4 and cfg.optim.accumulation_steps(1) == 32
+    with pytest.raises(ValueError, match="not a multiple"):
+        cfg.optim.accumulation_steps(3)
+    cfg = load_config(
+        None, ["optim.questions_per_step=128", "optim.batch_size=4", "optim.gradient_accumulation_steps=8"]
+    )
+    with pytest.raises(ValueError, match="contradicts"):
+        cfg.optim.accumulation_steps(8)
+    assert load_config(None, ["optim.gradient_accumulation_steps=3"]).optim.accumulation_steps(8) == 3
+
+
+def test_shipped_launcher_configs_say_what_they_start():
+    """accelerate starts several CPU processes only through torchrun (MULTI_GPU) or mpirun: a config with
+    use_cpu true starts one, whatever its num_processes says."""
+    import yaml
+
+    cpu = yaml.safe_load((CONFIGS / "accelerate" / "cpu_2proc.yaml").read_text())
+    assert cpu["num_processes"] == 2 and cpu["distributed_type"] == "MULTI_GPU" and not cpu["use_cpu"]
+    ddp = yaml.safe_load((CONFIGS / "accelerate" / "ddp.yaml").read_text())
+    assert ddp["distributed_type"] == "MULTI_GPU" and ddp["num_processes"] == 8
 
 
 def test_overrides_are_parsed_as_yaml_and_nested():

@@ -1,0 +1,166 @@
+"""The training loop's parts in one process: `build_run` + `train_step` as `rlm.train` runs them.
+
+(The two-process behaviour of the same step is in tests/test_train_multiprocess.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+from rlm.config import load_config
+from rlm.train import build_run, lr_lambda, train_step
+
+TINY = [
+    "data.toy_world.num_passages=120",
+    "data.dev=null",
+    "strategy.k=4",
+    "retriever.passage_max_length=40",
+    "retriever.query_max_length=24",
+    "reader.d_model=32",
+    "reader.d_ff=64",
+    "reader.num_layers=1",
+    "reader.num_decoder_layers=1",
+    "reader.num_heads=2",
+    "reader.d_kv=16",
+    "reader.vocab_size=500",
+    "reader.max_passage_length=40",
+    "reader.max_answer_length=8",
+    "optim.batch_size=2",
+    "cpu=true",
+    "save_every=0",
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return tmp_path_factory.mktemp("loop")
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    # accelerate keeps its state in process-wide singletons; every run here starts from a clean one.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def make_run(world, *extra):
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={world}/run",
+            f"buffer.dir={world}/buffer",
+            f"data.toy_world.dir={world}/toy",
+            *TINY,
+            *extra,
+        ],
+    )
+    return build_run(cfg)
+
+
+def capture_gradients(run) -> dict[str, list[torch.Tensor]]:
+    """Record each component's gradients as the optimizer receives them (after clipping)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    step = run.optimizer.step
+
+    def recorded(*a, **k):
+        for group in run.optimizer.param_groups:
+            seen[group["name"]] = [p.grad.clone() for p in group["params"] if p.grad is not None]
+        return step(*a, **k)
+
+    run.optimizer.step = recorded
+    return seen
+
+
+def test_clipping_is_per_component_so_the_corrector_term_cannot_shrink_the_others(world):
+    """Scaling the corrector loss 100x changes no reader or retriever gradient, while each is clipped."""
+    received, records = {}, {}
+    for weight in (10.0, 1000.0):
+        run = make_run(world, f"corrector.weight={weight}", "optim.max_grad_norm=0.05", "retriever.dropout=0")
+        seen = capture_gradients(run)
+        run.model.train()
+        records[weight] = train_step(run)
+        received[weight] = seen
+    for name in ("reader", "retriever"):
+        for a, b in zip(received[10.0][name], received[1000.0][name], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+        # clipping was in force for this component (its own norm above the limit), and it reached 0.05
+        assert records[10.0][f"grad_norm_{name}"] > 0.05
+        clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in received[10.0][name]]))
+        assert float(clipped) == pytest.approx(0.05, rel=1e-3)
+    assert records[1000.0]["grad_norm_corrector"] > 50 * records[10.0]["grad_norm_corrector"]
+
+
+def test_lr_follows_the_schedule_per_optimizer_step_with_accumulation(world):
+    steps, warmup = 5, 2
+    run = make_run(
+        world,
+        f"optim.max_steps={steps}",
+        f"optim.warmup_steps={warmup}",
+        "optim.gradient_accumulation_steps=2",
+        "strategy.name=stale",
+    )
+    assert run.accumulation_steps == 2 and run.accelerator.gradient_accumulation_steps == 2
+    run.model.train()
+    lrs = [train_step(run)["lr_retriever"] for _ in range(steps)]
+    peak = run.cfg.optim.lr_retriever
+    assert lrs == pytest.approx([peak * lr_lambda(warmup, steps)(i) for i in range(steps)], rel=1e-9)
+
+
+def test_questions_per_step_sets_the_accumulation(world):
+    run = make_run(world, "optim.questions_per_step=6", "optim.batch_size=2", "strategy.name=frozen")
+    assert run.accumulation_steps == 3 and run.accelerator.gradient_accumulation_steps == 3
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with pytest.raises(ValueError, match="not a multiple of optim.batch_size"):
+        make_run(world, "optim.questions_per_step=5", "optim.batch_size=2")
+
+
+def test_algorithm1_training_batches_keep_a_questions_other_gold_passages_out_of_its_negatives(world):
+    """The training path (build_run's examples -> run.batch) carries each two-hop question's other gold
+    passage, and the step leaves it out of the softmax."""
+    run = make_run(world, "algorithm=1", "strategy.name=stale", "strategy.num_random=4")
+    two_hop = [i for i, ex in enumerate(run.train_examples) if len(ex.gold_passage_ids) == 2]
+    assert two_hop, "the toy world has two-hop questions"
+    # Both gold passages of a question are a label once each, with the other one beside it.
+    first = run.train_examples[two_hop[0]]
+    pairs = [ex.gold_passage_ids for ex in run.train_examples if ex.id == first.id]
+    assert sorted(pairs) == sorted([first.gold_passage_ids, first.gold_passage_ids[::-1]])
+
+    for micro_step in range(50):
+        batch = run.batch(micro_step, 0)
+        if (batch.other_gold_rows >= 0).any():
+            break
+    else:
+        pytest.fail("no training batch held a two-hop question")
+    b = int((batch.other_gold_rows >= 0).any(1).nonzero()[0])
+    label, other = int(batch.gold_rows[b]), int(batch.other_gold_rows[b, 0])
+    assert label != other
+
+    model = run.raw.eval()
+    with torch.no_grad():
+        queries = model.retriever.encode_queries(batch.questions)
+        # Force the other gold passage into S_x beside the label: it must carry no probability mass.
+        include = torch.stack([batch.gold_rows, torch.full_like(batch.gold_rows, other)], dim=1)
+        selected = run.strategy.select(queries, None, include=include).indices
+        assert int(selected[b].eq(other).sum()) == 1
+        masked = model(batch, _Fixed(run, selected), run.corpus).terms["retriever"]
+        batch.other_gold_rows = None  # what the training path did before: the second hop as a negative
+        as_negative = model(batch, _Fixed(run, selected), run.corpus).terms["retriever"]
+    assert as_negative > masked
+
+
+class _Fixed:
+    """A strategy that returns a given selection (the rest delegates to the run's strategy)."""
+
+    def __init__(self, run, rows):
+        self.inner, self.rows = run.strategy, rows
+
+    def select(self, queries, corrector=None, include=None, num_random=0):
+        from retriever.search import TopK
+
+        return TopK(torch.zeros(self.rows.shape), self.rows)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

@@ -1,0 +1,141 @@
+"""Two CPU processes, launched as users launch them: `accelerate launch --config_file configs/accelerate/...`.
+
+What only several processes can show: the lr schedule per optimizer step, a non-finite loss on one rank
+skipping the step on all of them with accumulation, ranks that stay identical, the shipped launcher config
+starting two processes, and a sharded buffer selecting what the whole buffer selects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlm.train import lr_lambda
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_2PROC = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
+
+TINY = [
+    "data.toy_world.num_passages=120",
+    "data.dev=null",
+    "strategy.k=4",
+    "retriever.passage_max_length=40",
+    "retriever.query_max_length=24",
+    "reader.d_model=32",
+    "reader.d_ff=64",
+    "reader.num_layers=1",
+    "reader.num_decoder_layers=1",
+    "reader.num_heads=2",
+    "reader.d_kv=16",
+    "reader.vocab_size=500",
+    "reader.max_passage_length=40",
+    "reader.max_answer_length=8",
+    "optim.batch_size=2",
+    "cpu=true",
+    "log_every=1",
+    "save_every=0",
+]
+
+
+def env() -> dict:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def accelerate_launch(config: Path, *program: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *program]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600, cwd=REPO)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    return done
+
+
+def overrides(root: Path, out: str, *extra: str) -> list[str]:
+    items = [
+        f"output_dir={root / out}",
+        f"buffer.dir={root / 'buffer'}",
+        f"data.toy_world.dir={root / 'toy'}",
+        *TINY,
+        *extra,
+    ]
+    return [arg for item in items for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("multiprocess")
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere_and_windows_stay_aligned(root):
+    """Accumulation 2, warm-up 4 of 8 steps, a NaN on rank 1's third forward (step 1, micro-step 0)."""
+    steps, warmup, lr = 8, 4, 1e-3
+    out = root / "nan_probe"
+    accelerate_launch(
+        CPU_2PROC,
+        str(REPO / "tests" / "multiprocess_train.py"),
+        str(out),
+        "--nan-rank",
+        "1",
+        "--nan-call",
+        "2",
+        *overrides(
+            root,
+            "nan",
+            f"optim.max_steps={steps}",
+            f"optim.warmup_steps={warmup}",
+            f"optim.lr_reader={lr}",
+            "optim.gradient_accumulation_steps=2",
+            "strategy.name=corrector",
+        ),
+    )
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2], "accelerate launch did not start two processes"
+    for r in ranks:
+        # The window holding the NaN (optimizer step 1) is skipped on both ranks, then retried.
+        assert r["skipped_at"] == [1]
+        assert [rec["step"] for rec in r["records"]] == list(range(1, steps + 1))
+        assert r["records"][-1]["nonfinite_skipped"] == 1
+        # Every optimizer step falls on a window boundary of accelerate's micro-step counter.
+        assert len(r["optimizer_steps"]) == steps
+        assert all(s["sync_gradients"] and s["micro_step"] % 2 == 0 for s in r["optimizer_steps"])
+        # The lr of optimizer step i is the schedule's value at i, whatever the process count.
+        expected = [lr * lr_lambda(warmup, steps)(i) for i in range(steps)]
+        assert [rec["lr_reader"] for rec in r["records"]] == pytest.approx(expected, rel=1e-9)
+        assert r["forward_calls"] == 2 * (steps + 1)
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"], "the ranks' weights diverged"
+
+
+def read_log(path: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in records}
+
+
+LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
+
+
+def test_cpu_2proc_config_trains_two_processes_and_a_sharded_buffer_selects_the_same(root):
+    train = ["-m", "rlm.train"]
+    accelerate_launch(CPU_2PROC, *train, *overrides(root, "ddp", "optim.max_steps=3"))
+    log = read_log(root / "ddp" / "log.jsonl")
+    assert sorted(log) == [1, 2, 3]
+    assert (root / "ddp" / "final" / "retriever" / "query_tower" / "modules.json").exists()
+    # Each process holding half of B and merging top-k lists must pick the same S_x: the same losses.
+    done = accelerate_launch(
+        CPU_2PROC, *train, *overrides(root, "ddp_sharded", "optim.max_steps=3", "strategy.shard_buffer=true")
+    )
+    assert "buffer sharded across 2 processes" in done.stdout
+    sharded = read_log(root / "ddp_sharded" / "log.jsonl")
+    for step in (1, 2, 3):
+        for key in LOSS_KEYS:
+            assert sharded[step][key] == pytest.approx(log[step][key], rel=1e-4, abs=1e-5), (step, key)
