@@ -180,6 +180,12 @@ class FiDReader(torch.nn.Module):
 
     # ---- the model -----------------------------------------------------------------------------------------
 
+    def _on_device(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        # One move per entry point (as HF's Trainer does): callers hand in CPU batches from the collator,
+        # and a CPU tensor meeting GPU weights fails deep inside the model.
+        device = self.device
+        return tuple(None if t is None else t.to(device) for t in tensors)
+
     def encode(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[BaseModelOutput, torch.Tensor]:
@@ -219,8 +225,12 @@ class FiDReader(torch.nn.Module):
         """Teacher-forced FiD pass; `.loss` is the mean answer-token NLL when `labels [B, T]` are given.
 
         `passage_mask` is accepted so a collated batch can be passed as `reader(**batch)`; the attention mask
-        already carries it.
+        already carries it. Tensors may come from anywhere (the collator makes them on CPU); they are moved to
+        the reader's device here.
         """
+        input_ids, attention_mask, labels, decoder_input_ids = self._on_device(
+            input_ids, attention_mask, labels, decoder_input_ids
+        )
         with self.autocast():
             encoder_outputs, fused_mask = self.encode(input_ids, attention_mask)
             return self.model(
@@ -241,7 +251,11 @@ class FiDReader(torch.nn.Module):
         num_beams: int = 1,
         **generate_kwargs,
     ) -> torch.LongTensor:
-        """Batched HF generation (greedy, or beam search with `num_beams > 1`) over the fused passages."""
+        """Batched HF generation (greedy, or beam search with `num_beams > 1`) over the fused passages.
+
+        The inputs are moved to the reader's device; the returned token ids are on it.
+        """
+        input_ids, attention_mask = self._on_device(input_ids, attention_mask)
         with self.autocast():
             encoder_outputs, fused_mask = self.encode(input_ids, attention_mask)
             return self.model.generate(
@@ -269,8 +283,8 @@ class FiDReader(torch.nn.Module):
             for start in range(0, len(questions), step):
                 batch = self.collator(questions[start : start + step], passages[start : start + step])
                 out = self.generate(
-                    batch["input_ids"].to(self.device),
-                    batch["attention_mask"].to(self.device),
+                    batch["input_ids"],
+                    batch["attention_mask"],
                     max_new_tokens=max_new_tokens,
                     num_beams=num_beams,
                 )

@@ -88,15 +88,19 @@ def corrector_ce_loss(
 
     `target_scores` [B, K] are <q, g(y)> of the live passage tower (detached here, so this loss never moves
     f or g), `corrected_scores` [B, K] are <q, h(B_y)>. `mask` [B, K] (True = keep) drops padded entries.
-    Returns the mean over the batch.
+    Returns the mean over the batch, on `corrected_scores`' device (targets and mask are moved there).
     """
     if target_scores.shape != corrected_scores.shape:
         raise ValueError(
             f"target {tuple(target_scores.shape)} and corrected {tuple(corrected_scores.shape)} differ"
         )
-    target = beta * target_scores.detach().float()
+    # The corrected side carries h's graph, so the loss lives where h does; the targets (reader- or
+    # tower-side, or built on the host) only need their values there.
+    device = corrected_scores.device
+    target = beta * target_scores.detach().to(device=device, dtype=torch.float32)
     corrected = beta * corrected_scores.float()
     if mask is not None:
+        mask = mask.to(device)
         fill = torch.finfo(torch.float32).min
         target = target.masked_fill(~mask, fill)
         corrected = corrected.masked_fill(~mask, fill)
@@ -108,7 +112,11 @@ def corrector_ce_loss(
 
 
 def corrector_mse_loss(fresh: Tensor, corrected: Tensor) -> Tensor:
-    """Eq. 5: mean over vectors of ||g(y) - h(B_y)||^2, with the fresh embeddings detached."""
+    """Eq. 5: mean over vectors of ||g(y) - h(B_y)||^2, with the fresh embeddings detached.
+
+    Returns a scalar on `corrected`'s device (the fresh embeddings are moved there).
+    """
     if fresh.shape != corrected.shape:
         raise ValueError(f"fresh {tuple(fresh.shape)} and corrected {tuple(corrected.shape)} differ")
-    return (fresh.detach().float() - corrected.float()).pow(2).sum(dim=-1).mean()
+    target = fresh.detach().to(device=corrected.device, dtype=torch.float32)
+    return (target - corrected.float()).pow(2).sum(dim=-1).mean()

@@ -6,6 +6,11 @@ for h plus O(B x chunk) scores, never O(N x hidden).
 
 Ordering contract (what "exact" means in the tests): scores are sorted in descending order and equal
 scores are ordered by ascending buffer row, exactly as a stable sort of the full score matrix would.
+
+Devices: the buffer may stay where it is (host memory, memory-mapped) while the queries and h live on an
+accelerator. Rows are read where the buffer is and moved to the queries' device; every returned tensor is
+on the queries' device. h gets the rows in its parameters' dtype (bf16 under DeepSpeed) unless an autocast
+is in force.
 """
 
 from __future__ import annotations
@@ -38,6 +43,18 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     if dtype in (torch.bfloat16, torch.float16):
         return torch.autocast(device_type=device.type, dtype=dtype)
     return contextlib.nullcontext()
+
+
+def _correct(corrector: nn.Module | None, vectors: Tensor) -> Tensor:
+    """h(vectors), or the vectors themselves without a corrector."""
+    if corrector is None:
+        return vectors
+    param = next(corrector.parameters(), None)
+    # Buffer rows are float16/float32 whatever h was cast to (DeepSpeed bf16 casts the whole model), and a
+    # Linear refuses another dtype; under autocast, its own casts already reconcile them.
+    if param is not None and not torch.is_autocast_enabled(vectors.device.type):
+        vectors = vectors.to(param.dtype)
+    return corrector(vectors)
 
 
 def _sort_desc_then_row(scores: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -83,16 +100,14 @@ def score_rows(
     rows: Tensor,
     compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """<q_b, h(B_rows[b, j])> [B, m] for given buffer rows [B, m] (no grad)."""
+    """<q_b, h(B_rows[b, j])> [B, m] float32 on the queries' device (no grad); `rows` may be on any device."""
     buf = _as_buffer(buffer)
     dtype = compute_dtype or torch.float32
     # Queries of a batch often share candidates: correct each distinct row once, score it against all
     # queries, then pick each query's own columns.
     unique_rows, inverse = rows.clamp(min=0).unique(return_inverse=True)
     with torch.no_grad(), _autocast(queries.device, dtype):
-        vectors = buf.rows(unique_rows).to(device=queries.device, dtype=dtype)
-        if corrector is not None:
-            vectors = corrector(vectors)
+        vectors = _correct(corrector, buf.rows(unique_rows).to(device=queries.device, dtype=dtype))
         scores = (queries.detach().to(dtype) @ vectors.to(dtype).T).float()
     return scores.gather(1, inverse.reshape(rows.shape).to(scores.device))
 
@@ -163,9 +178,7 @@ def corrected_topk(
     with torch.no_grad(), _autocast(device, dtype):
         q = queries.detach().to(dtype)
         for start, chunk in buf.iter_chunks(chunk_size):
-            vectors = chunk.to(device=device, dtype=dtype, non_blocking=True)
-            if corrector is not None:
-                vectors = corrector(vectors)
+            vectors = _correct(corrector, chunk.to(device=device, dtype=dtype, non_blocking=True))
             scores = (q @ vectors.to(dtype).T).float()
             cand_scores, cand_rows = _chunk_candidates(scores, start, keep)
             run_scores, run_rows = _merge(run_scores, run_rows, cand_scores, cand_rows, keep)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
@@ -220,17 +220,27 @@ class TrainRun:
         return make_batch(self.train_examples, indices, self.corpus, cfg.algorithm, gold_passages=gold_phase)
 
 
+def launched_with_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    cuda, deepspeed = torch.cuda.is_available(), launched_with_deepspeed()
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    if deepspeed and not cuda:
+        # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
     return Accelerator(
         mixed_precision=cfg.mixed_precision,
-        # Without CUDA, accelerate must be told it is on CPU, or torchrun ranks run as unrelated processes.
-        cpu=cfg.cpu or not torch.cuda.is_available(),
+        # Without CUDA, accelerate must be told it is on CPU, or torchrun ranks run as unrelated processes;
+        # under DeepSpeed that would silently train plain DDP instead (DeepSpeed finds the CPU itself).
+        cpu=(cfg.cpu or not cuda) and not deepspeed,
         log_with="tensorboard",
         project_dir=cfg.output_dir,
         # The schedule is stepped once per optimizer step by the loop: accelerate's own stepping advances it
         # once per process per step, W times too fast with W processes.
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+        kwargs_handlers=handlers,
     )
 
 
@@ -245,12 +255,14 @@ def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps:
         "train_micro_batch_size_per_gpu": optim_cfg.batch_size,
         "gradient_accumulation_steps": accumulation_steps,
         "train_batch_size": optim_cfg.batch_size * accumulation_steps * accelerator.num_processes,
+        # DeepSpeed clips inside its step, with one global norm (per-component clipping is not possible there).
+        "gradient_clipping": optim_cfg.max_grad_norm,
     }
     for key, value in wanted.items():
         have = ds.get(key, "auto")
         if have in ("auto", None):
             ds[key] = value
-        elif int(have) != value:
+        elif float(have) != value:
             raise ValueError(
                 f"the DeepSpeed config sets {key}={have} but the run config needs {value} (optim.batch_size, "
                 "optim.questions_per_step / gradient_accumulation_steps and the process count); set it to "
@@ -348,6 +360,16 @@ def clip_per_component(accelerator: Accelerator, optimizer, max_norm: float) -> 
     return norms
 
 
+def _zero_loss(run: TrainRun, loss: torch.Tensor) -> torch.Tensor:
+    """What a skipped window backpropagates. DDP: the step's own graph, zeroed (DDP must see the graph it
+    prepared in forward; the window's gradients are dropped afterwards). DeepSpeed steps inside backward at the
+    window's end, so there the skipped micro-batches contribute exact zeros (a graph over the parameters
+    alone, free of the NaN) and the window's earlier micro-batches make the step."""
+    if run.accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return sum(p.sum() * 0.0 for p in run.model.parameters() if p.requires_grad)
+    return loss.nan_to_num(0.0) * 0.0
+
+
 def train_step(run: TrainRun) -> dict | None:
     """One optimizer step: refresh (if the strategy is due), an accumulation window of micro-batches, clip per
     component, step, schedule. Returns the step's log record, or None when a non-finite loss on any process
@@ -363,11 +385,10 @@ def train_step(run: TrainRun) -> dict | None:
         with acc.accumulate(run.model):
             out = run.model(run.batch(state.step, micro), strategy, run.corpus, reader_only=reader_only)
             finite = finite_on_every_process(acc, out.loss) and finite
-            # A skipped window's gradients are thrown away; the zeroed loss keeps NaN out of them all the same.
-            acc.backward(out.loss if finite else out.loss.nan_to_num(0.0) * 0.0)
+            acc.backward(out.loss if finite else _zero_loss(run, out.loss))
             for key, value in {"loss": float(out.loss.detach()), **out.metrics}.items():
                 sums[key] = sums.get(key, 0.0) + value / run.accumulation_steps
-    if not finite:
+    if not finite:  # (under DeepSpeed the engine has stepped already, on the finite micro-batches)
         run.optimizer.zero_grad(set_to_none=True)
         state.nonfinite_total += 1
         state.nonfinite_in_a_row += 1

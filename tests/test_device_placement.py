@@ -1,0 +1,354 @@
+"""Device placement at every public entry point: modules on an accelerator, data handed in on the host.
+
+Each test runs the entry point once on CPU for reference, then again with the modules on the simulated
+accelerator of `device_check` (any CPU/accelerator mix raises as CUDA does, values are still computed), and
+checks that the call completes, gives the same result, and returns tensors where the docstring says.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from device_check import ACCELERATOR, on_accelerator, simulated_accelerator
+
+from reader.fid import FiDConfig, FiDReader
+from reader.scoring import score_passages
+from reader.small_t5 import SmallT5Config
+from reader.tokenizer import train_tokenizer
+from retriever.buffer import PassageBuffer
+from retriever.corrector import CorrectorNetwork, corrector_ce_loss, corrector_mse_loss
+from retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
+
+TINY = SmallT5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4)
+SENTENCES = [
+    "Alice Moreau was born in Lyon and works as a painter.",
+    "Bob Tanaka was born in Osaka; he is a chemist.",
+    "question: where was Alice born? title: Alice context: The city of Lyon lies on the Rhone.",
+] * 20
+QUESTIONS = ["where was Alice born?", "what is Bob?"]
+PASSAGES = [
+    [("Alice", "Alice Moreau was born in Lyon."), ("Lyon", "Lyon lies on the Rhone."), ("Bob", "A chemist.")],
+    [("Bob", "Bob Tanaka was born in Osaka; he is a chemist.")],
+]
+ANSWERS = ["Lyon", "a chemist"]
+MIX = "same device"
+
+
+@pytest.fixture(scope="module")
+def reader():
+    tokenizer = train_tokenizer(SENTENCES, vocab_size=400, min_frequency=1)
+    fid_config = FiDConfig(max_passage_length=32, max_answer_length=4)
+    return FiDReader.from_config(tokenizer, TINY, fid_config=fid_config, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def retriever(minilm_path):
+    from retriever.encoder import DualEncoder
+
+    return DualEncoder.from_pretrained(minilm_path, max_length=32).eval()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    from rlm.data.corpus import load_corpus
+    from rlm.data.qa import load_qa_dataset
+    from rlm.data.toy_world import build_toy_world
+
+    paths = build_toy_world(tmp_path_factory.mktemp("world"), num_passages=100, max_questions={"dev": 3})
+    return load_corpus(paths.corpus), load_qa_dataset("toy", "dev", paths.root)
+
+
+def search_inputs(dim=8, n=90, batch=3, seed=0):
+    """A host buffer in three float16 shards, host queries and a corrector that is not the identity."""
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.nn.functional.normalize(torch.randn(n, dim, generator=g), dim=-1).half()
+    buffer = PassageBuffer([str(i) for i in range(n)], [emb[:20], emb[20:61], emb[61:]])
+    queries = torch.nn.functional.normalize(torch.randn(batch, dim, generator=g), dim=-1)
+    torch.manual_seed(seed)
+    corrector = CorrectorNetwork(dim, 16, linear=True)
+    with torch.no_grad():
+        corrector.output.weight.normal_(std=0.3)
+        corrector.linear.weight.normal_(std=0.1)
+    return buffer, queries, corrector
+
+
+def assert_same_topk(got, ref):
+    assert on_accelerator(got.indices) and on_accelerator(got.scores)
+    assert got.indices.dtype == torch.long and got.scores.dtype == torch.float32
+    assert torch.equal(got.indices.cpu(), ref.indices)
+    torch.testing.assert_close(got.scores.cpu(), ref.scores)
+
+
+# ---- the checker itself -------------------------------------------------------------------------------
+
+
+def test_simulated_accelerator_rejects_a_host_tensor_and_keeps_values(reader):
+    batch = reader.collator(QUESTIONS, PASSAGES)
+    ids, mask = batch["input_ids"][:, 0], batch["attention_mask"][:, 0]
+    encoder = reader.model.get_encoder()
+    with torch.no_grad():
+        ref = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        with simulated_accelerator(reader):
+            assert reader.device == ACCELERATOR
+            with pytest.raises(RuntimeError, match=MIX):
+                encoder(input_ids=ids, attention_mask=mask.to(ACCELERATOR))
+            with pytest.raises(TypeError, match="numpy"):
+                torch.ones(2, device=ACCELERATOR).numpy()
+            got = encoder(input_ids=ids.to(ACCELERATOR), attention_mask=mask.to(ACCELERATOR))
+            got = got.last_hidden_state
+    assert on_accelerator(got) and not on_accelerator(got.cpu())
+    torch.testing.assert_close(got.cpu(), ref)
+    assert not on_accelerator(next(reader.parameters()))  # put back on exit
+
+
+# ---- reader -------------------------------------------------------------------------------------------
+
+
+def test_fid_forward_moves_its_inputs(reader):
+    batch = reader.collator(QUESTIONS, PASSAGES, ANSWERS)
+    with torch.no_grad():
+        ref = reader(**batch)
+        with simulated_accelerator(reader):
+            got = reader(**batch)
+    assert on_accelerator(got.loss) and on_accelerator(got.logits)
+    torch.testing.assert_close(got.logits.cpu(), ref.logits)
+    torch.testing.assert_close(got.loss.cpu(), ref.loss)
+
+
+def test_fid_generate_moves_its_inputs(reader):
+    batch = reader.collator(QUESTIONS, PASSAGES)
+    ref = reader.generate(batch["input_ids"], batch["attention_mask"])
+    with simulated_accelerator(reader):
+        got = reader.generate(batch["input_ids"], batch["attention_mask"])
+    assert on_accelerator(got)
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_fid_answer_runs_on_the_reader_device(reader):
+    ref = reader.answer(QUESTIONS, PASSAGES, batch_size=1)
+    with simulated_accelerator(reader):
+        assert reader.answer(QUESTIONS, PASSAGES, batch_size=1) == ref
+
+
+def test_score_passages_returns_scores_on_the_reader_device(reader):
+    ref = score_passages(reader, QUESTIONS, PASSAGES, ANSWERS, batch_size=3)
+    with simulated_accelerator(reader):
+        got = score_passages(reader, QUESTIONS, PASSAGES, ANSWERS, batch_size=3)
+        # They meet the retriever's logits in the distillation loss, which live on the accelerator.
+        assert on_accelerator(got)
+        torch.testing.assert_close(got.cpu(), ref)
+        empty = score_passages(reader, ["q"], [[]], ["a"])
+        assert on_accelerator(empty) and empty.shape == (1, 0)
+
+
+# ---- retriever ----------------------------------------------------------------------------------------
+
+
+def test_corrector_losses_put_targets_on_the_corrected_scores_device():
+    buffer, queries, corrector = search_inputs()
+    stale = buffer.rows(torch.arange(12).view(3, 4)).float()
+    target = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[True, True, False, True], [True] * 4, [True, False, True, True]])
+    fresh = stale + 0.1
+
+    def losses(q, rows):
+        corrected = corrector(rows)
+        scores = torch.einsum("bd,bkd->bk", q, corrected)
+        return corrector_ce_loss(target, scores, beta=2.0, mask=mask), corrector_mse_loss(fresh, corrected)
+
+    ref_ce, ref_mse = losses(queries, stale)
+    with simulated_accelerator(corrector):
+        ce, mse = losses(queries.to(ACCELERATOR), stale.to(ACCELERATOR))
+        assert on_accelerator(ce) and on_accelerator(mse)
+        ce.backward()  # the loss is one graph on one device
+    torch.testing.assert_close(ce.cpu(), ref_ce)
+    torch.testing.assert_close(mse.cpu(), ref_mse)
+
+
+@pytest.mark.parametrize("corrector_dtype", [torch.float32, torch.bfloat16])
+def test_corrected_topk_streams_a_host_buffer_to_the_queries_device(corrector_dtype):
+    buffer, queries, corrector = search_inputs()
+    corrector.to(corrector_dtype)  # bf16 parameters, as DeepSpeed's bf16 mode leaves them
+    include = torch.tensor([[5, -1], [70, 70], [-1, -1]])
+    kwargs = dict(chunk_size=16, include=include, num_random=4)
+    ref = corrected_topk(queries, buffer, corrector, 6, generator=torch.Generator().manual_seed(3), **kwargs)
+    with simulated_accelerator(corrector):
+        got = corrected_topk(
+            queries.to(ACCELERATOR),
+            buffer,
+            corrector,
+            6,
+            generator=torch.Generator().manual_seed(3),
+            **kwargs,
+        )
+    assert_same_topk(got, ref)
+    assert got.indices.shape == (3, 6 + 2 + 4)
+
+
+@pytest.mark.parametrize("corrector_dtype", [torch.float32, torch.bfloat16])
+def test_score_rows_reads_host_rows_for_device_queries(corrector_dtype):
+    buffer, queries, corrector = search_inputs()
+    corrector.to(corrector_dtype)
+    rows = torch.tensor([[3, 3, 88], [0, 40, 21], [59, 60, 61]])
+    ref = score_rows(queries, buffer, corrector, rows)
+    with simulated_accelerator(corrector):
+        device_queries = queries.to(ACCELERATOR)
+        for given in (rows, rows.to(ACCELERATOR)):
+            got = score_rows(device_queries, buffer, corrector, given)
+            assert on_accelerator(got)
+            torch.testing.assert_close(got.cpu(), ref)
+
+
+@pytest.mark.parametrize("corrector_dtype", [torch.float32, torch.bfloat16])
+def test_two_stage_corrected_topk_with_a_host_buffer(corrector_dtype):
+    from retriever.index import PassageIndex
+
+    buffer, queries, corrector = search_inputs()
+    corrector.to(corrector_dtype)
+    index = PassageIndex.from_buffer(buffer, "Flat", use_gpu=False)
+    ref = two_stage_corrected_topk(queries, buffer, corrector, 5, index, num_candidates=30)
+    with simulated_accelerator(corrector):
+        got = two_stage_corrected_topk(
+            queries.to(ACCELERATOR), buffer, corrector, 5, index, num_candidates=30
+        )
+    assert_same_topk(got, ref)
+
+
+def test_encoder_moves_tokens_to_its_towers(retriever):
+    texts = [f"passage number {i} about {'Lyon ' * (i % 5)}" for i in range(20)]  # > 16: bucketed path
+    with torch.no_grad():
+        ref_q = retriever.encode_queries(texts[:3])
+        ref_p = retriever.encode_passages(texts)
+    ref_encode = retriever.passage_tower.encode(texts, batch_size=8)
+    with simulated_accelerator(retriever), torch.no_grad():
+        got_q = retriever.encode_queries(texts[:3])
+        got_p = retriever.encode_passages(texts)
+        got_encode = retriever.passage_tower.encode(texts, batch_size=8)
+    assert on_accelerator(got_q) and on_accelerator(got_p)
+    assert not on_accelerator(got_encode)  # documented: float32 on CPU, for faiss and the buffer
+    torch.testing.assert_close(got_q.cpu(), ref_q)
+    torch.testing.assert_close(got_p.cpu(), ref_p)
+    torch.testing.assert_close(got_encode, ref_encode)
+
+
+# ---- evaluation, validation and the demo ----------------------------------------------------------
+
+
+def test_run_evaluation_with_towers_and_reader_on_a_device(retriever, reader, world):
+    from rlm.evaluation import run_evaluation
+
+    corpus, dev = world
+    ref = run_evaluation(dev, corpus, retriever, reader, k=5, num_passages=2, batch_size=2)
+    with simulated_accelerator(retriever, reader):
+        got = run_evaluation(dev, corpus, retriever, reader, k=5, num_passages=2, batch_size=2)
+    drop = ("embed_seconds", "retrieve_seconds", "read_seconds")
+    assert {k: v for k, v in got.metrics.items() if k not in drop} == pytest.approx(
+        {k: v for k, v in ref.metrics.items() if k not in drop}
+    )
+    assert [r["prediction"] for r in got.records] == [r["prediction"] for r in ref.records]
+
+
+def test_validate_with_towers_and_reader_on_a_device(retriever, reader, world):
+    from rlm.validation import validate
+
+    corpus, dev = world
+    model = SimpleNamespace(retriever=retriever, reader=reader)
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(dev_subcorpus=None),
+        strategy=SimpleNamespace(name="corrector", k=3),
+        buffer=SimpleNamespace(batch_size=16),
+        reader=SimpleNamespace(num_passages=2),
+    )
+    ref = validate(model, corpus, dev, cfg, batch_size=2)
+    with simulated_accelerator(retriever, reader):
+        got = validate(model, corpus, dev, cfg, batch_size=2)
+    assert got == pytest.approx(ref) and "dev_exact_match" in got and "dev_recall@5" in got
+
+
+def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, world):
+    from app.qa import QAService
+    from rlm.evaluation import build_index, embed_corpus
+
+    corpus, dev = world
+    index = build_index(embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids)
+    service = QAService(retriever, reader, corpus, index, default_k=3)
+    ref = service.answer(dev[0].question)
+    with simulated_accelerator(retriever, reader):
+        got = service.answer(dev[0].question)
+    for result in (got, ref):
+        result.pop("latency_ms")
+    assert got == ref and len(got["passages"]) == 3
+
+
+@pytest.fixture(scope="module")
+def training_parts(tmp_path_factory):
+    """A tiny training setup: toy world, MiniLM towers, tiny T5, corrector, the fixed buffer on the host."""
+    from rlm.setup import build_components
+
+    root = tmp_path_factory.mktemp("steps")
+    overrides = [
+        f"output_dir={root}/run",
+        f"buffer.dir={root}/buffer",
+        f"data.toy_world.dir={root}/toy",
+        "data.toy_world.num_passages=100",
+        "data.dev=null",
+        "strategy.k=3",
+        "retriever.passage_max_length=32",
+        "retriever.query_max_length=24",
+        "reader.d_model=32",
+        "reader.d_ff=64",
+        "reader.num_layers=1",
+        "reader.num_decoder_layers=1",
+        "reader.num_heads=2",
+        "reader.d_kv=16",
+        "reader.vocab_size=500",
+        "reader.max_passage_length=32",
+        "reader.max_answer_length=8",
+    ]
+    return root, overrides, build_components
+
+
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [
+        (2, ["strategy.name=corrector"]),
+        (2, ["strategy.name=snm", "strategy.snm_size=20"]),
+        (1, ["strategy.name=corrector", "strategy.num_random=3"]),
+        (1, ["strategy.name=corrector", "strategy.num_random=3", "strategy.share_across_batch=true"]),
+        (1, ["strategy.name=in_batch"]),
+    ],
+)
+def test_algorithm_steps_with_the_model_on_a_device_and_the_buffer_on_the_host(
+    training_parts, algorithm, extra
+):
+    """Both algorithm steps, as training runs them: every loss term on the device, values as on the host."""
+    from rlm.config import load_config
+    from rlm.model import RetrievalAugmentedModel, embed_rows
+    from rlm.strategies import make_strategy
+    from rlm.train import make_batch
+
+    root, overrides, build_components = training_parts
+    cfg = load_config(None, [*overrides, f"algorithm={algorithm}", *extra])
+    parts = build_components(cfg)
+    model = RetrievalAugmentedModel(
+        parts.retriever, parts.reader, parts.corrector, parts.collator, cfg
+    ).eval()
+    model.parameter_groups(make_strategy(cfg.strategy, parts.buffer, 10), cfg.optim)
+    texts = parts.corpus.retrieval_texts()
+    # Two-hop questions first, so Algorithm 1's other-gold rows are exercised too.
+    examples = sorted(parts.train_examples, key=lambda ex: -len(ex.gold_passage_ids))
+
+    def step():
+        torch.manual_seed(0)
+        strategy = make_strategy(cfg.strategy, parts.buffer, 10, seed=0)
+        strategy.before_step(0, lambda rows: embed_rows(parts.retriever.passage_tower, texts, rows))
+        batch = make_batch(examples, [0, 1, 2], parts.corpus, algorithm)
+        return model(batch, strategy, parts.corpus)
+
+    ref = step()
+    with simulated_accelerator(model):
+        got = step()
+    assert on_accelerator(got.loss) and all(on_accelerator(t) for t in got.terms.values())
+    torch.testing.assert_close(got.loss.as_subclass(torch.Tensor), ref.loss, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,94 @@
+"""DeepSpeed ZeRO-2 on two CPU processes (gloo), launched with the shipped accelerate config as users launch it.
+
+DeepSpeed picks its CPU accelerator when no GPU is visible, so `configs/accelerate/deepspeed_zero2.yaml` with
+`--num_processes 2` runs here: the batch sizes filled from the run config, parameters in bf16 (the config's
+mixed precision), ZeRO-2 optimizer shards per rank, and a resumed run that gives the same losses. What stays
+untested here: NCCL, CUDA kernels and GPU memory (docs/training.md, scripts/gpu_smoke.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+ZERO2 = REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"
+STEPS = 3
+TINY = [
+    "data.toy_world.num_passages=120",
+    "data.dev=null",
+    "strategy.k=4",
+    "retriever.passage_max_length=40",
+    "retriever.query_max_length=24",
+    "reader.d_model=32",
+    "reader.d_ff=64",
+    "reader.num_layers=1",
+    "reader.num_decoder_layers=1",
+    "reader.num_heads=2",
+    "reader.d_kv=16",
+    "reader.vocab_size=500",
+    "reader.max_passage_length=40",
+    "reader.max_answer_length=8",
+    "optim.batch_size=2",
+    "optim.questions_per_step=8",  # 2 per process x 2 processes x accumulation 2
+    f"optim.max_steps={STEPS}",
+    "optim.warmup_steps=2",
+    "log_every=1",
+    "save_every=2",
+    "mixed_precision=bf16",  # the run config's precision is the one accelerate (and DeepSpeed) use
+]
+
+
+def launch(root: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2)]
+    cmd += ["--num_processes", "2", "-m", "rlm.train"]
+    items = [
+        f"output_dir={root / out}",
+        f"buffer.dir={root / 'buffer'}",
+        f"data.toy_world.dir={root / 'toy'}",
+    ]
+    for item in [*items, *TINY]:
+        cmd += ["--set", item]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    return done
+
+
+def read_log(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_deepspeed_zero2_trains_on_two_cpu_processes_and_resumes_exactly(tmp_path):
+    launch(tmp_path, "full")
+    log = read_log(tmp_path / "full" / "log.jsonl")
+    assert sorted(log) == list(range(1, STEPS + 1))
+    checkpoint = tmp_path / "full" / "checkpoints" / "step_0000002"
+    shards = sorted(p.name for p in (checkpoint / "pytorch_model").iterdir())
+    # ZeRO-2: one optimizer-state shard per rank, bf16 parameters (the config's mixed precision).
+    assert [s for s in shards if s.startswith("bf16_zero_pp_rank_")] == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
+    assert (tmp_path / "full" / "final" / "corrector" / "model.safetensors").exists()
+    assert log[1]["lr_reader"] == pytest.approx(0.5e-3) and log[2]["lr_reader"] == pytest.approx(1e-3)
+
+    # Resume from the step-2 checkpoint: step 3 must repeat the uninterrupted run's losses.
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoints" / checkpoint.name)
+    shutil.copytree(tmp_path / "full" / "tokenizer", tmp_path / "resumed" / "tokenizer")
+    done = launch(tmp_path, "resumed", "--resume")
+    assert "resumed from" in done.stdout and "at step 2" in done.stdout
+    resumed = read_log(tmp_path / "resumed" / "log.jsonl")
+    assert sorted(resumed) == [3]
+    for key in ("loss", "reader_loss", "retriever_loss", "corrector_loss"):
+        assert resumed[3][key] == pytest.approx(log[3][key], rel=1e-5, abs=1e-6), key
