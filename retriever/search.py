@@ -182,15 +182,36 @@ def corrected_topk(
             scores = (q @ vectors.to(dtype).T).float()
             cand_scores, cand_rows = _chunk_candidates(scores, start, keep)
             run_scores, run_rows = _merge(run_scores, run_rows, cand_scores, cand_rows, keep)
+    return complete_selection(
+        queries, buf, corrector, TopK(run_scores, run_rows), k, include, num_random, generator, dtype
+    )
+
+
+def complete_selection(
+    queries: Tensor,
+    buffer: PassageBuffer | Tensor,
+    corrector: nn.Module | None,
+    top: TopK,
+    k: int,
+    include: Tensor | None = None,
+    num_random: int = 0,
+    generator: torch.Generator | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> TopK:
+    """Force `include` rows into a top-(k + m) list and add `num_random` uniform rows, as `corrected_topk`
+    documents. `top` must hold the best k + m rows (m = include's width) of the whole buffer; the forced and
+    random rows are scored by reading them from `buffer`, so a sharded search (each process scanning only its
+    rows) finishes its merged top-k here against the whole, memory-mapped, buffer."""
+    buf = _as_buffer(buffer)
+    dtype = compute_dtype or torch.float32
+    scores, rows = top
     if include is not None:
-        run_scores, run_rows = _force_include(
-            queries, buf, corrector, include.to(device), run_scores, run_rows, k, dtype
+        scores, rows = _force_include(
+            queries, buf, corrector, include.to(rows.device), scores, rows, k, dtype
         )
     if num_random > 0:
-        run_scores, run_rows = _add_random(
-            queries, buf, corrector, run_scores, run_rows, num_random, generator, dtype
-        )
-    return TopK(run_scores, run_rows)
+        scores, rows = _add_random(queries, buf, corrector, scores, rows, num_random, generator, dtype)
+    return TopK(scores, rows)
 
 
 def _force_include(queries, buf, corrector, include, top_scores, top_rows, k, dtype) -> tuple[Tensor, Tensor]:

@@ -136,6 +136,9 @@ class BufferConfig:
     dtype: str = "float16"
     batch_size: int = 64
     chunk_size: int = 65536  # rows of B corrected per chunk in the streamed top-k
+    # Where the rows a process scans live: "host" (streamed from the memory-mapped buffer), "device" (copied
+    # onto the accelerator, in the stored dtype), "auto" (the device when it is a GPU with room to spare).
+    placement: str = "auto"
 
 
 @dataclass
@@ -156,7 +159,9 @@ class StrategyConfig:
     snm_size: int = 1_000_000  # M for snm (the paper: 1M; toy configs set their own)
     num_random: int = 0  # uniform random passages added to S_x (Algorithm 1 uses 64)
     share_across_batch: bool = False  # Algorithm 1: every question scores the union of the batch's S_x
-    shard_buffer: bool = False  # data-parallel: each process holds 1/W of B; top-k merged across processes
+    # Data-parallel: each process scans (and re-embeds) 1/W of the rows and the top-k lists are merged across
+    # processes. null: sharded whenever there is more than one process.
+    shard_buffer: bool | None = None
 
 
 @dataclass
@@ -235,6 +240,8 @@ class TrainConfig:
             raise ValueError(
                 f"reader.score_reduction must be 'sum' or 'mean', got {self.reader.score_reduction!r}"
             )
+        if self.buffer.placement not in ("auto", "host", "device"):
+            raise ValueError(f"buffer.placement must be auto, host or device, got {self.buffer.placement!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         for name in ("k", "refresh_every", "snm_size"):

@@ -20,20 +20,107 @@ passages every R steps; two-round re-embeds the corpus once, half way.
 from __future__ import annotations
 
 import abc
+import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
+from torch import Tensor
 
 from retriever.buffer import PassageBuffer
-from retriever.search import TopK, corrected_topk
+from retriever.search import TopK, complete_selection, corrected_topk
 from rlm.config import StrategyConfig
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
 EmbedRows = Callable[[Sequence[int]], torch.Tensor]
 
 
+def _all_gather_identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _no_barrier() -> None:
+    return None
+
+
+@dataclass
+class Processes:
+    """This process's place among the data-parallel processes, and the collectives a sharded search needs:
+    `gather` all-gathers a tensor along dim 0 (same shape on every process), `barrier` waits for all."""
+
+    rank: int = 0
+    world: int = 1
+    gather: Callable[[Tensor], Tensor] = field(default=_all_gather_identity)
+    barrier: Callable[[], None] = field(default=_no_barrier)
+
+    def part(self, n: int) -> tuple[int, int]:
+        """This process's contiguous share [start, stop) of n rows."""
+        per = -(-n // self.world)
+        return min(self.rank * per, n), min((self.rank + 1) * per, n)
+
+
+class ShardedRows:
+    """Rows [n, D] one process scans, with the corpus row of each; a top-k is merged across all processes.
+
+    Every process scores every process's queries against its own rows (queries are all-gathered, so a process
+    needs only its share of the rows), then the per-process top-k lists are all-gathered and each process keeps
+    the global top-k of its own queries. The result equals the top-k over all rows under the ordering contract
+    of `retriever.search` (score descending, then row ascending). With one process nothing is gathered.
+    """
+
+    def __init__(self, vectors: PassageBuffer | Tensor, row_ids: Tensor, procs: Processes):
+        self.vectors, self.row_ids, self.procs = vectors, row_ids, procs
+
+    def topk(self, queries: Tensor, corrector, k: int, chunk_size: int) -> TopK:
+        procs, batch = self.procs, queries.shape[0]
+        all_queries = procs.gather(queries)  # [W*B, D]
+        count = len(self.vectors)
+        if count:
+            local = corrected_topk(all_queries, self.vectors, corrector, min(k, count), chunk_size=chunk_size)
+            scores, rows = local.scores, self.row_ids.to(local.indices.device)[local.indices]
+        else:  # a process with no rows (more processes than rows) still takes part in the gathers
+            scores = torch.empty(all_queries.shape[0], 0, device=queries.device)
+            rows = torch.empty(all_queries.shape[0], 0, dtype=torch.long, device=queries.device)
+        if procs.world == 1:
+            return TopK(scores[:, :k], rows[:, :k])
+        # Pad to k columns so every process contributes the same shape (-inf scores never win).
+        pad = k - scores.shape[1]
+        if pad > 0:
+            scores = torch.cat([scores, scores.new_full((scores.shape[0], pad), float("-inf"))], 1)
+            rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), -1)], 1)
+        scores = procs.gather(scores.contiguous())  # [W * W*B, k], process-major
+        rows = procs.gather(rows.contiguous())
+        mine = slice(procs.rank * batch, (procs.rank + 1) * batch)
+        scores = torch.cat([part[mine] for part in scores.chunk(procs.world)], dim=1)
+        rows = torch.cat([part[mine] for part in rows.chunk(procs.world)], dim=1)
+        # Row ascending first (padding -1 sorts first but carries -inf), then a stable sort by score.
+        rows, order = rows.sort(dim=1)
+        scores, order2 = scores.gather(1, order).sort(dim=1, descending=True, stable=True)
+        return TopK(scores[:, :k], rows.gather(1, order2)[:, :k])
+
+
+def _slice_rows(source: PassageBuffer, start: int, stop: int) -> PassageBuffer:
+    """Rows [start, stop) of a (memory-mapped) buffer as a buffer of views: nothing is copied."""
+    views = []
+    for offset, block in source.iter_chunks(max(len(source), 1)):  # one chunk per shard
+        lo, hi = max(start, offset), min(stop, offset + block.shape[0])
+        if lo < hi:
+            views.append(block[lo - offset : hi - offset])
+    if not views:
+        return PassageBuffer(range(0), [torch.empty(0, source.dim, dtype=source.dtype)])
+    return PassageBuffer(range(stop - start), views)
+
+
 class SelectionStrategy:
-    """Base: stale top-k over the fixed buffer, nothing re-embedded. Subclasses change one thing each."""
+    """Base: stale top-k over the fixed buffer, nothing re-embedded. Subclasses change one thing each.
+
+    Where the scanned rows live is set by `distribute`: streamed from host memory (the memory-mapped buffer),
+    or resident on a device; whole, or sharded across the data-parallel processes (each scans N/W rows and
+    the top-k lists are merged). Rows that are read one by one (Algorithm 1's label and uniform negatives, the
+    corrector loss's B_y) come from the whole memory-mapped buffer, where only those rows are touched.
+    """
 
     name = "stale"
     trains_retriever = True
@@ -57,17 +144,28 @@ class SelectionStrategy:
         # before): re-embedding schedules count from here, since re-embedding an unchanged tower buys nothing.
         self.start_step = start_step
         self.chunk_size = chunk_size
-        self.reembedded = 0  # passages re-embedded so far (the paper's cost axis)
+        self.reembedded = 0  # passages re-embedded so far, each counted once over all processes
         self.generator = torch.Generator().manual_seed(seed)  # uniform negatives, SNM subsets
-        self.shard: BufferShard | None = None  # set by shard_across_processes
+        self.procs = Processes()
+        self.sharded = False
+        self.device: torch.device | None = None  # None: scan from host memory (memory-mapped, streamed)
+        self.refresh_dir: Path | None = None  # where refreshed rows are written (None: kept in memory)
+        self._resident: ShardedRows | None = None  # this process's scanned rows, built on first use
+        self.refresh_step: int | None = None  # the step before which the scanned rows were last re-embedded
 
-    def shard_across_processes(
-        self, rank: int, world: int, gather: Callable[[torch.Tensor], torch.Tensor]
+    def distribute(
+        self,
+        procs: Processes,
+        shard: bool,
+        device: torch.device | None = None,
+        refresh_dir: str | Path | None = None,
     ) -> None:
-        """Hold only rows [rank*N/W, (rank+1)*N/W) of B and merge the processes' top-k (as Atlas shards its index)."""
-        if isinstance(self, _RefreshingStrategy | SNMStrategy | InBatchStrategy | ClosedBookStrategy):
-            raise ValueError(f"strategy.shard_buffer is not supported with the {self.name!r} strategy")
-        self.shard = BufferShard(self.buffer, rank, world, gather)
+        """Shard the scanned rows across `procs` (`shard`), keep them on `device` (None: host memory, streamed),
+        and write refreshed rows as fp16 files under `refresh_dir` (on a filesystem every process sees)."""
+        self.procs, self.sharded = procs, shard and procs.world > 1
+        self.device = device
+        self.refresh_dir = Path(refresh_dir) if refresh_dir is not None else None
+        self._resident = None
 
     @property
     def k(self) -> int:
@@ -77,8 +175,17 @@ class SelectionStrategy:
         """Called before optimizer step `step` (0-based); refreshing strategies re-embed here."""
 
     def search_space(self) -> PassageBuffer | torch.Tensor:
-        """What the queries are scored against at this step (the buffer itself streams its memory-mapped shards)."""
+        """All rows the queries are scored against at this step (row i = corpus row i)."""
         return self.buffer
+
+    def extra_rows_source(self) -> PassageBuffer | torch.Tensor:
+        """Where Algorithm 1's forced and uniform rows are scored from (row i = corpus row i)."""
+        return self.search_space()
+
+    def _scanned(self) -> tuple[PassageBuffer | Tensor, Tensor | None, Tensor | None]:
+        """(rows scanned by the top-k, their corpus rows or None for 0..n-1, this process's share of them as
+        a tensor when it is already in memory, else None)."""
+        return self.search_space(), None, None
 
     def select(
         self,
@@ -88,25 +195,65 @@ class SelectionStrategy:
         num_random: int = 0,
     ) -> TopK:
         """Row indices (into the corpus / buffer) of S_x for each query, and their selection scores."""
-        if self.shard is not None:
-            if include is not None or num_random:
-                raise ValueError(
-                    "strategy.shard_buffer supports plain top-k only (no forced labels or random rows)"
-                )
-            return self.shard.topk(queries, self._corrector_for_selection(corrector), self.k, self.chunk_size)
-        return corrected_topk(
+        corrector = self._corrector_for_selection(corrector)
+        width = min(self.k + (0 if include is None else include.shape[1]), len(self.buffer))
+        top = self._topk(queries, corrector, width)
+        if include is None and not num_random:
+            return top
+        return complete_selection(
             queries,
-            self.search_space(),
-            self._corrector_for_selection(corrector),
+            self.extra_rows_source(),
+            corrector,
+            top,
             self.k,
-            chunk_size=self.chunk_size,
             include=include,
             num_random=num_random,
             generator=self.generator,
         )
 
+    def _topk(self, queries: Tensor, corrector, k: int) -> TopK:
+        scanned, row_ids, _ = self._scanned()
+        k = min(k, len(scanned))
+        if not self.sharded and self.device is None:  # stream everything from host memory
+            top = corrected_topk(queries, scanned, corrector, k, chunk_size=self.chunk_size)
+            return top if row_ids is None else TopK(top.scores, row_ids.to(top.indices.device)[top.indices])
+        if self._resident is None:
+            self._resident = self._make_resident()
+        return self._resident.topk(queries, corrector, k, self.chunk_size)
+
+    def _make_resident(self) -> ShardedRows:
+        scanned, row_ids, mine = self._scanned()
+        procs = self.procs if self.sharded else Processes()
+        start, stop = procs.part(len(scanned))
+        if mine is None:
+            source = (
+                scanned
+                if isinstance(scanned, PassageBuffer)
+                else PassageBuffer(range(len(scanned)), [scanned])
+            )
+            mine = _slice_rows(source, start, stop)
+        if self.device is not None:
+            rows = mine if isinstance(mine, Tensor) else mine.rows(torch.arange(len(mine)))
+            mine = rows.to(self.device)
+        ids = torch.arange(start, stop) if row_ids is None else row_ids[start:stop]
+        return ShardedRows(mine, ids, procs)
+
     def _corrector_for_selection(self, corrector: torch.nn.Module | None) -> torch.nn.Module | None:
         return None
+
+    def prune_refreshes(self, checkpoint_steps: Sequence[int]) -> None:
+        """Delete the refreshed rows (`refresh_dir/step_<s>`) that neither this step nor a kept checkpoint
+        needs; the main process calls it after saving a checkpoint."""
+        if self.refresh_dir is None or not self.refresh_dir.is_dir():
+            return
+        found = sorted(int(p.name[5:]) for p in self.refresh_dir.glob("step_*") if p.name[5:].isdigit())
+        # A checkpoint taken after s optimizer steps holds the refresh done before the latest step < s.
+        keep = {self.refresh_step} | {
+            max((r for r in found if r < s), default=None) for s in checkpoint_steps
+        }
+        for r in found:
+            if r not in keep:
+                shutil.rmtree(self.refresh_dir / f"step_{r:07d}", ignore_errors=True)
 
     def state_dict(self) -> dict:
         return {"reembedded": self.reembedded, "generator": self.generator.get_state()}
@@ -158,31 +305,109 @@ class ClosedBookStrategy(SelectionStrategy):
         raise RuntimeError("closed_book selects no passages")
 
 
+class _Refreshed:
+    """Re-embedded rows [start, stop) of the corpus: on disk as fp16 files (one per process) under a step's
+    folder, memory-mapped for reading any row, plus this process's own share in memory for scanning."""
+
+    def __init__(self, folder: Path | None, whole: PassageBuffer, mine: Tensor | None):
+        self.folder, self.whole, self.mine = folder, whole, mine
+
+    @staticmethod
+    def file_name(rank: int, start: int, stop: int) -> str:
+        return f"rank{rank:05d}_rows{start}-{stop}.npy"
+
+    @classmethod
+    def write(cls, folder: Path, procs: Processes, sharded: bool, n: int, part: Tensor) -> _Refreshed:
+        start, stop = procs.part(n) if sharded else (0, n)
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / cls.file_name(procs.rank, start, stop)
+        tmp = final.with_name(f".tmp-{final.name}")
+        with open(tmp, "wb") as fh:
+            np.save(fh, part.to(torch.float16).cpu().numpy())
+        tmp.replace(final)  # atomic: a file under its final name is complete
+        procs.barrier()  # every process's share is on disk before anyone opens them
+        return cls.open(folder, procs, sharded, n, mine=part)
+
+    @classmethod
+    def open(cls, folder: Path, procs: Processes, sharded: bool, n: int, mine: Tensor | None = None):
+        if sharded:
+            names = [cls.file_name(r, *Processes(r, procs.world).part(n)) for r in range(procs.world)]
+        else:
+            names = [cls.file_name(procs.rank, 0, n)]
+        missing = [name for name in names if not (folder / name).exists()]
+        if missing:
+            raise FileNotFoundError(
+                f"refreshed rows {missing} not found in {folder}: the run folder is incomplete"
+            )
+        blocks = [torch.from_numpy(np.load(folder / name, mmap_mode="c")) for name in names]
+        blocks = [b for b in blocks if b.shape[0]]
+        return cls(folder, PassageBuffer(range(n), blocks), mine)
+
+
 class _RefreshingStrategy(SelectionStrategy, abc.ABC):
-    """Scores against a re-embedded copy of the buffer, refreshed on a schedule."""
+    """Scores against a re-embedded copy of the buffer, refreshed on a schedule.
+
+    With `refresh_dir` set (training runs), each refresh re-embeds this process's share of the corpus (N/W
+    rows when sharded), writes it as fp16 under `refresh_dir/step_<s>/`, and checkpoints reference that folder
+    instead of pickling N x D floats. Without it (tests, scripts) the refreshed rows stay in memory.
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fresh: torch.Tensor | None = None  # [N, D] re-embedded buffer, None until the first refresh
+        self.fresh: PassageBuffer | torch.Tensor | None = None  # None until the first refresh
+        self._mine: Tensor | None = None  # this process's share of the fresh rows, in memory
 
     @abc.abstractmethod
     def due(self, step: int) -> bool:
         """Whether the buffer is re-embedded before optimizer step `step`."""
 
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
-        if self.due(step):
-            self.fresh = embed_rows(range(len(self.buffer))).to(torch.float32)
-            self.reembedded += len(self.buffer)
+        if not self.due(step):
+            return
+        n = len(self.buffer)
+        if self.refresh_dir is None:
+            # In memory (no run folder): every process re-embeds and holds all rows.
+            self.fresh = embed_rows(range(n)).to(torch.float32)
+            self._mine = None if self.sharded else self.fresh
+        else:
+            start, stop = self.procs.part(n) if self.sharded else (0, n)
+            # fp16, as written: a run resumed from the files scans exactly what this one scans.
+            part = embed_rows(range(start, stop)).to(torch.float16)
+            folder = self.refresh_dir / f"step_{step:07d}"
+            refreshed = _Refreshed.write(folder, self.procs, self.sharded, n, part)
+            self.fresh, self._mine = refreshed.whole, part
+        self.refresh_step = step
+        self.reembedded += n  # every passage once, however many processes shared the work
+        self._resident = None
 
     def search_space(self) -> PassageBuffer | torch.Tensor:
         return self.buffer if self.fresh is None else self.fresh
 
+    def _scanned(self):
+        return self.search_space(), None, (None if self.fresh is None else self._mine)
+
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "fresh": self.fresh}
+        state = {**super().state_dict(), "refresh_step": self.refresh_step}
+        if self.refresh_dir is None:
+            state["fresh"] = self.fresh  # in memory only (no run folder): pickled, as small runs afford
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.fresh = state["fresh"]
+        self.refresh_step = state.get("refresh_step")
+        self._resident = None
+        if "fresh" in state:
+            self.fresh = state["fresh"]
+            self._mine = None if self.sharded else self.fresh
+        elif self.refresh_step is None:
+            self.fresh = self._mine = None
+        else:
+            n = len(self.buffer)
+            folder = self.refresh_dir / f"step_{self.refresh_step:07d}"
+            refreshed = _Refreshed.open(folder, self.procs, self.sharded, n)
+            self.fresh = refreshed.whole
+            start, stop = self.procs.part(n) if self.sharded else (0, n)
+            self._mine = refreshed.whole.rows(torch.arange(start, stop))
 
 
 class ExhaustiveStrategy(_RefreshingStrategy):
@@ -206,14 +431,19 @@ class TwoRoundStrategy(_RefreshingStrategy):
 
 
 class SNMStrategy(SelectionStrategy):
-    """Stochastic negative mining: top-k over a random subset of M passages, re-embedded every R steps."""
+    """Stochastic negative mining: top-k over a random subset of M passages, re-embedded every R steps.
+
+    Every process draws the same subset (the generators share a seed) and, when sharded, re-embeds and scans
+    only its share of it. Algorithm 1's label and uniform negatives come from the whole corpus, scored against
+    their stale rows.
+    """
 
     name = "snm"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rows: torch.Tensor | None = None  # [M] corpus rows of the current subset
-        self.subset: torch.Tensor | None = None  # [M, D] their fresh embeddings
+        self.subset: torch.Tensor | None = None  # this process's share of their fresh embeddings
 
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
         trained = step - self.start_step
@@ -222,89 +452,68 @@ class SNMStrategy(SelectionStrategy):
             return
         m = min(self.cfg.snm_size, len(self.buffer))
         self.rows = torch.randperm(len(self.buffer), generator=self.generator)[:m].sort().values
-        self.subset = embed_rows(self.rows.tolist()).to(torch.float32)
+        start, stop = self.procs.part(m) if self.sharded else (0, m)
+        self.subset = embed_rows(self.rows[start:stop].tolist()).to(torch.float32)
+        if self.refresh_dir is not None:
+            # This process's share as an fp16 file that checkpoints reference (M x D is not pickled).
+            self.subset = self.subset.to(torch.float16)
+            folder = self.refresh_dir / f"step_{step:07d}"
+            _Refreshed.write(folder, self.procs, self.sharded, m, self.subset)
+        self.refresh_step = step
         self.reembedded += m
+        self._resident = None
 
-    def select(self, queries, corrector=None, include=None, num_random=0):
+    def search_space(self) -> PassageBuffer | torch.Tensor:
         if self.subset is None:
             raise RuntimeError("SNM subset not sampled yet: call before_step first")
-        k = min(self.k, len(self.rows))
-        top = corrected_topk(queries, self.subset, None, k, chunk_size=self.chunk_size)
-        indices = self.rows.to(top.indices.device)[top.indices]
-        if include is None and not num_random:
-            return TopK(top.scores, indices)
-        # The label and the uniform negatives come from the whole corpus, scored against their stale rows.
-        extra = [] if include is None else [include.to(queries.device)]
-        if num_random:
-            uniform = torch.randint(len(self.buffer), (num_random,), generator=self.generator)
-            extra.append(uniform.to(queries.device).expand(len(queries), -1))
-        extra_idx = torch.cat(extra, dim=1)
-        extra_rows = self.buffer.rows(extra_idx).to(device=queries.device, dtype=torch.float32)
-        extra_scores = torch.einsum("bd,bmd->bm", queries.float(), extra_rows)
-        return _merge(top.scores, indices, extra_scores, extra_idx)
+        return self.subset
+
+    def extra_rows_source(self):
+        return self.buffer
+
+    def _scanned(self):
+        if self.subset is None:
+            raise RuntimeError("SNM subset not sampled yet: call before_step first")
+        if not self.sharded:
+            return self.subset, self.rows, None
+        # The scanned set is the whole subset; this process holds (and scans) only its share.
+        return _Sized(len(self.rows)), self.rows, self.subset
+
+    def _topk(self, queries, corrector, k):
+        if self.sharded and self._resident is None:
+            start, stop = self.procs.part(len(self.rows))
+            subset = self.subset if self.device is None else self.subset.to(self.device)
+            self._resident = ShardedRows(subset, self.rows[start:stop], self.procs)
+        return super()._topk(queries, corrector, k)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "rows": self.rows, "subset": self.subset}
+        state = {**super().state_dict(), "rows": self.rows, "refresh_step": self.refresh_step}
+        if self.refresh_dir is None:
+            state["subset"] = self.subset
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.rows, self.subset = state["rows"], state["subset"]
+        self.rows, self.refresh_step = state["rows"], state.get("refresh_step")
+        self._resident = None
+        if "subset" in state:
+            self.subset = state["subset"]
+        elif self.rows is not None:
+            m = len(self.rows)
+            folder = self.refresh_dir / f"step_{self.refresh_step:07d}"
+            refreshed = _Refreshed.open(folder, self.procs, self.sharded, m)
+            start, stop = self.procs.part(m) if self.sharded else (0, m)
+            self.subset = refreshed.whole.rows(torch.arange(start, stop))
 
 
-class BufferShard:
-    """One process's contiguous slice of B; a step's top-k is merged across all processes' slices.
+class _Sized:
+    """Stands for a row set of known size that this process does not hold whole."""
 
-    Every process scores every process's queries against its own rows (queries are all-gathered, so each
-    process needs only N/W rows in memory), then the per-shard top-k lists are all-gathered and each process
-    keeps the global top-k of its own queries. The result equals the unsharded top-k (same ordering contract:
-    score descending, then row ascending).
-    """
+    def __init__(self, n: int):
+        self.n = n
 
-    def __init__(
-        self, buffer: PassageBuffer, rank: int, world: int, gather: Callable[[torch.Tensor], torch.Tensor]
-    ):
-        per = -(-len(buffer) // world)
-        self.start, stop = min(rank * per, len(buffer)), min((rank + 1) * per, len(buffer))
-        self.rows = buffer.rows(torch.arange(self.start, stop))
-        self.rank, self.world, self.gather = rank, world, gather
-
-    def topk(self, queries: torch.Tensor, corrector, k: int, chunk_size: int) -> TopK:
-        batch = queries.shape[0]
-        all_queries = self.gather(queries)  # [W*B, D]; every process has the same batch size
-        k_local = min(k, self.rows.shape[0])
-        local = corrected_topk(all_queries, self.rows, corrector, k_local, chunk_size=chunk_size)
-        scores = self.gather(local.scores.contiguous())  # [W * W*B, k_local], process-major
-        rows = self.gather((local.indices + self.start).contiguous())
-        mine = slice(self.rank * batch, (self.rank + 1) * batch)
-        scores = torch.cat([part[mine] for part in scores.chunk(self.world)], dim=1)
-        rows = torch.cat([part[mine] for part in rows.chunk(self.world)], dim=1)
-        rows, order = rows.sort(dim=1)  # row ascending, then a stable sort by score descending
-        scores, order2 = scores.gather(1, order).sort(dim=1, descending=True, stable=True)
-        rows = rows.gather(1, order2)
-        return TopK(scores[:, :k], rows[:, :k])
-
-
-def _merge(scores_a, idx_a, scores_b, idx_b) -> TopK:
-    """Append (scores_b, idx_b) to (scores_a, idx_a), dropping rows of b already in a (or repeated in b).
-
-    Rows end up with different lengths; the result is padded with index -1 and score -inf.
-    """
-    out_scores, out_idx = [], []
-    for sa, ia, sb, ib in zip(scores_a, idx_a, scores_b, idx_b):
-        seen = set(ia.tolist())
-        keep = []
-        for j, row in enumerate(ib.tolist()):
-            if row not in seen:
-                seen.add(row)
-                keep.append(j)
-        out_scores.append(torch.cat([sa, sb[keep]]))
-        out_idx.append(torch.cat([ia, ib[keep]]))
-    width = max(len(i) for i in out_idx)
-    scores = torch.full((len(out_idx), width), float("-inf"), device=scores_a.device)
-    idx = torch.full((len(out_idx), width), -1, dtype=torch.long, device=idx_a.device)
-    for r, (s, i) in enumerate(zip(out_scores, out_idx)):
-        scores[r, : len(s)], idx[r, : len(i)] = s, i
-    return TopK(scores, idx)
+    def __len__(self) -> int:
+        return self.n
 
 
 STRATEGY_CLASSES: dict[str, type[SelectionStrategy]] = {

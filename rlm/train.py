@@ -35,7 +35,7 @@ from rlm.data.corpus import Corpus
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.setup import build_components
 from rlm.steps import Batch
-from rlm.strategies import SelectionStrategy, make_strategy
+from rlm.strategies import Processes, SelectionStrategy, make_strategy
 from rlm.validation import validate
 
 CHECKPOINT_PREFIX = "step_"
@@ -295,11 +295,7 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         chunk_size=cfg.buffer.chunk_size,
         start_step=cfg.reader.reader_only_steps if cfg.algorithm == 2 else 0,
     )
-    if cfg.strategy.shard_buffer and accelerator.num_processes > 1:
-        strategy.shard_across_processes(
-            accelerator.process_index, accelerator.num_processes, accelerator.gather
-        )
-        accelerator.print(f"buffer sharded across {accelerator.num_processes} processes")
+    distribute_strategy(strategy, cfg, accelerator)
     if cfg.gradient_checkpointing and model.reader is not None:
         model.reader.gradient_checkpointing_enable()
 
@@ -332,6 +328,35 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         else:
             accelerator.print(f"--resume: no checkpoint under {output_dir / 'checkpoints'}, starting fresh")
     return run
+
+
+def placement_device(placement: str, accelerator: Accelerator, nbytes: int) -> torch.device | None:
+    """Where a process keeps the rows it scans: None = host memory (streamed), else a device. "auto" takes the
+    GPU when the rows fit in half of its free memory (the rest is the models' and activations')."""
+    device = accelerator.device
+    if placement == "host" or (placement == "auto" and device.type != "cuda"):
+        return None
+    if placement == "auto":
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes > free // 2:
+            return None
+    return device
+
+
+def distribute_strategy(strategy: SelectionStrategy, cfg: TrainConfig, accelerator: Accelerator) -> None:
+    """Shard the strategy's rows across the processes (by default when there are several), place them, and
+    give refreshes a folder in the run (checkpoints reference their files)."""
+    world = accelerator.num_processes
+    shard = world > 1 if cfg.strategy.shard_buffer is None else cfg.strategy.shard_buffer
+    procs = Processes(accelerator.process_index, world, accelerator.gather, accelerator.wait_for_everyone)
+    per_process = len(strategy.buffer) // (world if shard else 1) + 1
+    nbytes = per_process * strategy.buffer.dim * strategy.buffer.dtype.itemsize
+    device = placement_device(cfg.buffer.placement, accelerator, nbytes)
+    strategy.distribute(procs, shard, device, refresh_dir=Path(cfg.output_dir) / "refresh")
+    if strategy.sharded:
+        accelerator.print(f"buffer sharded across {world} processes")
+    if device is not None:
+        accelerator.print(f"scanned rows on {device} ({nbytes / 2**30:.2f} GiB per process)")
 
 
 def finite_on_every_process(accelerator: Accelerator, loss: torch.Tensor) -> bool:
@@ -457,6 +482,9 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
                 fh.write(json.dumps(record) + "\n")
         if cfg.save_every and state.step % cfg.save_every == 0:
             save_checkpoint(acc, output_dir, state.step, cfg.keep_last)
+        if acc.is_main_process:  # refreshed rows that no kept checkpoint and not this step needs
+            kept = [int(p.name[len(CHECKPOINT_PREFIX) :]) for p in checkpoints(output_dir)]
+            run.strategy.prune_refreshes(kept)
 
     progress.close()
     summary = {

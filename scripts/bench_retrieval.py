@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -200,13 +201,32 @@ def bench_two_stage(
     return results
 
 
-def bench_build(num_passages: int, batch_size: int = 64, max_length: int = 128) -> dict:
+WIKI_SAMPLE = ROOT.parent / "shared" / "data" / "wiki_sample" / "passages.jsonl"
+
+
+def build_corpus(path: Path, num_passages: int, work: Path):
+    """(corpus, its name): the given file (default: the shared wiki_sample), or, where it is missing (a clone
+    without ../shared), a generated toy world of the same size, so the benchmark runs anywhere."""
+    from rlm.data.corpus import load_corpus
+
+    if path.is_file():
+        return load_corpus(path), "wiki_sample" if path == WIKI_SAMPLE else path.name
+    from rlm.data.toy_world import build_toy_world
+
+    print(f"{path} not found: the build benchmark uses a generated toy world", file=sys.stderr)
+    paths = build_toy_world(work / "toy_world", num_passages=max(num_passages, 200), seed=0)
+    return load_corpus(paths.corpus), "toy-world"
+
+
+def bench_build(
+    num_passages: int, batch_size: int = 64, max_length: int = 128, corpus_path: Path = WIKI_SAMPLE
+) -> dict:
     """build_passage_buffer vs the bare transformer forward on the same length-sorted, pre-tokenized batches."""
     from retriever.buffer import build_passage_buffer
     from retriever.encoder import SentenceEncoder, default_retriever_path
-    from rlm.data.corpus import load_corpus
 
-    corpus = load_corpus(ROOT.parent / "shared" / "data" / "wiki_sample" / "passages.jsonl")
+    work = Path(tempfile.mkdtemp(prefix="bench_build_"))
+    corpus, source = build_corpus(corpus_path, num_passages, work)
     count = min(num_passages, len(corpus))
     ids = [corpus.ids[i] for i in range(count)]
     texts = [corpus.retrieval_texts()[i] for i in range(count)]
@@ -233,8 +253,10 @@ def bench_build(num_passages: int, batch_size: int = 64, max_length: int = 128) 
         raw_seconds.append(best_of(1, raw)[0])
         ours_seconds.append(best_of(1, ours)[0])
     raw_s, ours_s = min(raw_seconds), min(ours_seconds)
+    shutil.rmtree(work, ignore_errors=True)
     return {
         "passages": count,
+        "source": source,
         "mean_tokens": tokens / count,
         "max_length": max_length,
         "batch_size": batch_size,
@@ -286,7 +308,7 @@ def markdown(results: dict) -> str:
     if b:
         lines += [
             "",
-            f"## Buffer build (all-MiniLM-L6-v2, {b['passages']} wiki_sample passages, mean {b['mean_tokens']:.0f} "
+            f"## Buffer build (all-MiniLM-L6-v2, {b['passages']} {b.get('source', 'wiki_sample')} passages, mean {b['mean_tokens']:.0f} "
             f"tokens, max_length {b['max_length']}, batch {b['batch_size']})",
             "",
             "| raw encoder forward passages/s | build_passage_buffer passages/s | ratio |",
@@ -308,6 +330,13 @@ def main() -> int:
         "--out", default=str(ROOT / "docs" / "results" / "bench_retrieval"), help="output stem"
     )
     parser.add_argument("--no-build", action="store_true", help="skip the buffer build benchmark")
+    parser.add_argument(
+        "--build-corpus",
+        type=Path,
+        default=WIKI_SAMPLE,
+        help="passages for the build benchmark (default ../shared/data/wiki_sample; a generated toy world "
+        "where it is missing)",
+    )
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--two-stage", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -347,7 +376,9 @@ def main() -> int:
         results["topk"].append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"N={n:,}: fp32 {results['topk'][-1]['fp32']['seconds']:.2f} s", file=sys.stderr)
     if not args.no_build:
-        results["build"] = bench_build(args.build_passages or (64 if args.quick else 256))
+        results["build"] = bench_build(
+            args.build_passages or (64 if args.quick else 256), corpus_path=args.build_corpus
+        )
     results["peak_rss_mb_main"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     from retriever.io import atomic_write_text

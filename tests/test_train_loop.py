@@ -164,3 +164,53 @@ class _Fixed:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def test_exhaustive_refreshes_live_in_the_run_folder_and_resume_exactly(world):
+    """Refreshed rows are fp16 files under <output_dir>/refresh that checkpoints reference (not pickle); the
+    ones no kept checkpoint needs are deleted; a run resumed from step 2 repeats steps 3-4's losses."""
+    import json
+    import shutil
+
+    from rlm.train import train
+
+    def config(out, *extra):
+        return load_config(
+            None,
+            [
+                f"output_dir={world}/{out}",
+                f"buffer.dir={world}/buffer",
+                f"data.toy_world.dir={world}/toy",
+                *TINY,
+                "strategy.name=exhaustive",
+                "strategy.refresh_every=1",
+                "optim.max_steps=4",
+                "save_every=2",
+                "log_every=1",
+                *extra,
+            ],
+        )
+
+    train(config("full"))
+    full = world / "full"
+    log = {r["step"]: r for r in map(json.loads, (full / "log.jsonl").read_text().splitlines())}
+    # Refreshes before steps 1, 2 and 3; checkpoints after 2 and 4 steps need those before 1 and 3.
+    assert sorted(p.name for p in (full / "refresh").iterdir()) == ["step_0000001", "step_0000003"]
+    assert log[4]["reembedded"] == 3 * 120
+    pickled = sum(
+        p.stat().st_size for p in (full / "checkpoints" / "step_0000002").glob("custom_checkpoint_*")
+    )
+    assert pickled < 20_000, "the refreshed rows were pickled into the checkpoint"
+
+    # The same run folder as after a kill at step 3: checkpoint 2 and the refresh it references.
+    resumed = world / "resumed"
+    shutil.copytree(full / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
+    shutil.copytree(full / "refresh" / "step_0000001", resumed / "refresh" / "step_0000001")
+    shutil.copytree(full / "tokenizer", resumed / "tokenizer")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    train(config("resumed"), resume=True)
+    again = {r["step"]: r for r in map(json.loads, (resumed / "log.jsonl").read_text().splitlines())}
+    assert sorted(again) == [3, 4]
+    for step in (3, 4):
+        for key in ("loss", "reader_loss", "retriever_loss"):
+            assert again[step][key] == pytest.approx(log[step][key], rel=1e-5, abs=1e-6), (step, key)

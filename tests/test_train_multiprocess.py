@@ -121,21 +121,58 @@ def read_log(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
-
-
 def test_cpu_2proc_config_trains_two_processes_and_a_sharded_buffer_selects_the_same(root):
     train = ["-m", "rlm.train"]
-    accelerate_launch(CPU_2PROC, *train, *overrides(root, "ddp", "optim.max_steps=3"))
-    log = read_log(root / "ddp" / "log.jsonl")
-    assert sorted(log) == [1, 2, 3]
-    assert (root / "ddp" / "final" / "retriever" / "query_tower" / "modules.json").exists()
-    # Each process holding half of B and merging top-k lists must pick the same S_x: the same losses.
+    # Exhaustive re-embedding before steps 2 and 3: the refreshes are sharded too.
+    steps = ("optim.max_steps=3", "strategy.name=exhaustive", "strategy.refresh_every=1")
     done = accelerate_launch(
-        CPU_2PROC, *train, *overrides(root, "ddp_sharded", "optim.max_steps=3", "strategy.shard_buffer=true")
+        CPU_2PROC, *train, *overrides(root, "ddp", *steps, "strategy.shard_buffer=false")
     )
+    assert "buffer sharded" not in done.stdout
+    log = read_log(root / "ddp" / "log.jsonl")
+    assert sorted(log) == [1, 2, 3] and log[3]["reembedded"] == 2 * 120
+    assert (root / "ddp" / "final" / "retriever" / "query_tower" / "modules.json").exists()
+    # Each process holding half of B (the default with two processes) and merging top-k lists must pick the
+    # same S_x: the same losses.
+    done = accelerate_launch(CPU_2PROC, *train, *overrides(root, "ddp_sharded", *steps))
     assert "buffer sharded across 2 processes" in done.stdout
+    # Refreshed rows live in the run folder as fp16 files, half per process; only the ones in use are kept.
+    refreshes = sorted(p.name for p in (root / "ddp_sharded" / "refresh").iterdir())
+    assert refreshes == ["step_0000002"]
+    assert sorted(p.name for p in (root / "ddp_sharded" / "refresh" / "step_0000002").iterdir()) == [
+        "rank00000_rows0-60.npy",
+        "rank00001_rows60-120.npy",
+    ]
     sharded = read_log(root / "ddp_sharded" / "log.jsonl")
     for step in (1, 2, 3):
-        for key in LOSS_KEYS:
+        for key in ("loss", "reader_loss", "retriever_loss"):
             assert sharded[step][key] == pytest.approx(log[step][key], rel=1e-4, abs=1e-5), (step, key)
+
+
+def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_processes(root):
+    """Stale, corrector, exhaustive, two-round and SNM, with and without Algorithm 1's forced label and
+    uniform rows: each process scanning (and re-embedding) half the rows selects what one process scanning all
+    of them selects; the re-embedding counter counts each passage once; a resumed strategy reads the refreshed
+    rows back from the run folder."""
+    out = root / "select_probe"
+    accelerate_launch(
+        CPU_2PROC,
+        str(REPO / "tests" / "multiprocess_select.py"),
+        str(out),
+        *overrides(root, "select", "strategy.name=corrector", "optim.max_steps=4"),
+    )
+    ranks = [json.loads((out / f"select_rank{r}.json").read_text()) for r in (0, 1)]
+    n = 120
+    for results in ranks:
+        assert len(results) == 8
+        for r in results:
+            case = (r["strategy"], r["forced"])
+            assert r["sharded"]["rows"] == r["whole"]["rows"], case
+            flat = [x for row in r["whole"]["scores"] for x in row]
+            assert [x for row in r["sharded"]["scores"] for x in row] == pytest.approx(flat, abs=1e-5), case
+            assert r["resumed_same"], case
+            assert r["sharded"]["reembedded"] == r["whole"]["reembedded"], case
+            if r["strategy"] in ("exhaustive", "two_round"):
+                assert r["whole"]["embedded_here"] == n and r["sharded"]["embedded_here"] == n // 2, case
+            if r["strategy"] == "snm":
+                assert r["whole"]["embedded_here"] == 40 and r["sharded"]["embedded_here"] == 20, case
