@@ -62,7 +62,11 @@ class DataConfig:
     dev_split: str = "dev"
     max_train_examples: int | None = None
     max_dev_examples: int | None = 200
-    dev_subcorpus: str | None = None  # ids file of a hard subcorpus H_k (rlm.hard_subcorpus) to validate on
+    # Validate during training on a hard subcorpus H_k (rlm.hard_subcorpus): an ids file, or "build" (H_k of
+    # the initial retriever, from the fixed buffer, written once to <output_dir>/dev_subcorpus.txt). The
+    # figure at the end of training is always on the whole corpus.
+    dev_subcorpus: str | None = None
+    dev_subcorpus_k: int = 100  # top-k per dev question of a built H_k
     toy_world: ToyWorldConfig = field(default_factory=ToyWorldConfig)
 
 

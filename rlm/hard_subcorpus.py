@@ -44,6 +44,34 @@ def build_hard_subcorpus(
     return [corpus.ids[r] for r in sorted(rows)]
 
 
+def hard_subcorpus_from_buffer(
+    corpus, examples: Sequence[QAExample], query_tower, buffer, k: int, procs=None, device=None
+) -> list[str]:
+    """H_k from the fixed buffer B, which already holds the initial passage tower's embeddings: the dev
+    questions' gold passages + their top-k rows of B by <f_0(x), B_y>, with no corpus pass of its own. With
+    several processes each scans its share of B (`rlm.strategies.Processes`); all return the same ids."""
+    import torch
+
+    from rlm.strategies import Processes, ShardedRows, _slice_rows
+
+    procs = procs or Processes()
+    rows: set[int] = set()
+    for ex in examples:
+        for pid in ex.gold_passage_ids:
+            try:
+                rows.add(corpus.index_of(pid))
+            except KeyError:
+                raise ValueError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
+    queries = query_tower.encode([ex.question for ex in examples])
+    if device is not None:
+        queries = queries.to(device)
+    start, stop = procs.part(len(buffer))
+    shard = ShardedRows(_slice_rows(buffer, start, stop), torch.arange(start, stop), procs)
+    top = shard.topk(queries, None, min(k, len(buffer)), chunk_size=65536)
+    rows.update(r for r in top.indices.reshape(-1).tolist() if r >= 0)
+    return [corpus.ids[r] for r in sorted(rows)]
+
+
 def save_subcorpus_ids(ids: Sequence[str], path: str | os.PathLike) -> None:
     """Write the ids one per line, atomically."""
     path = Path(path)

@@ -54,6 +54,7 @@ class Processes:
     world: int = 1
     gather: Callable[[Tensor], Tensor] = field(default=_all_gather_identity)
     barrier: Callable[[], None] = field(default=_no_barrier)
+    gather_object: Callable[[list], list] = field(default=list)  # concatenates every process's list, in order
 
     def part(self, n: int) -> tuple[int, int]:
         """This process's contiguous share [start, stop) of n rows."""

@@ -27,16 +27,23 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, InitProcessGroupKwargs, set_seed
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
+    gather_object,
+    set_seed,
+)
 from tqdm.auto import tqdm
 
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.data.corpus import Corpus
+from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.setup import build_components
 from rlm.steps import Batch
 from rlm.strategies import Processes, SelectionStrategy, make_strategy
-from rlm.validation import validate
+from rlm.validation import subcorpus_path, validate
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -201,9 +208,19 @@ class TrainRun:
             texts = self.corpus.retrieval_texts()
             return embed_rows(tower, texts, rows, batch_size=self.cfg.buffer.batch_size)
 
-    def validate(self) -> dict[str, float]:
-        with self.accelerator.autocast():
-            return validate(self.raw, self.corpus, self.dev_examples, self.cfg)
+    def validate(self, subcorpus: bool = True) -> dict[str, float]:
+        """Dev metrics, the work sharded across the processes (every process must call it)."""
+        acc = self.accelerator
+        with acc.autocast():
+            return validate(
+                self.raw,
+                self.corpus,
+                self.dev_examples,
+                self.cfg,
+                procs=processes(acc),
+                device=acc.device,
+                subcorpus=subcorpus,
+            )
 
     def batch(self, step: int, micro: int) -> Batch:
         """This process's questions at micro-step `micro` of optimizer step `step`."""
@@ -320,6 +337,7 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         state,
         accum,
     )
+    ensure_dev_subcorpus(run)
     if resume:
         found = checkpoints(output_dir)
         if found:
@@ -343,12 +361,44 @@ def placement_device(placement: str, accelerator: Accelerator, nbytes: int) -> t
     return device
 
 
+def processes(accelerator: Accelerator) -> Processes:
+    return Processes(
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.gather,
+        accelerator.wait_for_everyone,
+        gather_object,
+    )
+
+
+def ensure_dev_subcorpus(run: TrainRun) -> None:
+    """Build the hard subcorpus once, at the start, from the initial towers (before any checkpoint loads)."""
+    cfg, acc = run.cfg, run.accelerator
+    path = subcorpus_path(cfg)
+    if cfg.data.dev_subcorpus != "build" or not run.dev_examples or path.exists():
+        return
+    with torch.no_grad(), acc.autocast():
+        ids = hard_subcorpus_from_buffer(
+            run.corpus,
+            run.dev_examples,
+            run.raw.retriever.query_tower,
+            run.strategy.buffer,
+            cfg.data.dev_subcorpus_k,
+            processes(acc),
+            acc.device,
+        )
+    if acc.is_main_process:
+        save_subcorpus_ids(ids, path)
+        acc.print(f"hard dev subcorpus: {len(ids)} passages -> {path}")
+    acc.wait_for_everyone()
+
+
 def distribute_strategy(strategy: SelectionStrategy, cfg: TrainConfig, accelerator: Accelerator) -> None:
     """Shard the strategy's rows across the processes (by default when there are several), place them, and
     give refreshes a folder in the run (checkpoints reference their files)."""
     world = accelerator.num_processes
     shard = world > 1 if cfg.strategy.shard_buffer is None else cfg.strategy.shard_buffer
-    procs = Processes(accelerator.process_index, world, accelerator.gather, accelerator.wait_for_everyone)
+    procs = processes(accelerator)
     per_process = len(strategy.buffer) // (world if shard else 1) + 1
     nbytes = per_process * strategy.buffer.dim * strategy.buffer.dtype.itemsize
     device = placement_device(cfg.buffer.placement, accelerator, nbytes)
@@ -474,8 +524,8 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             progress.set_postfix(
                 {k: f"{record[k]:.3f}" for k in ("loss", "reader_loss", "retriever_loss") if k in record}
             )
-        if cfg.eval_every and state.step % cfg.eval_every == 0 and run.dev_examples and acc.is_main_process:
-            record.update(run.validate())
+        if cfg.eval_every and state.step % cfg.eval_every == 0 and run.dev_examples:
+            record.update(run.validate())  # on the hard subcorpus when configured
         if acc.is_main_process:
             acc.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=state.step)
             with open(log_path, "a") as fh:
@@ -492,8 +542,8 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
         "reembedded": run.strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
     }
-    if run.dev_examples and acc.is_main_process:
-        summary.update(run.validate())
+    if run.dev_examples:
+        summary.update(run.validate(subcorpus=False))  # the whole corpus, sharded
     if acc.is_main_process:
         run.raw.save_pretrained(output_dir / "final")
         (output_dir / "final" / "config.yaml").write_text(dump_config(cfg))

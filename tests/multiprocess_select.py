@@ -16,7 +16,7 @@ import torch
 
 from rlm.config import add_override_argument, load_config
 from rlm.strategies import Processes, make_strategy
-from rlm.train import build_run
+from rlm.train import build_run, processes
 
 # (strategy, the step whose refresh is compared, Algorithm 1's forced label + uniform rows)
 CASES = [
@@ -39,7 +39,7 @@ def main() -> None:
     cfg = load_config(None, args.overrides)
     run = build_run(cfg)
     acc, model = run.accelerator, run.raw.eval()
-    procs = Processes(acc.process_index, acc.num_processes, acc.gather, acc.wait_for_everyone)
+    procs = processes(acc)
     with torch.no_grad():  # a corrector that is not the identity, the same on every process
         generator = torch.Generator().manual_seed(7)
         for p in model.corrector.parameters():
@@ -85,6 +85,15 @@ def main() -> None:
                 resumed = again.select(queries, model.corrector, **extra)
                 record["resumed_same"] = bool(torch.equal(plain.indices, resumed.indices))
         results.append(record)
+    # Validation, sharded (each process embeds half the passages and reads half the questions) and whole.
+    from rlm.validation import validate
+
+    for name, subcorpus in (("full", False), ("hard", True)):
+        figures = {
+            mode: validate(model, run.corpus, run.dev_examples, cfg, procs=p, subcorpus=subcorpus)
+            for mode, p in (("sharded", procs), ("whole", Processes()))
+        }
+        results.append({"validation": name, **figures})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"select_rank{acc.process_index}.json").write_text(json.dumps(results, indent=2))
     acc.end_training()

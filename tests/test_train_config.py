@@ -26,6 +26,7 @@ def test_paper_configs_use_the_papers_settings():
             assert cfg.strategy.k == 32 and cfg.optim.max_steps == 20000 and cfg.corrector.weight == 10.0
             assert cfg.retriever.path == "sentence-transformers/gtr-t5-base" and cfg.reader.path == "t5-base"
             assert cfg.corrector.hidden_dim == 8192
+            assert cfg.data.dev_subcorpus == "build" and cfg.eval_every == 2000
             assert_128_questions_per_step(cfg)
     alg1 = load_config(CONFIGS / "nq_alg1_corrector.yaml")
     assert alg1.algorithm == 1 and alg1.optim.max_steps == 40000 and alg1.corrector.hidden_dim == 8192

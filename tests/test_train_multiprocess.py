@@ -160,10 +160,25 @@ def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_proces
         str(REPO / "tests" / "multiprocess_select.py"),
         str(out),
         *overrides(root, "select", "strategy.name=corrector", "optim.max_steps=4"),
+        *("--set", "data.dev=toy", "--set", "data.max_dev_examples=8", "--set", "data.dev_subcorpus=build"),
+        *("--set", "data.dev_subcorpus_k=5"),
     )
     ranks = [json.loads((out / f"select_rank{r}.json").read_text()) for r in (0, 1)]
     n = 120
+    # The hard dev subcorpus was built once at the start: the dev questions' gold passages and top-5 rows.
+    hard = (root / "select" / "dev_subcorpus.txt").read_text().split()
+    assert 8 <= len(hard) <= 8 * (5 + 2) < n
     for results in ranks:
+        validations = {r["validation"]: r for r in results if "validation" in r}
+        results = [r for r in results if "validation" not in r]
+        # Sharded validation gives the one-process figures, on every process.
+        for name in ("full", "hard"):
+            assert validations[name]["sharded"] == validations[name]["whole"], name
+            assert (
+                validations[name]["sharded"]
+                == [r for r in ranks[0] if r.get("validation") == name][0]["sharded"]
+            )
+        assert "dev_exact_match" in validations["full"]["sharded"]
         assert len(results) == 8
         for r in results:
             case = (r["strategy"], r["forced"])
