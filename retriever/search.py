@@ -262,6 +262,7 @@ def two_stage_corrected_topk(
     index,
     num_candidates: int = 1024,
     compute_dtype: torch.dtype | None = None,
+    nprobe: int | None = None,
 ) -> TopK:
     """Appendix B.2: top-`num_candidates` rows by the stale buffer through a faiss `index`, re-scored with h.
 
@@ -275,7 +276,7 @@ def two_stage_corrected_topk(
             f"index holds {index.ntotal} vectors but the buffer has {len(buf)} rows; rebuild the index"
         )
     candidates = min(max(num_candidates, k), len(buf))
-    _, rows = index.search_rows(queries.detach().float().cpu().numpy(), candidates)
+    _, rows = index.search_rows(queries.detach().float().cpu().numpy(), candidates, nprobe=nprobe)
     rows = torch.from_numpy(rows).to(queries.device)
     scores = score_rows(queries, buf, corrector, rows, compute_dtype)
     # faiss marks "no result" (possible with IVF/HNSW) with -1: never select those.

@@ -166,6 +166,14 @@ class StrategyConfig:
     # Data-parallel: each process scans (and re-embeds) 1/W of the rows and the top-k lists are merged across
     # processes. null: sharded whenever there is more than one process.
     shard_buffer: bool | None = None
+    # How the top-k is searched: "exact" (every row through h) or "two_stage" (Appendix B.2: the
+    # `candidates` best rows of a faiss index over the stale buffer, re-scored with h; the fixed-buffer
+    # strategies only). Every `overlap_every` steps the exact top-k is computed too and its overlap logged.
+    search: str = "exact"
+    candidates: int = 1024
+    index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),Flat
+    nprobe: int = 64
+    overlap_every: int = 100
 
 
 @dataclass
@@ -248,7 +256,14 @@ class TrainConfig:
             raise ValueError(f"buffer.placement must be auto, host or device, got {self.buffer.placement!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
-        for name in ("k", "refresh_every", "snm_size"):
+        if self.strategy.search not in ("exact", "two_stage"):
+            raise ValueError(f"strategy.search must be exact or two_stage, got {self.strategy.search!r}")
+        if self.strategy.search == "two_stage" and self.strategy.name not in ("corrector", "stale", "frozen"):
+            raise ValueError(
+                "strategy.search=two_stage searches an index over the fixed buffer: use it with the corrector, "
+                f"stale or frozen strategy (not {self.strategy.name!r}, whose rows change during training)"
+            )
+        for name in ("k", "refresh_every", "snm_size", "candidates", "nprobe", "overlap_every"):
             if getattr(self.strategy, name) < 1:
                 raise ValueError(f"strategy.{name} must be >= 1")
         if self.optim.max_steps < 1 or self.optim.batch_size < 1:

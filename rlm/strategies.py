@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from retriever.buffer import PassageBuffer
-from retriever.search import TopK, complete_selection, corrected_topk
+from retriever.search import TopK, complete_selection, corrected_topk, two_stage_corrected_topk
 from rlm.config import StrategyConfig
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
@@ -74,13 +74,25 @@ class ShardedRows:
     def __init__(self, vectors: PassageBuffer | Tensor, row_ids: Tensor, procs: Processes):
         self.vectors, self.row_ids, self.procs = vectors, row_ids, procs
 
-    def topk(self, queries: Tensor, corrector, k: int, chunk_size: int) -> TopK:
+    def topk(self, queries: Tensor, corrector, k: int, chunk_size: int, two_stage=None) -> TopK:
+        """`two_stage` = (faiss index over these rows, candidates, nprobe): Appendix B.2's search instead of
+        every row through h."""
         procs, batch = self.procs, queries.shape[0]
         all_queries = procs.gather(queries)  # [W*B, D]
         count = len(self.vectors)
         if count:
-            local = corrected_topk(all_queries, self.vectors, corrector, min(k, count), chunk_size=chunk_size)
-            scores, rows = local.scores, self.row_ids.to(local.indices.device)[local.indices]
+            if two_stage is None:
+                local = corrected_topk(
+                    all_queries, self.vectors, corrector, min(k, count), chunk_size=chunk_size
+                )
+            else:
+                index, candidates, nprobe = two_stage
+                local = two_stage_corrected_topk(
+                    all_queries, self.vectors, corrector, min(k, count), index, candidates, nprobe=nprobe
+                )
+            found = local.indices >= 0  # an approximate index may return fewer than k
+            row_ids = self.row_ids.to(local.indices.device)[local.indices.clamp_min(0)]
+            scores, rows = local.scores, torch.where(found, row_ids, torch.full_like(row_ids, -1))
         else:  # a process with no rows (more processes than rows) still takes part in the gathers
             scores = torch.empty(all_queries.shape[0], 0, device=queries.device)
             rows = torch.empty(all_queries.shape[0], 0, dtype=torch.long, device=queries.device)
@@ -153,6 +165,11 @@ class SelectionStrategy:
         self.refresh_dir: Path | None = None  # where refreshed rows are written (None: kept in memory)
         self._resident: ShardedRows | None = None  # this process's scanned rows, built on first use
         self.refresh_step: int | None = None  # the step before which the scanned rows were last re-embedded
+        self._index = (
+            None  # two-stage search: a faiss index over this process's rows of B, built on first use
+        )
+        self._measure_overlap = False
+        self.metrics: dict[str, float] = {}  # logged with the step, then cleared (`pop_metrics`)
 
     def distribute(
         self,
@@ -171,6 +188,15 @@ class SelectionStrategy:
     @property
     def k(self) -> int:
         return self.cfg.k
+
+    def begin_step(self, step: int) -> None:
+        """Called first at optimizer step `step`: two-stage search measures itself against exact every
+        `overlap_every` steps."""
+        self._measure_overlap = self.cfg.search == "two_stage" and step % self.cfg.overlap_every == 0
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.metrics = self.metrics, {}
+        return metrics
 
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
         """Called before optimizer step `step` (0-based); refreshing strategies re-embed here."""
@@ -215,12 +241,38 @@ class SelectionStrategy:
     def _topk(self, queries: Tensor, corrector, k: int) -> TopK:
         scanned, row_ids, _ = self._scanned()
         k = min(k, len(scanned))
+        if self.cfg.search == "two_stage":
+            return self._two_stage_topk(queries, corrector, k)
         if not self.sharded and self.device is None:  # stream everything from host memory
             top = corrected_topk(queries, scanned, corrector, k, chunk_size=self.chunk_size)
             return top if row_ids is None else TopK(top.scores, row_ids.to(top.indices.device)[top.indices])
         if self._resident is None:
             self._resident = self._make_resident()
         return self._resident.topk(queries, corrector, k, self.chunk_size)
+
+    def _two_stage_topk(self, queries: Tensor, corrector, k: int) -> TopK:
+        if self._resident is None:
+            self._resident = self._make_resident()
+        if self._index is None:
+            self._index = self._build_index(self._resident.vectors)
+        search = (self._index, self.cfg.candidates, self.cfg.nprobe if "IVF" in self._index.factory else None)
+        top = self._resident.topk(queries, corrector, k, self.chunk_size, two_stage=search)
+        if self._measure_overlap:
+            exact = self._resident.topk(queries, corrector, k, self.chunk_size)
+            same = (top.indices.unsqueeze(-1) == exact.indices.unsqueeze(-2)).any(-1) & (top.indices >= 0)
+            self.metrics[f"two_stage_overlap@{k}"] = float(same.float().sum(-1).mean() / k)
+            self._measure_overlap = False
+        return top
+
+    def _build_index(self, rows: PassageBuffer | Tensor):
+        from retriever.index import PassageIndex
+
+        rows = rows if isinstance(rows, PassageBuffer) else PassageBuffer(range(len(rows)), [rows.cpu()])
+        factory = self.cfg.index_factory
+        if factory == "auto":
+            n = len(rows)
+            factory = "Flat" if n < 100_000 else f"IVF{int(4 * n**0.5)},Flat"
+        return PassageIndex.from_buffer(rows, factory)
 
     def _make_resident(self) -> ShardedRows:
         scanned, row_ids, mine = self._scanned()

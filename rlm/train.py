@@ -450,6 +450,7 @@ def train_step(run: TrainRun) -> dict | None:
     component, step, schedule. Returns the step's log record, or None when a non-finite loss on any process
     skipped it (on every process alike)."""
     cfg, acc, state, strategy = run.cfg, run.accelerator, run.state, run.strategy
+    strategy.begin_step(state.step)
     strategy.before_step(state.step, run.reembed)
     reader_only = reader_only_step(cfg, state.step)
     sums: dict[str, float] = {}
@@ -480,6 +481,7 @@ def train_step(run: TrainRun) -> dict | None:
         "step": state.step,
         **{k: round(v, 6) for k, v in sums.items()},
         **{k: round(v, 6) for k, v in norms.items()},
+        **strategy.pop_metrics(),
         **lrs,
         "reembedded": strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,

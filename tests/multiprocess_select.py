@@ -28,6 +28,7 @@ CASES = [
     ("two_round", 2, True),
     ("snm", 0, False),
     ("snm", 0, True),
+    ("corrector", 0, "two_stage"),  # a faiss index over each process's rows, re-scored with h
 ]
 
 
@@ -56,13 +57,22 @@ def main() -> None:
 
     results = []
     for name, step, forced in CASES:
+        search = "two_stage" if forced == "two_stage" else "exact"
+        forced = forced is True
         scfg = dataclasses.replace(cfg.strategy, name=name, k=4, refresh_every=1, snm_size=40)
         extra = {"include": include if forced else None}
-        record = {"strategy": name, "forced": forced}
+        record = {"strategy": f"{name}/{search}", "forced": forced}
         for mode in ("whole", "sharded"):
             strategy = make_strategy(scfg, run.strategy.buffer, max_steps=4, seed=cfg.seed)
             folder = args.out / f"refresh_{name}_{forced}"
             if mode == "sharded":
+                # Two-stage against exact: the sharded run searches an index, the whole one every row.
+                strategy = make_strategy(
+                    dataclasses.replace(scfg, search=search, index_factory="IVF4,Flat", nprobe=4),
+                    run.strategy.buffer,
+                    max_steps=4,
+                    seed=cfg.seed,
+                )
                 strategy.distribute(procs, True, None, refresh_dir=folder)
             else:  # every process alone, with the whole buffer (its refreshes in fp16 files as in training)
                 strategy.distribute(Processes(), False, None, refresh_dir=folder / f"whole{procs.rank}")

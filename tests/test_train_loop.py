@@ -214,3 +214,23 @@ def test_exhaustive_refreshes_live_in_the_run_folder_and_resume_exactly(world):
     for step in (3, 4):
         for key in ("loss", "reader_loss", "retriever_loss"):
             assert again[step][key] == pytest.approx(log[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_two_stage_search_in_training_logs_its_overlap_with_exact(world):
+    """strategy.search=two_stage: S_x from a faiss index over B re-scored with h; every overlap_every steps
+    the exact top-k is computed beside it and the overlap logged. With every row a candidate it is exact."""
+    run = make_run(
+        world,
+        "strategy.search=two_stage",
+        "strategy.overlap_every=2",
+        "strategy.index_factory=IVF4,Flat",
+        "strategy.nprobe=4",
+        "optim.max_steps=3",
+    )
+    run.model.train()
+    records = [train_step(run) for _ in range(3)]
+    assert [("two_stage_overlap@4" in r) for r in records] == [True, False, True]
+    assert records[0]["two_stage_overlap@4"] == 1.0
+    assert run.strategy._index.factory == "IVF4,Flat" and run.strategy._index.ntotal == 120
+    with pytest.raises(ValueError, match="two_stage searches an index over the fixed buffer"):
+        load_config(None, ["strategy.search=two_stage", "strategy.name=exhaustive"])

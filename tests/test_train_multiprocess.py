@@ -179,7 +179,7 @@ def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_proces
                 == [r for r in ranks[0] if r.get("validation") == name][0]["sharded"]
             )
         assert "dev_exact_match" in validations["full"]["sharded"]
-        assert len(results) == 8
+        assert len(results) == 9 and results[-1]["strategy"] == "corrector/two_stage"
         for r in results:
             case = (r["strategy"], r["forced"])
             assert r["sharded"]["rows"] == r["whole"]["rows"], case
@@ -187,7 +187,7 @@ def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_proces
             assert [x for row in r["sharded"]["scores"] for x in row] == pytest.approx(flat, abs=1e-5), case
             assert r["resumed_same"], case
             assert r["sharded"]["reembedded"] == r["whole"]["reembedded"], case
-            if r["strategy"] in ("exhaustive", "two_round"):
+            if r["strategy"] in ("exhaustive/exact", "two_round/exact"):
                 assert r["whole"]["embedded_here"] == n and r["sharded"]["embedded_here"] == n // 2, case
-            if r["strategy"] == "snm":
+            if r["strategy"] == "snm/exact":
                 assert r["whole"]["embedded_here"] == 40 and r["sharded"]["embedded_here"] == 20, case
