@@ -19,6 +19,8 @@ from rlm.metrics import has_answer
 MAX_QUESTION_CHARS = 300
 MAX_K = 20
 INDEX_CACHE = "demo_index"
+# The corpus fingerprint per corpus file (path, size, mtime): a restart scans the corpus but does not hash it.
+FINGERPRINT_CACHE = "demo_corpus_fingerprint.json"
 
 
 class InvalidQuestion(ValueError):
@@ -52,7 +54,9 @@ class QAService:
 
         The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved
         there atomically; the key hashes the passage tower's and the corpus's fingerprints, so a changed
-        tower or corpus never reuses a stale index. `index_path` uses a prebuilt index instead (`rlm embed
+        tower or corpus never reuses a stale index. The corpus fingerprint is remembered in
+        `<checkpoint>/demo_corpus_fingerprint.json` by the corpus file's path, size and mtime, so a restart
+        with an unchanged file does not hash it again. `index_path` uses a prebuilt index instead (`rlm embed
         --encoder <checkpoint>/retriever` then `rlm index`: the way for a corpus too large to embed here);
         its passage ids must be the corpus's, row for row.
         """
@@ -69,7 +73,7 @@ class QAService:
         corpus_file = Path(corpus_path) if corpus_path else corpus_from_config(config, root)
         if not corpus_file.is_file():
             raise FileNotFoundError(f"corpus file {corpus_file} not found: pass --corpus PATH")
-        corpus = load_corpus(corpus_file)
+        corpus = load_corpus(corpus_file, fingerprint_cache=root / FINGERPRINT_CACHE)
         retriever.eval()
         reader.eval()
         if index_path is not None:
@@ -179,25 +183,52 @@ def corpus_from_config(config: dict, checkpoint: Path) -> Path:
 
 
 def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False):
-    """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save)."""
-    from retriever.buffer import corpus_fingerprint
+    """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save).
+
+    The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its scan)."""
     from retriever.index import PassageIndex
     from rlm import evaluation
 
     texts = corpus.retrieval_texts()
-    key = hashlib.sha256(
-        f"{passage_tower.fingerprint()}:{corpus_fingerprint(corpus.ids, texts)}".encode()
-    ).hexdigest()[:16]
+    tower_fingerprint = passage_tower.fingerprint()
+    key = _index_key(tower_fingerprint, corpus.fingerprint)
     folder = root / INDEX_CACHE / key
+    if not (folder / "index.faiss").is_file():
+        _adopt_legacy_index(root / INDEX_CACHE, tower_fingerprint, corpus, folder)
     if (folder / "index.faiss").is_file():
         return evaluation.load_index_for(folder, corpus.ids)
     embeddings = evaluation.embed_corpus(passage_tower, texts, show_progress=show_progress)
-    index = PassageIndex.build(embeddings, list(corpus.ids))
+    index = PassageIndex.build(embeddings, corpus.ids)
     try:
         index.save(folder)
     except OSError as err:  # a read-only checkpoint still serves; it just embeds again next time
         print(f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start")
     return index
+
+
+def _index_key(tower_fingerprint: str, corpus_fingerprint: str) -> str:
+    return hashlib.sha256(f"{tower_fingerprint}:{corpus_fingerprint}".encode()).hexdigest()[:16]
+
+
+def _adopt_legacy_index(cache: Path, tower_fingerprint: str, corpus, folder: Path) -> None:
+    """Move an index cached under the old key (the old-style (id, text) pair fingerprint) to `folder`.
+
+    Only tried when the new key is missing and the cache holds some other index, i.e. when the alternative
+    is embedding the whole corpus again, which costs far more than the one old-style pass over it.
+    """
+    from retriever.buffer import corpus_fingerprint
+
+    others = [p for p in cache.glob("*/index.faiss") if p.parent != folder] if cache.is_dir() else []
+    if not others:
+        return
+    legacy = cache / _index_key(tower_fingerprint, corpus_fingerprint(corpus.ids, corpus.retrieval_texts()))
+    if legacy != folder and (legacy / "index.faiss").is_file():
+        try:
+            os.replace(legacy, folder)
+        except OSError as err:  # read-only checkpoint: the caller embeds again, as it would have anyway
+            print(f"warning: could not rename the cached index {legacy} to {folder} ({err})")
+        else:
+            print(f"note: cached index {legacy.name} (old corpus fingerprint) renamed to {folder.name}")
 
 
 def example_questions(path: Path, limit: int) -> list[str]:

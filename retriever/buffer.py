@@ -11,6 +11,11 @@ On disk (one folder):
 Shards are written atomically, so an interrupted build leaves only complete shards behind and a rerun with
 the same corpus, encoder and settings embeds just the missing ones. Under `accelerate launch` (or torchrun)
 each process embeds shards rank, rank + world, ...; the main process verifies them all and writes meta.json.
+
+meta.json's `corpus_fingerprint` is what the caller passes (`Corpus.fingerprint`: the sha256 of the corpus
+file, computed during its scan); without one it is `corpus_fingerprint(ids, texts)`, the old hash over every
+(id, text) pair, which costs a pass over the whole corpus. A buffer recorded with that old-style fingerprint
+is verified the old way once, when loaded with a new one, and then records the new one (`legacy_corpus=`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import bisect
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +34,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from retriever.io import atomic_file, atomic_write_text
+from retriever.ids import IdSequence, id_lines
+from retriever.io import atomic_file, atomic_write_bytes, atomic_write_text
 
 META_NAME = "meta.json"
 BUILD_NAME = "build.json"
@@ -37,8 +44,13 @@ FORMAT_VERSION = 1
 DTYPES = {"float16": np.float16, "float32": np.float32}
 
 
+_LEGACY_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+
+
 def corpus_fingerprint(ids: Sequence[str], texts: Sequence[str]) -> str:
-    """sha256 over the (id, text) pairs in order; `ids`/`texts` may be lazy sequences (len and [i])."""
+    """The old-style fingerprint: sha256 over the (id, text) pairs in order (32 hex digits); `ids`/`texts` may
+    be lazy sequences (len and [i]). One pass over every passage: kept for in-memory corpora (lists) and to
+    verify buffers recorded with it; a corpus file's own `Corpus.fingerprint` costs nothing extra."""
     if len(ids) != len(texts):
         raise ValueError(f"corpus has {len(ids)} ids but {len(texts)} texts")
     digest = hashlib.sha256(f"{len(ids)}\n".encode())
@@ -48,6 +60,62 @@ def corpus_fingerprint(ids: Sequence[str], texts: Sequence[str]) -> str:
         digest.update(str(texts[i]).encode())
         digest.update(b"\x01")
     return digest.hexdigest()[:32]
+
+
+_pairs_fingerprint = corpus_fingerprint  # for the functions whose `corpus_fingerprint` argument shadows it
+
+
+def is_legacy_fingerprint(fingerprint) -> bool:
+    """True for an old-style (id, text) pair fingerprint: 32 hex digits, no `<kind>:` prefix."""
+    return isinstance(fingerprint, str) and _LEGACY_FINGERPRINT.fullmatch(fingerprint) is not None
+
+
+def upgrade_legacy_fingerprint(
+    folder: Path,
+    name: str,
+    record: dict[str, Any],
+    fingerprint: str | None,
+    legacy_corpus: tuple[Sequence[str], Sequence[str]] | None,
+) -> dict[str, Any]:
+    """`record` (the content of `folder/name`) with its old-style corpus fingerprint replaced by `fingerprint`
+    after verifying it the old way over `legacy_corpus` = (ids, texts), rewritten atomically with a notice.
+
+    Returned unchanged when there is nothing to upgrade (no old-style fingerprint, no new one, or no corpus
+    to verify it with). A corpus whose old-style fingerprint differs is a ValueError: another corpus.
+    """
+    recorded = record.get("corpus_fingerprint")
+    if (
+        legacy_corpus is None
+        or fingerprint is None
+        or recorded == fingerprint
+        or not is_legacy_fingerprint(recorded)
+        or is_legacy_fingerprint(fingerprint)
+    ):
+        return record
+    old = _pairs_fingerprint(*legacy_corpus)  # the slow pass, once per buffer
+    if old != recorded:
+        raise ValueError(
+            f"buffer {folder} was built with corpus fingerprint {recorded}, but the corpus given has "
+            f"fingerprint {old} (old-style; {fingerprint} new-style); rebuild it with `rlm embed` "
+            "or point to the buffer of this corpus"
+        )
+    upgraded = {**record, "corpus_fingerprint": fingerprint, "legacy_corpus_fingerprint": recorded}
+    try:
+        atomic_write_text(folder / name, json.dumps(upgraded, indent=2))
+    except OSError as err:  # a read-only buffer still loads: it was verified; it is verified again next time
+        print(
+            f"note: buffer {folder}: old-style corpus fingerprint verified, but {name} is not writable ({err})"
+        )
+    else:
+        print(
+            f"note: buffer {folder}: old-style corpus fingerprint verified once; {name} now records {fingerprint}"
+        )
+    return upgraded
+
+
+def _corpus_matches(record: dict[str, Any], fingerprint: str) -> bool:
+    # An upgraded buffer also accepts its old-style fingerprint (callers that still hash (id, text) pairs).
+    return fingerprint in (record.get("corpus_fingerprint"), record.get("legacy_corpus_fingerprint"))
 
 
 def shard_name(index: int) -> str:
@@ -71,8 +139,9 @@ class PassageBuffer:
 
     def __init__(self, ids: Sequence[str], shards: list[Tensor], meta: dict[str, Any] | None = None):
         """`ids` in row order and the row blocks (`shards`) that together hold the [N, D] embeddings."""
-        # A range (tensor buffers wrapped by search) is kept as is: listing 21M row numbers every step is waste.
-        self.ids = ids if isinstance(ids, list | range) else list(ids)
+        # Kept as is: a range (tensor buffers wrapped by search; listing 21M row numbers every step is waste)
+        # or an IdSequence (one blob for all ids: a list of 21M str would cost ~1.5 GB at every start).
+        self.ids = ids if isinstance(ids, list | range | IdSequence) else list(ids)
         self._shards = shards
         self._offsets = [0]
         for shard in shards:
@@ -101,10 +170,13 @@ class PassageBuffer:
         encoder_fingerprint: str | None = None,
         corpus_fingerprint: str | None = None,
         device: str | torch.device = "cpu",
+        legacy_corpus: tuple[Sequence[str], Sequence[str]] | None = None,
     ) -> PassageBuffer:
         """Open a built buffer memory-mapped; refuse it when its fingerprints differ from the given ones.
 
         With a non-CPU `device` the rows are copied onto it (one tensor); on CPU they stay memory-mapped.
+        `legacy_corpus` = (ids, texts) of the corpus of `corpus_fingerprint`: a buffer that recorded an
+        old-style fingerprint is verified with them once and then records `corpus_fingerprint`.
         """
         folder = Path(path)
         meta_file = folder / META_NAME
@@ -117,16 +189,26 @@ class PassageBuffer:
                 f"{meta_file} not found: build the buffer first with `rlm embed --out {folder}`"
             )
         meta = json.loads(meta_file.read_text())
+        if encoder_fingerprint is None or meta["encoder_fingerprint"] == encoder_fingerprint:
+            # Another encoder is refused below without paying the old-style pass first.
+            meta = upgrade_legacy_fingerprint(folder, META_NAME, meta, corpus_fingerprint, legacy_corpus)
         for kind, expected in (("encoder", encoder_fingerprint), ("corpus", corpus_fingerprint)):
-            if expected is not None and meta[f"{kind}_fingerprint"] != expected:
+            matches = (
+                _corpus_matches(meta, expected)
+                if kind == "corpus"
+                else meta[f"{kind}_fingerprint"] == expected
+            )
+            if expected is not None and not matches:
                 raise ValueError(
                     f"buffer {folder} was built with {kind} fingerprint {meta[f'{kind}_fingerprint']}, "
                     f"but the {kind} given has fingerprint {expected}; rebuild it with `rlm embed` "
                     f"or point to the buffer of this {kind}"
                 )
-        ids = (folder / IDS_NAME).read_text(encoding="utf-8").split("\n")[: meta["count"]]
-        if len(ids) != meta["count"]:
-            raise ValueError(f"{folder / IDS_NAME} has {len(ids)} ids, meta.json says {meta['count']}")
+        try:
+            # One blob for all ids, not a list of str (21M ids: ~0.35 GB instead of ~1.5 GB).
+            ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
+        except ValueError as err:
+            raise ValueError(f"{folder / IDS_NAME} has {err}, meta.json says {meta['count']}") from None
         shards = []
         for name in meta["shards"]:
             # Copy-on-write map: read-only on disk like mode "r", but writable in memory, which torch wants.
@@ -221,13 +303,23 @@ def _write_shard(folder: Path, index: int, array: np.ndarray) -> None:
     atomic_write_text(folder / shard_name(index).replace(".npy", ".json"), json.dumps(_shard_receipt(array)))
 
 
-def build_settings(ids, texts, encoder, dtype: str = "float16", shard_size: int = 100_000) -> dict[str, Any]:
-    """What identifies a buffer build: fingerprints, count, dim, dtype, shard layout."""
+def build_settings(
+    ids,
+    texts,
+    encoder,
+    dtype: str = "float16",
+    shard_size: int = 100_000,
+    corpus_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    """What identifies a buffer build: fingerprints, count, dim, dtype, shard layout.
+
+    `corpus_fingerprint` is the corpus's own (`Corpus.fingerprint`); without it the (id, text) pairs are
+    hashed, one pass over every passage."""
     count = len(ids)
     return {
         "format_version": FORMAT_VERSION,
         "encoder_fingerprint": encoder.fingerprint(),
-        "corpus_fingerprint": corpus_fingerprint(ids, texts),
+        "corpus_fingerprint": corpus_fingerprint or _pairs_fingerprint(ids, texts),
         "count": count,
         "dim": int(encoder.dim),
         "dtype": dtype,
@@ -237,11 +329,20 @@ def build_settings(ids, texts, encoder, dtype: str = "float16", shard_size: int 
     }
 
 
-def _check_or_write_build(folder: Path, settings: dict[str, Any], write: bool) -> None:
+def _check_or_write_build(
+    folder: Path,
+    settings: dict[str, Any],
+    write: bool,
+    legacy_corpus: tuple[Sequence[str], Sequence[str]] | None = None,
+) -> None:
     """Record the build's settings, or check that an unfinished build in `folder` had the same ones."""
     build_file = folder / BUILD_NAME
     if build_file.exists():
         previous = json.loads(build_file.read_text())
+        if write:  # an unfinished build recorded with an old-style fingerprint resumes after one check
+            previous = upgrade_legacy_fingerprint(
+                folder, BUILD_NAME, previous, settings["corpus_fingerprint"], legacy_corpus
+            )
         diff = {k: (previous.get(k), v) for k, v in settings.items() if previous.get(k) != v}
         if diff:
             details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
@@ -315,11 +416,9 @@ def finalize_buffer(out_dir: str | os.PathLike, ids: Sequence[str], settings: di
     ]
     if missing:
         raise ValueError(f"{folder}: shards {missing} are missing or corrupt; rerun the build to embed them")
-    lines = [str(ids[i]) for i in range(count)]
-    bad = next((i for i, pid in enumerate(lines) if "\n" in pid or "\r" in pid), None)
-    if bad is not None:
-        raise ValueError(f"passage id at row {bad} contains a line break: {lines[bad]!r}")
-    atomic_write_text(folder / IDS_NAME, "\n".join(lines))
+    if len(ids) != count:
+        raise ValueError(f"{len(ids)} ids for a buffer of {count} rows")
+    atomic_write_bytes(folder / IDS_NAME, id_lines(ids))
     meta = dict(settings)
     meta["shards"] = [shard_name(s) for s in range(settings["num_shards"])]
     meta["ids_file"] = IDS_NAME
@@ -337,12 +436,15 @@ def build_passage_buffer(
     shard_size: int = 100_000,
     accelerator=None,
     show_progress: bool = True,
+    corpus_fingerprint: str | None = None,
 ) -> PassageBuffer:
     """Embed `texts` with `encoder` (a SentenceEncoder: the passage tower) into a buffer folder; resumable.
 
     A complete buffer with the same fingerprints and settings is returned as is; an unfinished one is
     resumed. `accelerator` (an `accelerate.Accelerator` or `PartialState`) splits the shards over its
-    processes; every process returns the loaded buffer.
+    processes; every process returns the loaded buffer. `corpus_fingerprint`: the corpus's own
+    (`Corpus.fingerprint`), else the (id, text) pairs are hashed (a pass over every passage); a folder
+    recorded with an old-style fingerprint is verified against `ids`/`texts` once and upgraded.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -351,7 +453,7 @@ def build_passage_buffer(
     if len(ids) == 0:
         raise ValueError("cannot build a passage buffer from an empty corpus")
     folder = Path(out_dir)
-    settings = build_settings(ids, texts, encoder, dtype, shard_size)
+    settings = build_settings(ids, texts, encoder, dtype, shard_size, corpus_fingerprint=corpus_fingerprint)
     rank, world = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
     is_main = accelerator is None or accelerator.is_main_process
 
@@ -361,7 +463,15 @@ def build_passage_buffer(
 
     if (folder / META_NAME).exists():
         meta = json.loads((folder / META_NAME).read_text())
-        same = all(meta.get(k) == v for k, v in settings.items())
+        if all(meta.get(k) == v for k, v in settings.items() if k != "corpus_fingerprint"):
+            # Only a buffer that is otherwise the one asked for is worth the old-style pass.
+            meta = upgrade_legacy_fingerprint(
+                folder, META_NAME, meta, settings["corpus_fingerprint"], (ids, texts)
+            )
+        same = all(
+            _corpus_matches(meta, v) if k == "corpus_fingerprint" else meta.get(k) == v
+            for k, v in settings.items()
+        )
         if not same:
             raise ValueError(
                 f"{folder} already holds a complete buffer with other settings (encoder "
@@ -371,7 +481,7 @@ def build_passage_buffer(
         return PassageBuffer.load(folder)
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
-        _check_or_write_build(folder, settings, write=True)
+        _check_or_write_build(folder, settings, write=True, legacy_corpus=(ids, texts))
     barrier()
     _check_or_write_build(folder, settings, write=False)
     if accelerator is not None:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from retriever.io import atomic_directory, atomic_write_text
+from retriever.ids import IdSequence, id_lines
+from retriever.io import atomic_directory, atomic_write_bytes, atomic_write_text
 
 INDEX_NAME = "index.faiss"
 IDS_NAME = "ids.txt"
@@ -97,7 +98,9 @@ class PassageIndex:
         if index.ntotal != len(ids):
             raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
         self.index = index
-        self.ids = list(ids)
+        # A list or an IdSequence (a corpus's or a loaded index's ids: one blob) is kept, not copied: a list
+        # of 21M id strings would cost ~1.5 GB at every start.
+        self.ids = ids if isinstance(ids, list | IdSequence) else list(ids)
         self.factory = factory
         self.on_gpu = on_gpu
 
@@ -191,16 +194,14 @@ class PassageIndex:
 
     def save(self, out_dir: str | os.PathLike) -> None:
         """`index.faiss` + `ids.txt` + `index.json`, atomically replacing `out_dir`."""
-        bad = next((i for i, pid in enumerate(self.ids) if "\n" in pid or "\r" in pid), None)
-        if bad is not None:
-            raise ValueError(f"passage id at row {bad} contains a line break: {self.ids[bad]!r}")
+        lines = id_lines(self.ids)  # a ValueError naming the row of an id with a line break
         faiss = _faiss()
         # Only a GPU clone is copied: a CPU index (possibly large: HNSW) is written as it is.
         # index_gpu_to_cpu turns any clone into one CPU index (replicas: one copy; shards: merged).
         index = faiss.index_gpu_to_cpu(self.index) if self.on_gpu else self.index
         with atomic_directory(out_dir) as tmp:
             faiss.write_index(index, str(tmp / INDEX_NAME))
-            atomic_write_text(tmp / IDS_NAME, "\n".join(self.ids))
+            atomic_write_bytes(tmp / IDS_NAME, lines)
             meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
             atomic_write_text(tmp / META_NAME, json.dumps(meta, indent=2))
 
@@ -215,5 +216,8 @@ class PassageIndex:
         meta = json.loads((folder / META_NAME).read_text())
         faiss = _faiss()
         index, on_gpu = _to_gpu(faiss.read_index(str(folder / INDEX_NAME)), use_gpu)
-        ids = (folder / IDS_NAME).read_text(encoding="utf-8").split("\n")[: meta["count"]]
+        try:
+            ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
+        except ValueError as err:
+            raise ValueError(f"{folder / IDS_NAME} has {err}, index.json says {meta['count']}") from None
         return cls(index, ids, meta["factory"], on_gpu)

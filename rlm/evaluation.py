@@ -108,7 +108,8 @@ def build_index(embeddings: np.ndarray, ids: Sequence[str], factory: str = "Flat
     """A `retriever.index.PassageIndex` over the embeddings (inner product)."""
     from retriever.index import PassageIndex
 
-    return PassageIndex.build(embeddings, list(ids), factory=factory)
+    # The ids as they are (a corpus's IdSequence stays one blob): no list of every id string.
+    return PassageIndex.build(embeddings, ids, factory=factory)
 
 
 def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str]):
@@ -116,6 +117,7 @@ def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str]):
 
     Only ids are compared: an index built over a same-id corpus with different texts is not detected.
     """
+    from retriever.ids import first_mismatch
     from retriever.index import PassageIndex
 
     index = PassageIndex.load(index_dir)
@@ -124,7 +126,8 @@ def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str]):
             f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
             "rebuild it for this corpus (omit --index)"
         )
-    mismatch = next((row for row, (a, b) in enumerate(zip(index.ids, corpus_ids)) if a != b), None)
+    # One bytes comparison when both are IdSequences (a loaded index and a Corpus), not a 21M-string loop.
+    mismatch = first_mismatch(index.ids, corpus_ids)
     if mismatch is not None:
         raise ValueError(
             f"index {index_dir} row {mismatch} is passage {index.ids[mismatch]!r} but the corpus has "

@@ -124,9 +124,11 @@ def build_warm_started_reader(rc: ReaderConfig, fid_config: FiDConfig, seed: int
 def load_or_build_buffer(
     cfg: TrainConfig, retriever: DualEncoder, corpus: Corpus, accelerator=None
 ) -> PassageBuffer:
-    """B = g(y; Theta_0) for every passage: loaded and verified when it exists, built once otherwise."""
-    from retriever.buffer import corpus_fingerprint
+    """B = g(y; Theta_0) for every passage: loaded and verified when it exists, built once otherwise.
 
+    The corpus fingerprint is the one its scan computed (`Corpus.fingerprint`), so a start costs no pass over
+    the passages; a buffer that recorded an old-style fingerprint is verified the old way once and upgraded.
+    """
     buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
     tower = retriever.passage_tower
     texts = corpus.retrieval_texts()
@@ -134,7 +136,8 @@ def load_or_build_buffer(
         buffer = PassageBuffer.load(
             buffer_dir,
             encoder_fingerprint=tower.fingerprint(),
-            corpus_fingerprint=corpus_fingerprint(corpus.ids, texts),
+            corpus_fingerprint=corpus.fingerprint,
+            legacy_corpus=(corpus.ids, texts),
         )
     else:
         buffer = build_passage_buffer(
@@ -145,6 +148,7 @@ def load_or_build_buffer(
             batch_size=cfg.buffer.batch_size,
             dtype=cfg.buffer.dtype,
             accelerator=accelerator,
+            corpus_fingerprint=corpus.fingerprint,
         )
     if len(buffer) != len(corpus):
         raise ValueError(f"buffer {buffer_dir} has {len(buffer)} rows but the corpus has {len(corpus)}")

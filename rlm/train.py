@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from rlm.config import TrainConfig, add_override_argument, dump_config, load_con
 from rlm.data.corpus import Corpus
 from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
 from rlm.model import RetrievalAugmentedModel, embed_rows
+from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
 from rlm.setup import build_components
 from rlm.steps import Batch
 from rlm.strategies import Processes, SelectionStrategy, make_strategy
@@ -247,8 +249,16 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     if deepspeed and not cuda:
         # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
-    return Accelerator(
-        mixed_precision=cfg.mixed_precision,
+    # Training runs on CPU without CUDA, or with cfg.cpu (which DeepSpeed ignores: it finds the GPU itself).
+    on_cpu = not cuda or (cfg.cpu and not deepspeed)
+    mixed_precision, message = cfg.mixed_precision, None
+    if on_cpu and cfg.mixed_precision == "bf16":
+        # bf16 emulated on a CPU without AVX512-BF16/AMX makes every step ~18x slower. The choice comes from
+        # the CPU flags, the same on every process of a machine (checked below); the probe is only reported.
+        choice = cpu_mixed_precision("bf16", force=cfg.force_cpu_bf16, support=cpu_bf16_support())
+        mixed_precision, message = choice.mixed_precision, choice.warning
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
         # Without CUDA, accelerate must be told it is on CPU, or torchrun ranks run as unrelated processes;
         # under DeepSpeed that would silently train plain DDP instead (DeepSpeed finds the CPU itself).
         cpu=(cfg.cpu or not cuda) and not deepspeed,
@@ -259,6 +269,19 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         step_scheduler_with_optimizer=False,
         kwargs_handlers=handlers,
     )
+    if on_cpu and cfg.mixed_precision == "bf16":
+        if accelerator.num_processes > 1:
+            # Processes on different machines could read different flags (or, without flags, time the probe
+            # differently); a DDP/DeepSpeed run whose ranks train in different precisions must not start.
+            chosen = gather_object([mixed_precision])
+            if len(set(chosen)) > 1:
+                raise ValueError(
+                    f"the processes disagree on bf16 support of their CPUs ({chosen}): set mixed_precision=no, "
+                    "or mixed_precision=bf16 with force_cpu_bf16=true"
+                )
+        if message and accelerator.is_local_main_process:
+            warnings.warn(message, CpuBf16Warning, stacklevel=2)
+    return accelerator
 
 
 def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps: int) -> None:

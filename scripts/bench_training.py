@@ -68,6 +68,7 @@ def per_phase(args) -> tuple[dict, float]:
         f"strategy.k={args.k}",
         f"strategy.refresh_every={args.refresh_every}",
         f"mixed_precision={args.mixed_precision}",
+        f"force_cpu_bf16={str(args.force_cpu_bf16).lower()}",
         "data.dev=null",
         "save_every=0",
         "cpu=true",
@@ -77,10 +78,13 @@ def per_phase(args) -> tuple[dict, float]:
         "reader.final_reader_only_steps=0",
     ]
     results, throughput = {}, 0.0
+    args.effective_mixed_precision = args.mixed_precision
     for name in ("stale", "corrector", "exhaustive"):
         AcceleratorState._reset_state(reset_partial_state=True)
         cfg = load_config(ROOT / "configs" / "quickstart.yaml", [*overrides, f"strategy.name={name}"])
         run = build_run(cfg)
+        # What the steps ran in: bf16 falls back to "no" on a CPU without native bf16 (rlm.precision).
+        args.effective_mixed_precision = run.accelerator.mixed_precision
         timer = PhaseTimer()
         run.raw.timer = timer
         before_step = run.strategy.before_step
@@ -111,7 +115,8 @@ def per_phase(args) -> tuple[dict, float]:
             texts = run.corpus.retrieval_texts()
             sample = [texts[i] for i in range(min(len(texts), 512))]
             start = time.perf_counter()
-            run.raw.retriever.passage_tower.encode(sample, batch_size=cfg.buffer.batch_size)
+            with run.accelerator.autocast():  # in the steps' precision, as the refreshes embed
+                run.raw.retriever.passage_tower.encode(sample, batch_size=cfg.buffer.batch_size)
             throughput = len(sample) / (time.perf_counter() - start)
     return results, throughput
 
@@ -180,8 +185,14 @@ def main() -> None:
         "--mixed-precision",
         default="no",
         choices=("no", "bf16"),
-        help="accelerate's mixed precision for the training steps (bf16 is emulated, and slow, on CPUs "
-        "without AVX512-BF16 or AMX)",
+        help="accelerate's mixed precision for the training steps. bf16 is emulated, and ~18x slower, on CPUs "
+        "without AVX512-BF16 or AMX: there the steps fall back to float32 with a warning (the table says "
+        "which precision ran) unless --force-cpu-bf16",
+    )
+    parser.add_argument(
+        "--force-cpu-bf16",
+        action="store_true",
+        help="keep bf16 on a CPU without native bf16 (to measure how slow it is)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer steps, N=20k for table 2")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_training"))
@@ -195,7 +206,8 @@ def main() -> None:
     names = ["select", "retriever", "reader_scoring", "reader", "corrector", "backward+optimizer", "reembed"]
     lines = [
         f"## Per-phase step time (median of {args.steps} steps, seconds; toy world N={args.num_passages}, "
-        f"batch {args.batch_size}, k={args.k}, exhaustive R={args.refresh_every})",
+        f"batch {args.batch_size}, k={args.k}, exhaustive R={args.refresh_every}, "
+        f"mixed_precision={args.effective_mixed_precision})",
         "",
         "| strategy | " + " | ".join(names) + " | step total | vs stale |",
         "|---" * (len(names) + 3) + "|",

@@ -6,7 +6,10 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
     # Algorithm 1 on the toy world, from the packaged MiniLM (small drift) and from a tiny random GTR (large drift)
     python scripts/compare_strategies.py --algorithm 1 --data toy --start minilm
     python scripts/compare_strategies.py --algorithm 1 --data toy --start random_gtr
-    # Algorithm 1 on ../shared/data/multihop200 (150 train / 50 held-out questions): 27 min on 2 CPU cores
+    # Algorithm 1 on ../shared/data/multihop200 (150 train / 50 held-out questions): 27 min on 2 CPU cores with
+    # native bf16 (AVX512-BF16/AMX). Elsewhere bf16 is emulated (~18x slower) and training falls back to float32
+    # with a warning (`--set force_cpu_bf16=true` keeps bf16): bf16 made a step 2.1x faster here, so expect
+    # about twice the time
     python scripts/compare_strategies.py --algorithm 1 --data multihop200 --start minilm --steps 50 \
         --batch-size 8 --k 4 --num-random 8 --refresh-every 17 --snm-size 300 --set mixed_precision=bf16 \
         --jobs 2 --out docs/results/compare_alg1_multihop200_minilm_bf16
@@ -142,13 +145,18 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
         *args.overrides,
     ]
     config = base_config(args)
+    cfg = load_config(config, overrides)
     # A finished run is reused when its settings are the same, so seeds and strategies can be added later
     # (`--seeds 0` then `--seeds 0,1` trains seed 1 only); any change of settings retrains.
-    key = hashlib.sha256(json.dumps([args.algorithm, str(config), overrides]).encode()).hexdigest()[:16]
+    material = [args.algorithm, str(config), overrides]
+    precision = effective_precision(cfg)
+    if precision != cfg.mixed_precision:
+        # bf16 fell back to float32 on this CPU: not the run a native-bf16 machine cached with these settings.
+        material.append(f"effective mixed_precision={precision}")
+    key = hashlib.sha256(json.dumps(material).encode()).hexdigest()[:16]
     cached = out_dir / "compare_run.json"
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
         return json.loads(cached.read_text())["result"]
-    cfg = load_config(config, overrides)
     start = time.time()
     summary = train(cfg)
     wall = time.time() - start
@@ -176,16 +184,28 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
     return result
 
 
+def effective_precision(cfg) -> str:
+    """The mixed precision `rlm.train.make_accelerator` trains a run with: on a CPU without native bf16, bf16
+    falls back to "no" (float32) unless `force_cpu_bf16=true`."""
+    import torch
+
+    from rlm.precision import cpu_mixed_precision
+
+    if cfg.cpu or not torch.cuda.is_available():
+        return cpu_mixed_precision(cfg.mixed_precision, force=cfg.force_cpu_bf16).mixed_precision
+    return cfg.mixed_precision
+
+
 def run_precision(cfg):
-    """The autocast a run's forward passes use (`--set mixed_precision=bf16`), for what is measured outside it."""
+    """The autocast a run's forward passes use (`--set mixed_precision=bf16`), for what is measured outside it:
+    the precision the runs train with (`effective_precision`)."""
     import contextlib
 
     import torch
 
-    if cfg.mixed_precision == "bf16":
-        return torch.autocast(
-            device_type="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16
-        )
+    if effective_precision(cfg) == "bf16":
+        on_cpu = cfg.cpu or not torch.cuda.is_available()
+        return torch.autocast(device_type="cpu" if on_cpu else "cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -458,11 +478,15 @@ def main() -> None:
         f"(R={args.refresh_every}, SNM M={args.snm_size})"
     )
     floor = dropout_floor(args, work)
+    cfg = table_config(args, work)
+    precision = effective_precision(cfg)
     table = to_markdown(rows, metrics, title)
     table += (
         f"\n\nDropout floor of `drift` (train-mode g(y) vs eval-mode g(y) of the starting passage tower, no "
         f"update): {floor:.3f}. Settings: {' '.join(args.overrides) or 'defaults'}."
     )
+    if precision != cfg.mixed_precision:
+        table += f" Trained with mixed_precision={precision}: this CPU has no native bf16 (`rlm.precision`)."
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(table + "\n")

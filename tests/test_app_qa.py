@@ -143,3 +143,35 @@ def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tmp_path
     other.save(tmp_path / "other")
     with pytest.raises(ValueError, match="holds 3 passages but the corpus has"):
         QAService.from_checkpoint(final, index_path=tmp_path / "other")
+
+
+def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(service, tmp_path_factory, monkeypatch):
+    import os
+
+    import rlm.data.corpus as corpus_module
+    from app.qa import FINGERPRINT_CACHE
+
+    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+    assert (final / FINGERPRINT_CACHE).is_file()  # written by the first start
+    hashed = []
+
+    class CountingReader(corpus_module._HashingReader):
+        def __init__(self, raw, digest):
+            hashed.append(raw.name)
+            super().__init__(raw, digest)
+
+    monkeypatch.setattr(corpus_module, "_HashingReader", CountingReader)
+    index_file = next((final / INDEX_CACHE).glob("*/index.faiss"))
+    stamp = index_file.stat().st_mtime_ns
+    again = QAService.from_checkpoint(final)
+    assert hashed == [] and again.corpus.fingerprint == service.corpus.fingerprint
+    corpus_file = again.corpus.path
+    mtime = corpus_file.stat().st_mtime_ns
+    os.utime(corpus_file, ns=(mtime + 10**9, mtime + 10**9))  # touched: same bytes, newer mtime
+    try:
+        touched = QAService.from_checkpoint(final)
+    finally:
+        os.utime(corpus_file, ns=(mtime, mtime))
+    assert hashed == [str(corpus_file)], "a changed mtime is rehashed"
+    assert touched.corpus.fingerprint == service.corpus.fingerprint
+    assert index_file.stat().st_mtime_ns == stamp  # same bytes, same key: the cached index is reused

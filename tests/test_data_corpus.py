@@ -114,3 +114,97 @@ def test_subset_keeps_corpus_interface(shared_data):
     assert len(subset) == 3 and list(subset.ids) == ["10", "3", "500"]
     assert subset[1] == corpus[3] and subset.index_of("500") == 2
     assert subset.retrieval_texts()[0] == corpus.retrieval_texts()[10]
+
+
+def _dpr_lines(n):
+    return ["id\ttext\ttitle"] + [f"{i}\tText number {i} about things.\tTitle {i}" for i in range(n)]
+
+
+def test_fingerprint_is_the_file_sha256_from_the_scan(tmp_path):
+    import hashlib
+    import shutil
+
+    path = _write(tmp_path / "a.tsv", _dpr_lines(50))
+    corpus = load_corpus(path)
+    assert corpus.fingerprint == "dpr_tsv:sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    shutil.copy(path, tmp_path / "b.tsv")  # the same bytes elsewhere are the same corpus
+    assert load_corpus(tmp_path / "b.tsv").fingerprint == corpus.fingerprint
+    data = bytearray(path.read_bytes())
+    data[data.index(b"number 7") + 7] = ord("8")  # one byte of one text, same length
+    (tmp_path / "c.tsv").write_bytes(bytes(data))
+    assert load_corpus(tmp_path / "c.tsv").fingerprint != corpus.fingerprint
+    # The same bytes read as another format are other passages, so another fingerprint.
+    both = _write(tmp_path / "d.jsonl", [json.dumps({"id": "a", "text": "x", "contents": "T\nx"})])
+    assert load_corpus(both, fmt="jsonl").fingerprint != load_corpus(both, fmt="pyserini").fingerprint
+
+
+def test_ids_are_one_blob_not_a_list(tmp_path):
+    from retriever.ids import IdSequence
+
+    corpus = load_corpus(_write(tmp_path / "a.tsv", _dpr_lines(5)))
+    assert isinstance(corpus.ids, IdSequence) and corpus.ids.to_bytes() == b"0\n1\n2\n3\n4\n"
+    assert list(corpus.ids) == ["0", "1", "2", "3", "4"] and corpus.ids == ["0", "1", "2", "3", "4"]
+    assert corpus.ids[-1] == "4" and corpus.ids[1:3] == ["1", "2"]
+    with pytest.raises(IndexError):
+        corpus.ids[5]
+
+
+def test_fingerprint_cache_hits_until_size_or_mtime_changes(tmp_path, monkeypatch):
+    import os
+
+    import rlm.data.corpus as corpus_module
+
+    hashed = []
+
+    class CountingReader(corpus_module._HashingReader):
+        def __init__(self, raw, digest):
+            hashed.append(raw.name)
+            super().__init__(raw, digest)
+
+    monkeypatch.setattr(corpus_module, "_HashingReader", CountingReader)
+    path, cache = _write(tmp_path / "a.tsv", _dpr_lines(20)), tmp_path / "ckpt" / "fp.json"
+    first = load_corpus(path, fingerprint_cache=cache)
+    assert len(hashed) == 1 and cache.is_file()
+    again = load_corpus(path, fingerprint_cache=cache)
+    assert len(hashed) == 1, "an unchanged file must not be hashed again"
+    assert again.fingerprint == first.fingerprint and again.ids == first.ids and again[3] == first[3]
+    # A newer mtime (same size, same bytes) is a miss: the file is hashed again and the entry replaced.
+    stamp = path.stat().st_mtime_ns
+    os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
+    assert load_corpus(path, fingerprint_cache=cache).fingerprint == first.fingerprint and len(hashed) == 2
+    assert load_corpus(path, fingerprint_cache=cache).fingerprint == first.fingerprint and len(hashed) == 2
+    # Another size is a miss too, and gives the new file's fingerprint.
+    _write(path, _dpr_lines(21))
+    assert load_corpus(path, fingerprint_cache=cache).fingerprint == load_corpus(path).fingerprint
+    # The cache is keyed by the path: a second corpus gets its own entry.
+    other = _write(tmp_path / "b.tsv", _dpr_lines(3))
+    load_corpus(other, fingerprint_cache=cache)
+    assert len(json.loads(cache.read_text())["corpora"]) == 2
+
+
+def test_fingerprint_cache_entry_is_trusted_only_for_its_stamp(tmp_path):
+    path, cache = _write(tmp_path / "a.tsv", _dpr_lines(4)), tmp_path / "fp.json"
+    real = load_corpus(path, fingerprint_cache=cache).fingerprint
+    entries = json.loads(cache.read_text())
+    (entry,) = entries["corpora"].values()
+    entry["fingerprint"] = "planted"
+    cache.write_text(json.dumps(entries))
+    assert load_corpus(path, fingerprint_cache=cache).fingerprint == "planted"  # a hit: no hashing at all
+    assert load_corpus(path, fmt="dpr_tsv", fingerprint_cache=cache).fingerprint == "planted"
+    entry["size"] += 1
+    cache.write_text(json.dumps(entries))
+    assert load_corpus(path, fingerprint_cache=cache).fingerprint == real
+    cache.write_text("not json")  # a broken cache is rebuilt, never an error
+    assert load_corpus(path, fingerprint_cache=cache).fingerprint == real
+
+
+def test_subset_fingerprint_follows_its_rows_and_corpus(shared_data, tmp_path):
+    corpus = load_corpus(shared_data / "wiki_sample" / "passages.jsonl")
+    a = CorpusSubset(corpus, [10, 3, 500])
+    assert a.fingerprint == CorpusSubset(corpus, [10, 3, 500]).fingerprint
+    assert a.fingerprint != CorpusSubset(corpus, [3, 10, 500]).fingerprint
+    assert a.fingerprint != CorpusSubset(corpus, [10, 3]).fingerprint
+    other = load_corpus(
+        _write(tmp_path / "o.jsonl", [json.dumps({"id": str(i), "text": "x"}) for i in range(600)])
+    )
+    assert a.fingerprint != CorpusSubset(other, [10, 3, 500]).fingerprint

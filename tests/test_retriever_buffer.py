@@ -261,3 +261,120 @@ def test_rlm_embed_under_torchrun_splits_the_work(encoder, tmp_path):
     assert done.stdout.count("23 passages x 16") == 1, done.stdout
     single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=6, show_progress=False)
     assert torch.equal(PassageBuffer.load(tmp_path / "b").embeddings, single.embeddings)
+
+
+class CountingTexts:
+    """A text sequence that counts its reads: how many passages a load or build really touched."""
+
+    def __init__(self, texts):
+        self.texts, self.reads = texts, 0
+
+    def __len__(self):
+        return len(self.texts)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return self.texts[i]
+
+
+NEW_FINGERPRINT = "jsonl:sha256:" + "ab" * 32
+
+
+def test_given_corpus_fingerprint_is_recorded_without_a_pass_over_the_texts(encoder, tmp_path):
+    texts = CountingTexts(TEXTS)
+    buffer = build_passage_buffer(
+        IDS,
+        texts,
+        encoder,
+        tmp_path / "b",
+        shard_size=10,
+        show_progress=False,
+        corpus_fingerprint=NEW_FINGERPRINT,
+    )
+    assert texts.reads == len(TEXTS)  # the embedding pass only, no fingerprint pass
+    assert buffer.meta["corpus_fingerprint"] == NEW_FINGERPRINT
+    texts.reads = 0
+    PassageBuffer.load(tmp_path / "b", corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, texts))
+    assert texts.reads == 0
+    with pytest.raises(ValueError, match="corpus given has fingerprint jsonl:sha256:cd"):
+        PassageBuffer.load(
+            tmp_path / "b", corpus_fingerprint="jsonl:sha256:" + "cd" * 32, legacy_corpus=(IDS, texts)
+        )
+    assert texts.reads == 0
+
+
+def test_old_style_meta_is_verified_once_then_loads_without_a_pass(encoder, tmp_path, capsys):
+    out = tmp_path / "b"
+    build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)  # old-style meta
+    old = json.loads((out / "meta.json").read_text())["corpus_fingerprint"]
+    assert old == corpus_fingerprint(IDS, TEXTS) and len(old) == 32
+    capsys.readouterr()
+    texts = CountingTexts(TEXTS)
+    first = PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, texts))
+    assert texts.reads == len(TEXTS), "the old-style fingerprint is verified the old way, once"
+    notice = capsys.readouterr().out.strip().splitlines()
+    assert len(notice) == 1 and "old-style corpus fingerprint verified" in notice[0]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["corpus_fingerprint"] == NEW_FINGERPRINT and meta["legacy_corpus_fingerprint"] == old
+    assert not list(out.glob(".meta.json.*")), "written through a temporary file that was renamed"
+    texts.reads = 0
+    again = PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, texts))
+    assert texts.reads == 0 and capsys.readouterr().out == ""
+    assert torch.equal(again.embeddings, first.embeddings)
+    PassageBuffer.load(out, corpus_fingerprint=old)  # a caller still hashing (id, text) pairs is accepted
+    with pytest.raises(ValueError, match="corpus given has fingerprint"):
+        PassageBuffer.load(out, corpus_fingerprint=corpus_fingerprint(IDS, TEXTS[:-1] + ["changed"]))
+
+
+def test_old_style_meta_of_another_corpus_or_encoder_is_refused(encoder, tmp_path):
+    out = tmp_path / "b"
+    build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
+    before = (out / "meta.json").read_text()
+    changed = CountingTexts(TEXTS[:-1] + ["changed"])
+    with pytest.raises(ValueError, match=r"corpus fingerprint .*\(old-style.*rlm embed"):
+        PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, changed))
+    with pytest.raises(ValueError, match="encoder fingerprint"):
+        PassageBuffer.load(out, "abc", corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, changed))
+    assert changed.reads == len(TEXTS), "another encoder is refused before the old-style pass"
+    assert (out / "meta.json").read_text() == before  # nothing recorded for a refused corpus
+    # A load without the corpus to verify with cannot upgrade: the new fingerprint is refused, as before.
+    with pytest.raises(ValueError, match="corpus given has fingerprint"):
+        PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT)
+
+
+def test_rebuild_over_old_style_meta_upgrades_instead_of_refusing(encoder, tmp_path):
+    out = tmp_path / "b"
+    built = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.npy")}
+    again = build_passage_buffer(
+        IDS, TEXTS, encoder, out, shard_size=10, show_progress=False, corpus_fingerprint=NEW_FINGERPRINT
+    )
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.npy")} == stamps  # nothing re-embedded
+    assert torch.equal(again.embeddings, built.embeddings)
+    assert json.loads((out / "meta.json").read_text())["corpus_fingerprint"] == NEW_FINGERPRINT
+
+
+def test_unfinished_old_style_build_resumes_with_a_new_fingerprint(encoder, tmp_path):
+    out = tmp_path / "b"
+    with pytest.raises(RuntimeError):
+        build_passage_buffer(
+            IDS, FailingTexts(TEXTS, len(TEXTS) + 20), encoder, out, shard_size=10, show_progress=False
+        )
+    buffer = build_passage_buffer(
+        IDS, TEXTS, encoder, out, shard_size=10, show_progress=False, corpus_fingerprint=NEW_FINGERPRINT
+    )
+    assert buffer.meta["corpus_fingerprint"] == NEW_FINGERPRINT and len(buffer) == len(IDS)
+
+
+def test_loaded_ids_are_one_blob(encoder, tmp_path):
+    from retriever.ids import IdSequence
+
+    build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "b", shard_size=10, show_progress=False)
+    buffer = PassageBuffer.load(tmp_path / "b")
+    assert isinstance(buffer.ids, IdSequence) and buffer.ids == IDS and buffer.ids[22] == "doc22"
+    assert (tmp_path / "b" / "ids.txt").read_text() == "\n".join(IDS)  # the file format is unchanged
+    assert buffer.index_of("doc7") == 7
+    with pytest.raises(ValueError, match="line break"):
+        finalize_buffer(
+            tmp_path / "b", ["a\nb"] + IDS[1:], {**buffer.meta, "num_shards": 3, "shard_size": 10}
+        )

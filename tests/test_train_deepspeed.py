@@ -44,6 +44,7 @@ TINY = [
     "log_every=1",
     "save_every=2",
     "mixed_precision=bf16",  # the run config's precision is the one accelerate (and DeepSpeed) use
+    "force_cpu_bf16=true",  # bf16 ZeRO shards even on a CPU without native bf16 (which would fall back)
 ]
 
 

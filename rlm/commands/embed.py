@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         accelerator=accelerator,
         show_progress=not args.no_progress,
+        corpus_fingerprint=corpus.fingerprint,  # from the scan: no second pass over the passages
     )
     seconds = time.perf_counter() - started
     if accelerator is None or accelerator.is_main_process:

@@ -1,0 +1,159 @@
+"""Whether this CPU runs bf16 natively, and what `mixed_precision=bf16` should become on it.
+
+On x86 CPUs with AVX512-BF16 or AMX, PyTorch's bf16 matmuls (oneDNN) run on bf16 instructions and bf16
+autocast is faster than float32. Elsewhere (e.g. AVX2-only CPUs) they are emulated: measured on an AVX2-only
+AMD EPYC, a 6144x384 @ 384x384 bf16 matmul took 741 ms against tens of ms in float32, and an Algorithm 1
+step 95 s against 5 s. So training on CPU asks this module before it turns bf16 on (`rlm.train.make_accelerator`).
+
+The decision comes from the CPU flags (`/proc/cpuinfo`), so every process on a machine takes the same one;
+the timed probe (`probe_ratio`) is reported in the messages, and decides only where no flags can be read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags, as Linux spells them
+# Capabilities below AVX512 cannot have AVX512-BF16 or AMX (both need AVX512): a hint where no flags are readable.
+NO_AVX512_CAPABILITIES = ("DEFAULT", "NO AVX", "AVX", "AVX2")
+# Where flags are unreadable, bf16 counts as native when the probe's bf16 matmul is at most this many times
+# slower than float32: native kernels measure ~0.3-1x, emulated ones 10x and more.
+PROBE_NATIVE_MAX_RATIO = 2.0
+
+
+class CpuBf16Warning(UserWarning):
+    """bf16 was requested for CPU work on a CPU that emulates it."""
+
+
+@dataclass(frozen=True)
+class Bf16Support:
+    native: bool
+    ratio: float  # bf16 / float32 time of the probe matmul (> 1: bf16 slower); nan when not measured
+    reason: str
+
+    def describe(self) -> str:
+        measured = (
+            "" if math.isnan(self.ratio) else f"; a bf16 matmul took {self.ratio:.1f}x the float32 time"
+        )
+        return f"{self.reason}{measured}"
+
+
+def read_cpu_flags(path: Path | None = None) -> set[str] | None:
+    """The x86 `flags` of the first CPU in /proc/cpuinfo; None when there is no such file or line (not Linux,
+    or not x86: aarch64 lists `Features`, decided by the probe)."""
+    try:
+        text = (path or CPUINFO).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            return set(value.split())
+    return None
+
+
+def torch_cpu_capability() -> str:
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # older torch or an unusual build: only a hint
+        return "unknown"
+
+
+def probe_ratio(rows: int = 256, dim: int = 384, repeats: int = 5, slow_s: float = 0.02) -> float:
+    """bf16 time / float32 time of one [rows, dim] @ [dim, dim] matmul (MiniLM's width), best of `repeats`
+    after a warm-up, on one thread.
+
+    One thread because on a shared machine a multi-threaded call of ~1 ms waits for scheduler ticks (4-16 ms
+    measured with 2 threads on 2 busy cores), which drowns the ratio. About 1 ms a call where bf16 is native;
+    where it is emulated a bf16 call takes tens of ms, so the repeats stop at the first call slower than
+    `slow_s` (the ratio is then far above any threshold anyway)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rows, dim, generator=gen), torch.randn(dim, dim, generator=gen)
+
+    def best(x, y) -> float:
+        times = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - start)
+            if i >= 1 and times[-1] > slow_s:
+                break
+        return min(times[1:])  # the first call is the warm-up (oneDNN primitive creation)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32 = best(a, b)
+        bf16 = best(a.bfloat16(), b.bfloat16())
+    finally:
+        torch.set_num_threads(threads)
+    return bf16 / max(fp32, 1e-9)
+
+
+def cpu_bf16_support(probe: bool = True, cpuinfo: Path | None = None) -> Bf16Support:
+    """Does this CPU run bf16 natively? From its flags; the probe ratio only decides where flags are missing."""
+    flags = read_cpu_flags(cpuinfo)
+    capability = torch_cpu_capability()
+    ratio = probe_ratio() if probe else math.nan
+    if flags is not None:
+        have = [f for f in NATIVE_BF16_FLAGS if f in flags]
+        if have:
+            return Bf16Support(
+                True, ratio, f"the CPU has {' and '.join(have)} (torch CPU capability {capability})"
+            )
+        extra = "" if "avx512f" in flags else ", not even AVX512"
+        return Bf16Support(
+            False,
+            ratio,
+            f"the CPU flags have neither avx512_bf16 nor amx_bf16{extra}, so bf16 is emulated "
+            f"(torch CPU capability {capability})",
+        )
+    if capability in NO_AVX512_CAPABILITIES:
+        return Bf16Support(
+            False, ratio, f"no CPU flags readable; torch CPU capability {capability} has no AVX512"
+        )
+    if not probe:
+        ratio = probe_ratio()  # nothing else to decide from
+    return Bf16Support(
+        ratio <= PROBE_NATIVE_MAX_RATIO,
+        ratio,
+        f"no CPU flags readable (torch CPU capability {capability}): decided by a timed matmul "
+        f"(native if bf16 takes at most {PROBE_NATIVE_MAX_RATIO}x the float32 time)",
+    )
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    mixed_precision: str  # what to run with
+    warning: str | None  # what to tell the user, if anything
+
+
+def cpu_mixed_precision(
+    requested: str,
+    force: bool = False,
+    support: Bf16Support | None = None,
+    setting: str = "force_cpu_bf16=true",
+) -> PrecisionChoice:
+    """The mixed precision to use for CPU work when `requested` was asked for: bf16 falls back to "no" on a CPU
+    without native bf16, unless `force`. `setting` names how the user forces it, for the message."""
+    if requested != "bf16":
+        return PrecisionChoice(requested, None)
+    support = support or cpu_bf16_support()
+    if support.native:
+        return PrecisionChoice("bf16", None)
+    why = f"bf16 is slow on this CPU: {support.describe()}"
+    if force:
+        return PrecisionChoice("bf16", f"{why}; keeping mixed_precision=bf16 because {setting} is set")
+    return PrecisionChoice(
+        "no",
+        f"{why}; falling back to mixed_precision=no (float32). Set {setting} to keep bf16 anyway, or run on "
+        "a CPU with AVX512-BF16 or AMX",
+    )
