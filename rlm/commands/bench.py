@@ -1,5 +1,5 @@
-"""`rlm bench retrieval|reader|training|strategies|synthetic`: run a benchmark script in scripts/ with its own
-options."""
+"""`rlm bench retrieval|reader|training|scale|strategies|synthetic`: run a benchmark script in scripts/ with its
+own options."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 HELP = (
     "Run a benchmark: retrieval (top-k, index), reader (FiD step), training (per-strategy step time), "
-    "strategies (the paper's Tables 1 and 3), synthetic (its Section 5.3 study)."
+    "scale (sharded top-k on 1 and 2 processes, 21M-row projection), strategies (the paper's Tables 1 and 3), "
+    "synthetic (its Section 5.3 study)."
 )
 
 SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
@@ -18,6 +19,7 @@ BENCHMARKS = {
     "retrieval": "bench_retrieval.py",
     "reader": "bench_reader.py",
     "training": "bench_training.py",
+    "scale": "bench_scale.py",
     "strategies": "compare_strategies.py",
     "synthetic": "synthetic_corrector.py",
 }
