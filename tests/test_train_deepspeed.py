@@ -16,28 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_run import as_set_args, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO2 = REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"
 STEPS = 3
-TINY = [
-    "data.toy_world.num_passages=120",
-    "data.dev=null",
-    "strategy.k=4",
-    "retriever.passage_max_length=40",
-    "retriever.query_max_length=24",
-    "reader.d_model=32",
-    "reader.d_ff=64",
-    "reader.num_layers=1",
-    "reader.num_decoder_layers=1",
-    "reader.num_heads=2",
-    "reader.d_kv=16",
-    "reader.vocab_size=500",
-    "reader.max_passage_length=40",
-    "reader.max_answer_length=8",
-    "optim.batch_size=2",
+EXTRA = [
     "optim.questions_per_step=8",  # 2 per process x 2 processes x accumulation 2
     f"optim.max_steps={STEPS}",
     "optim.warmup_steps=2",
@@ -51,13 +37,7 @@ TINY = [
 def launch(root: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2)]
     cmd += ["--num_processes", "2", "-m", "rlm.train"]
-    items = [
-        f"output_dir={root / out}",
-        f"buffer.dir={root / 'buffer'}",
-        f"data.toy_world.dir={root / 'toy'}",
-    ]
-    for item in [*items, *TINY]:
-        cmd += ["--set", item]
+    cmd += as_set_args(tiny_overrides(root, out, *EXTRA))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = str(REPO)
     done = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=900, cwd=REPO)

@@ -8,29 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from tiny_run import TINY_RUN
 
 from rlm.config import load_config
 from rlm.train import build_run, lr_lambda, train_step
 
-TINY = [
-    "data.toy_world.num_passages=120",
-    "data.dev=null",
-    "strategy.k=4",
-    "retriever.passage_max_length=40",
-    "retriever.query_max_length=24",
-    "reader.d_model=32",
-    "reader.d_ff=64",
-    "reader.num_layers=1",
-    "reader.num_decoder_layers=1",
-    "reader.num_heads=2",
-    "reader.d_kv=16",
-    "reader.vocab_size=500",
-    "reader.max_passage_length=40",
-    "reader.max_answer_length=8",
-    "optim.batch_size=2",
-    "cpu=true",
-    "save_every=0",
-]
+TINY = [*TINY_RUN, "cpu=true", "save_every=0"]
 
 
 @pytest.fixture(scope="module")

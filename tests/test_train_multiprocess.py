@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_run import as_set_args, tiny_overrides
 
 from rlm.train import lr_lambda
 
@@ -21,27 +22,6 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_2PROC = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
-
-TINY = [
-    "data.toy_world.num_passages=120",
-    "data.dev=null",
-    "strategy.k=4",
-    "retriever.passage_max_length=40",
-    "retriever.query_max_length=24",
-    "reader.d_model=32",
-    "reader.d_ff=64",
-    "reader.num_layers=1",
-    "reader.num_decoder_layers=1",
-    "reader.num_heads=2",
-    "reader.d_kv=16",
-    "reader.vocab_size=500",
-    "reader.max_passage_length=40",
-    "reader.max_answer_length=8",
-    "optim.batch_size=2",
-    "cpu=true",
-    "log_every=1",
-    "save_every=0",
-]
 
 
 def env() -> dict:
@@ -62,14 +42,7 @@ def accelerate_launch(config: Path, *program: str) -> subprocess.CompletedProces
 
 
 def overrides(root: Path, out: str, *extra: str) -> list[str]:
-    items = [
-        f"output_dir={root / out}",
-        f"buffer.dir={root / 'buffer'}",
-        f"data.toy_world.dir={root / 'toy'}",
-        *TINY,
-        *extra,
-    ]
-    return [arg for item in items for arg in ("--set", item)]
+    return as_set_args(tiny_overrides(root, out, "cpu=true", "log_every=1", "save_every=0", *extra))
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_run import as_set_args, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -20,37 +21,14 @@ STEPS = 6
 
 
 def tiny_run_args(root: Path, out: str, *extra: str) -> list[str]:
-    overrides = [
-        f"output_dir={root / out}",
-        f"buffer.dir={root / 'buffer'}",
-        f"data.toy_world.dir={root / 'toy'}",
-        "data.toy_world.num_passages=120",
-        "data.dev=null",
-        "strategy.k=4",
-        "retriever.passage_max_length=40",
-        "retriever.query_max_length=24",
-        "reader.d_model=32",
-        "reader.d_ff=64",
-        "reader.num_layers=1",
-        "reader.num_decoder_layers=1",
-        "reader.num_heads=2",
-        "reader.d_kv=16",
-        "reader.vocab_size=500",
-        "reader.max_passage_length=40",
-        "reader.max_answer_length=8",
-        "optim.batch_size=2",
+    schedule = [
         f"optim.max_steps={STEPS}",
         "optim.warmup_steps=2",
         "log_every=1",
         "save_every=2",
         "keep_last=2",
-        "cpu=true",
-        *extra,
     ]
-    args = []
-    for item in overrides:
-        args += ["--set", item]
-    return args
+    return as_set_args(tiny_overrides(root, out, *schedule, "cpu=true", *extra))
 
 
 def env() -> dict:
