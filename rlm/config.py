@@ -171,7 +171,7 @@ class StrategyConfig:
     # strategies only). Every `overlap_every` steps the exact top-k is computed too and its overlap logged.
     search: str = "exact"
     candidates: int = 1024
-    index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),Flat
+    index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),SQfp16
     nprobe: int = 64
     overlap_every: int = 100
 

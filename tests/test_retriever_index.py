@@ -62,3 +62,22 @@ def test_errors_name_the_problem(tmp_path):
         PassageIndex.build(unit_vectors(10, 4, 0), [str(i) for i in range(10)]).search(
             unit_vectors(2, 5, 0), 1
         )
+
+
+def test_two_stage_auto_index_is_ivf_with_fp16_storage_and_ranks_like_flat():
+    """`strategy.index_factory: auto` above 100k rows is IVF with fp16 storage (of each row's offset from its list
+    centre): searched over every list it scores an fp16 buffer within ~1e-4 of Flat, with the same top rows."""
+    from rlm.strategies import auto_index_factory
+
+    assert auto_index_factory(99_999) == "Flat"
+    assert auto_index_factory(1_000_000) == "IVF4000,SQfp16"
+    g = torch.Generator().manual_seed(0)
+    rows = torch.nn.functional.normalize(torch.randn(3000, 32, generator=g), dim=-1).half()
+    buffer = PassageBuffer.from_embeddings([str(i) for i in range(len(rows))], rows)
+    queries = torch.nn.functional.normalize(torch.randn(5, 32, generator=g), dim=-1).numpy()
+    flat_scores, flat_rows = PassageIndex.from_buffer(buffer, "Flat").search_rows(queries, 20)
+    sq = PassageIndex.from_buffer(buffer, "IVF16,SQfp16")  # the auto type, scaled to 3,000 rows
+    sq_scores, sq_rows = sq.search_rows(queries, 20, nprobe=16)
+    np.testing.assert_allclose(sq_scores, flat_scores, atol=5e-4)
+    same = np.mean([len(set(a) & set(b)) / 20 for a, b in zip(sq_rows.tolist(), flat_rows.tolist())])
+    assert same >= 0.95

@@ -1,5 +1,5 @@
-"""`rlm bench retrieval|reader|training|scale|strategies|synthetic`: run a benchmark script in scripts/ with its
-own options."""
+"""`rlm bench retrieval|reader|training|scale|two-stage|startup|bf16|strategies|synthetic`: run a benchmark
+script in scripts/ with its own options."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from pathlib import Path
 
 HELP = (
     "Run a benchmark: retrieval (top-k, index), reader (FiD step), training (per-strategy step time), "
-    "scale (sharded top-k on 1 and 2 processes, 21M-row projection), strategies (the paper's Tables 1 and 3), "
+    "scale (sharded top-k on 1 and 2 processes, 21M-row projection), two-stage (faiss candidates re-scored "
+    "with h vs exact at 1M-4M rows), startup (corpus scan and fingerprint at 5M passages), bf16 (is bf16 "
+    "native on this CPU), strategies (the paper's Tables 1 and 3), "
     "synthetic (its Section 5.3 study)."
 )
 
@@ -20,6 +22,9 @@ BENCHMARKS = {
     "reader": "bench_reader.py",
     "training": "bench_training.py",
     "scale": "bench_scale.py",
+    "two-stage": "bench_two_stage.py",
+    "startup": "bench_startup.py",
+    "bf16": "bench_bf16.py",
     "strategies": "compare_strategies.py",
     "synthetic": "synthetic_corrector.py",
 }

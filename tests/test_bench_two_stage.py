@@ -1,0 +1,62 @@
+"""The two-stage benchmark runs end to end on a tiny memory-mapped buffer, its two-stage search equals the exact
+corrected top-k when it searches every list and re-scores every row, and `rlm bench two-stage` reaches it; the
+training benchmark's Table 2 selection costs measure two-stage against exact the same way."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rlm_bench_registers_every_benchmark_script():
+    from rlm.commands.bench import BENCHMARKS, script_path
+
+    for name in BENCHMARKS:
+        assert script_path(name).is_file(), name
+    assert BENCHMARKS["two-stage"] == "bench_two_stage.py"
+
+
+def test_bench_two_stage_end_to_end_equals_exact_when_it_searches_everything(tmp_path):
+    out = tmp_path / "result" / "two_stage"
+    n, nlist = 4000, 8
+    args = ["--sizes", str(n), "--moves", "0.2,1.0", "--nlist", str(nlist), "--nprobe", f"2,{nlist}"]
+    args += ["--candidates", f"64,{n}", "--reps", "1", "--queries", "4", "--cluster", "50", "--threads", "1"]
+    args += ["--out", str(out), "--workdir", str(tmp_path / "work"), "--dtype", "fp32"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_two_stage.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    (size,) = results["sizes"]
+    assert size["factory"] == f"IVF{nlist},SQfp16"
+    for move in size["moves"]:
+        grid = {(r["nprobe"], r["candidates"]): r for r in move["two_stage"]}
+        assert set(grid) == {(2, 64), (2, n), (nlist, 64), (nlist, n)}
+        # Every list searched, every row re-scored by h: the exact corrected top-k.
+        assert grid[(nlist, n)]["overlap"] == 1.0
+    # A corrector that rewrites the vectors changes the selection more than a small one (not a trivial test).
+    assert size["moves"][1]["stale_overlap"] < size["moves"][0]["stale_overlap"]
+    assert out.with_suffix(".md").read_text().startswith("# Two-stage selection at scale")
+    assert out.with_suffix(".png").is_file()
+
+
+def test_training_benchmark_two_stage_selection_costs(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_training", ROOT / "scripts" / "bench_training.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = Namespace(batch_size=4, k=8, repeats=1, candidates=3000, nprobe=64)
+    costs = bench.selection_costs(args, 3000, 32, "no")
+    assert costs["index"]["factory"] == "Flat"  # auto below 100k rows
+    # All 3,000 rows are candidates: two-stage is the exact selection, with and without h.
+    assert all(c["overlap"] == 1.0 for c in costs["two_stage"].values())
+    assert set(costs["corrector"]) == {1, 2, 4, 8}
