@@ -113,15 +113,16 @@ def make_queries(n: int, cluster: int, noise: float, count: int, seed: int = 0) 
     return F.normalize(c[picked] + torch.randn(count, D, generator=g) * (noise / D**0.5), dim=-1)
 
 
-def corrector_moving(hidden: int, move: float, seed: int = 1):
-    """CorrectorNetwork(768, hidden) whose residual branch moves unit vectors by `move` on average."""
+def corrector_moving(hidden: int, move: float, dim: int = D, seed: int = 1):
+    """CorrectorNetwork(dim, hidden) whose residual branch moves unit vectors by `move` on average (a trained
+    corrector moves them by ~0.2 here: bench_retrieval.md)."""
     from retriever.corrector import CorrectorNetwork
 
     torch.manual_seed(seed)
-    net = CorrectorNetwork(D, hidden).eval()
+    net = CorrectorNetwork(dim, hidden).eval()
     with torch.no_grad():
         net.output.weight.normal_()
-        probe = F.normalize(torch.randn(512, D), dim=-1)
+        probe = F.normalize(torch.randn(512, dim), dim=-1)
         net.output.weight.mul_(move / (net(probe) - probe).norm(dim=-1).mean())
     return net
 

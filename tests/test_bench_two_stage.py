@@ -55,8 +55,11 @@ def test_training_benchmark_two_stage_selection_costs(monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     args = Namespace(batch_size=4, k=8, repeats=1, candidates=3000, nprobe=64)
-    costs = bench.selection_costs(args, 3000, 32, "no")
-    assert costs["index"]["factory"] == "Flat"  # auto below 100k rows
-    # All 3,000 rows are candidates: two-stage is the exact selection, with and without h.
-    assert all(c["overlap"] == 1.0 for c in costs["two_stage"].values())
+    for precision in ("no", "bf16"):
+        costs = bench.selection_costs(args, 3000, 32, precision)
+        assert costs["index"]["factory"] == "Flat"  # auto below 100k rows
+        # All 3,000 rows are candidates: two-stage is the exact selection, with and without h.
+        assert all(c["overlap"] == 1.0 for c in costs["two_stage"].values()), precision
+        # h moves vectors by ~0.2: the exact corrected top-k stays close to the stale one.
+        assert all(c["stale_overlap"] >= 0.5 for c in costs["corrector"].values()), precision
     assert set(costs["corrector"]) == {1, 2, 4, 8}
