@@ -15,26 +15,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from rlm.benchmarking import cpu_name
 from rlm.precision import NATIVE_BF16_FLAGS, cpu_bf16_support, read_cpu_flags
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def median_time(fn, repeats: int) -> float:
@@ -98,7 +86,7 @@ def main() -> None:
     support = cpu_bf16_support()
     result = {
         "command": " ".join(["python scripts/bench_bf16.py", *sys.argv[1:]]),
-        "cpu": cpu_model(),
+        "cpu": cpu_name(),
         "bf16_flags": [f for f in NATIVE_BF16_FLAGS if f in flags],
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlm.benchmarking import cpu_name
 from rlm.precision import cpu_bf16_support
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +266,7 @@ def main() -> int:
     meta = {
         "command": " ".join([".venv/bin/python scripts/bench_reader.py", *sys.argv[1:]]),
         "threads": args.threads,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "cpu_bf16": {"native": bf16.native, "probe_ratio": round(bf16.ratio, 3), "reason": bf16.reason},
         "python": platform.python_version(),

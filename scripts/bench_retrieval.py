@@ -21,46 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
 import torch
 import torch.nn.functional as F
 
+from rlm.benchmarking import PeakRSS, best_of, corrector_moving, cpu_name, overlap
+
 ROOT = Path(__file__).resolve().parents[1]
 D, HIDDEN, BATCH, K, CHUNK, CLUSTER = 384, 4 * 384, 64, 32, 65_536, 50
-
-
-class PeakRSS:
-    """Samples this process's RSS every few ms in a thread; `.extra_mb` = peak minus the RSS at entry."""
-
-    def __enter__(self):
-        self.proc = psutil.Process()
-        self.start = self.peak = self.proc.memory_info().rss
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.002)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-        self.extra_mb = (self.peak - self.start) / 2**20
 
 
 def synthetic_buffer(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,18 +51,6 @@ def synthetic_buffer(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
     picked = torch.randint(0, len(centers), (BATCH,), generator=g)
     queries = F.normalize(centers[picked] + torch.randn(BATCH, D, generator=g) * (0.5 / D**0.5), dim=-1)
     return buffer, queries, centers
-
-
-def bench_corrector(seed: int = 1):
-    from retriever.corrector import CorrectorNetwork
-
-    torch.manual_seed(seed)
-    net = CorrectorNetwork(D, HIDDEN, num_hidden_layers=1).eval()
-    with torch.no_grad():  # scaled so that h moves unit vectors by ~0.2, as a trained corrector does
-        net.output.weight.normal_()
-        probe = F.normalize(torch.randn(1024, D), dim=-1)
-        net.output.weight.mul_(0.2 / (net(probe) - probe).norm(dim=-1).mean())
-    return net
 
 
 def flops(n: int) -> float:
@@ -109,25 +73,12 @@ def plain_matmuls(n: int, net, queries: torch.Tensor, dtype: torch.dtype) -> flo
     return time.perf_counter() - start
 
 
-def best_of(reps: int, fn) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
-
-
-def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / a.shape[1] for x, y in zip(a, b)]))
-
-
 def worker_topk(n: int, reps: int, two_stage: bool) -> dict:
     from retriever.search import corrected_topk
 
     buffer, queries, _ = synthetic_buffer(n)
     buffer_mb = buffer.numel() * buffer.element_size() / 2**20
-    net = bench_corrector()
+    net = corrector_moving(D, HIDDEN)
     corrected_topk(queries, buffer[:CHUNK], net, K)  # warm-up (allocator, autocast caches)
     row = {"n": n, "buffer_mb": round(buffer_mb, 1)}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -360,8 +311,7 @@ def main() -> int:
     )
     results = {
         "command": "python scripts/bench_retrieval.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB",
         "torch": torch.__version__,
         "threads": threads,
         "topk": [],

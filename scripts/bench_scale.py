@@ -45,7 +45,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -62,32 +61,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+from retriever.buffer import shard_name  # noqa: E402
+from rlm.benchmarking import PROJECTION_DEFAULTS, corrector_moving, cpu_name, load_average  # noqa: E402
+
 D, BATCH, K, CHUNK, SHARD_ROWS, SEED, BETA = 768, 8, 32, 65_536, 100_000, 0, 20.0
 GB = 1e9
 MB = 2**20
 
-# Projection defaults: the paper's RLM setting as configs/nq_corrector.yaml states it, and H100 SXM constants.
-PROJECTION_DEFAULTS = {
-    "n": 21_000_000,  # DPR psgs_w100 (21,015,324 passages), 768-d GTR-base vectors
-    "gpus": 8,
-    "questions_per_step": 128,
-    "micro_batch": 4,  # questions per GPU per micro-step (configs/nq_corrector.yaml): accumulation 4 on 8 GPUs
-    "passages": 32,
-    "passage_tokens": 256,
-    "query_tokens": 64,
-    "answer_tokens": 32,
-    "steps": 20_000,
-    "refresh_every": 500,  # the exhaustive baseline (for the refresh column only; the corrector never refreshes)
-    "peak_tflops": 989.0,  # H100 SXM bf16 dense
-    "gemm_efficiency": 0.7,  # large bf16 GEMMs (65536 x 768 x H): ~700 TFLOP/s achieved
-    "train_mfu": 0.4,  # model FLOPs utilisation of the T5-base FiD training step (HF T5, checkpointing)
-    "embed_mfu": 0.5,  # the passage tower in inference (refresh)
-    "hbm_tbps": 3.0,
-    "pcie_gbps": 25.0,  # host -> device
-    "disk_gbps": 2.0,  # one NVMe read by all 8 processes of the node (a cold start; warm page cache: faster)
-    "nvlink_gbps": 300.0,  # all-reduce bus bandwidth per GPU
-    "launch_s": 30.0,  # launcher + python + torch/CUDA/NCCL init per process
-}
 # T5-base: 12 layers, d_model 768, d_ff 3072, vocab 32128; GTR-base = T5-base encoder (+ Dense 768x768).
 T5_LAYERS, T5_D, T5_FF, T5_VOCAB = 12, 768, 3072, 32_128
 T5_ENC = T5_LAYERS * (4 * T5_D**2 + 2 * T5_D * T5_FF)  # 84.9M matmul parameters
@@ -97,10 +77,6 @@ FID_ACT_GIB_PER_QUESTION = 0.41  # docs/results/bench_reader.md: T5-base FiD, K=
 
 
 # ----------------------------------------------------------------------------------------------- buffer
-
-
-def shard_name(index: int) -> str:
-    return f"shard_{index:05d}.npy"
 
 
 def write_buffer(folder: Path, n: int, shard_rows: int = SHARD_ROWS, seed: int = SEED) -> dict:
@@ -185,20 +161,6 @@ def unit_queries(seed: int, batch: int = BATCH) -> torch.Tensor:
     return torch.nn.functional.normalize(torch.randn(batch, D, generator=g), dim=-1)
 
 
-def make_corrector(hidden: int, seed: int = 1):
-    """CorrectorNetwork(768, hidden) with a non-zero output layer (moves unit vectors by ~0.2), the same
-    on every process."""
-    from retriever.corrector import CorrectorNetwork
-
-    torch.manual_seed(seed)
-    net = CorrectorNetwork(D, hidden)
-    with torch.no_grad():
-        net.output.weight.normal_()
-        probe = torch.nn.functional.normalize(torch.randn(256, D), dim=-1)
-        net.output.weight.mul_(0.2 / (net(probe) - probe).norm(dim=-1).mean())
-    return net
-
-
 def timed(procs, fn, reps: int) -> tuple[dict, object]:
     """Wall and CPU seconds of `fn` (min and all over `reps`) and its last result. Every rep starts after a
     barrier, so the processes start together. CPU seconds (this process, all its threads) are the work it did
@@ -254,7 +216,7 @@ def worker(args) -> dict:
     first, _ = timed(procs, lambda: select(None), 1)
     status_paged = proc_status()
     stale_t, stale = timed(procs, lambda: select(None), args.stale_reps)
-    net = make_corrector(args.hidden).eval()
+    net = corrector_moving(D, args.hidden)
     corrected_t, top = timed(procs, lambda: select(net), args.reps)
     status_scanned = proc_status()
     pressure.append(cpu_pressure())
@@ -263,7 +225,7 @@ def worker(args) -> dict:
     for hidden, slice_rows in args.slice_hidden:
         m = max(1, min(slice_rows, local))
         part = ShardedRows(_slice_rows(buffer, lo, lo + m), torch.arange(lo, lo + m), procs)
-        h = make_corrector(hidden).eval()
+        h = corrector_moving(D, hidden)
         t, _ = timed(procs, lambda h=h, part=part: select(h, part), args.slice_reps)
         slices.append(
             {
@@ -280,7 +242,7 @@ def worker(args) -> dict:
     losses = []
     targets = torch.randn(BATCH, K, generator=torch.Generator().manual_seed(3))
     for hidden in [args.hidden] + [h for h, _ in args.loss_hidden]:
-        h = make_corrector(hidden).train()
+        h = corrector_moving(D, hidden).train()
 
         def loss_step(h=h):
             h.zero_grad(set_to_none=True)
@@ -1066,19 +1028,6 @@ def parse_slices(text: str) -> list[tuple[int, int]]:
         hidden, _, rows = item.partition(":")
         out.append((int(hidden), int(rows or 100_000)))
     return out
-
-
-def load_average() -> str:
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def cpu_name() -> str:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> int:

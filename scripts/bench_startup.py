@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlm.benchmarking import cpu_name
+
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE_COMMIT = "331c0cd479c4340f9b3f1af453156133f9f51bc2"
 DPR_PASSAGES = 21_015_324  # rows of psgs_w100.tsv
@@ -280,9 +282,6 @@ def report(args, runs: dict, size_gb: float) -> None:
                 "after_cpu_s_21m": after["cpu"] * scale,
             }
         )
-    cpu = subprocess.run(
-        "lscpu | grep 'Model name'", shell=True, capture_output=True, text=True
-    ).stdout.strip()
     command = "python scripts/bench_startup.py" + (
         f" --passages {args.passages}" if args.passages != 5_000_000 else ""
     )
@@ -290,7 +289,7 @@ def report(args, runs: dict, size_gb: float) -> None:
         "command": command,
         "passages": args.passages,
         "corpus_gb": size_gb,
-        "cpu": " ".join(cpu.split()[2:]) if cpu else platform.processor(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "before_commit": args.before_commit,

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,14 +32,12 @@ from accelerate.state import AcceleratorState
 from retriever.buffer import PassageBuffer
 from retriever.index import PassageIndex
 from retriever.search import corrected_topk, two_stage_corrected_topk
+from rlm.benchmarking import corrector_moving, overlap
 from rlm.config import load_config
 from rlm.strategies import auto_index_factory
 from rlm.train import build_run, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "scripts") not in sys.path:
-    sys.path.insert(0, str(ROOT / "scripts"))
-from bench_two_stage import corrector_moving  # noqa: E402
 
 
 class PhaseTimer:
@@ -155,10 +152,6 @@ def timed_median(repeats: int, fn):
     return statistics.median(times), out
 
 
-def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return statistics.fmean(len(set(x.tolist()) & set(y.tolist())) / len(y) for x, y in zip(a, b))
-
-
 def selection_costs(args, n: int, dim: int, precision: str) -> dict:
     """Seconds per selection (median) over an [n, dim] buffer, the way each strategy selects, in the steps'
     precision: stale exact, corrected exact (hidden 1D-8D), and two-stage (`strategy.search: two_stage`: the
@@ -170,7 +163,7 @@ def selection_costs(args, n: int, dim: int, precision: str) -> dict:
     out = {"n": n, "stale": {}, "corrector": {}, "two_stage": {}}
     # Made outside autocast: inside it, the bf16 copy of a weight cast before its in-place rescaling would be
     # cached and used for the rest of the region.
-    correctors = {mult: corrector_moving(mult * dim, 0.2, dim) for mult in (1, 2, 4, 8)}
+    correctors = {mult: corrector_moving(dim, mult * dim, 0.2) for mult in (1, 2, 4, 8)}
     with cast, torch.no_grad():
         out["stale"]["seconds"], stale = timed_median(repeats, lambda: corrected_topk(q, rows, None, args.k))
         exact = {}

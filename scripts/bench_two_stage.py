@@ -44,20 +44,20 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "scripts"):  # run as a script from a checkout without `pip install -e .`
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(ROOT) not in sys.path:  # run as a script from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
 
-from bench_scale import (  # noqa: E402
-    CHUNK,
+from retriever.buffer import shard_name  # noqa: E402
+from rlm.benchmarking import (  # noqa: E402
     PROJECTION_DEFAULTS,
-    SHARD_ROWS,
+    best_of,
+    corrector_moving,
     cpu_name,
     load_average,
-    shard_name,
+    overlap,
 )
 
-D, K = 768, 32
+D, K, CHUNK, SHARD_ROWS = 768, 32, 65_536, 100_000
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -113,34 +113,6 @@ def make_queries(n: int, cluster: int, noise: float, count: int, seed: int = 0) 
     return F.normalize(c[picked] + torch.randn(count, D, generator=g) * (noise / D**0.5), dim=-1)
 
 
-def corrector_moving(hidden: int, move: float, dim: int = D, seed: int = 1):
-    """CorrectorNetwork(dim, hidden) whose residual branch moves unit vectors by `move` on average (a trained
-    corrector moves them by ~0.2 here: bench_retrieval.md)."""
-    from retriever.corrector import CorrectorNetwork
-
-    torch.manual_seed(seed)
-    net = CorrectorNetwork(dim, hidden).eval()
-    with torch.no_grad():
-        net.output.weight.normal_()
-        probe = F.normalize(torch.randn(512, dim), dim=-1)
-        net.output.weight.mul_(move / (net(probe) - probe).norm(dim=-1).mean())
-    return net
-
-
-def overlap(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean fraction of b's rows (per query) that a also holds."""
-    return float(np.mean([len(set(x.tolist()) & set(y.tolist())) / len(y) for x, y in zip(a, b)]))
-
-
-def best_of(reps: int, fn):
-    times, out = [], None
-    for _ in range(reps):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), out
-
-
 # ----------------------------------------------------------------------------------------------- one N
 
 
@@ -170,7 +142,7 @@ def bench_size(args, folder: Path, n: int) -> dict:
     }
     print(f"N={n:,}: index {factory} built in {build_s:.1f} s; stale top-k {stale_s:.2f} s", file=sys.stderr)
     for move in args.moves:
-        net = corrector_moving(args.hidden, move)
+        net = corrector_moving(D, args.hidden, move)
         with cast, torch.no_grad():
             exact_s, exact = best_of(1, lambda h=net: corrected_topk(queries, buffer, h, K, chunk_size=CHUNK))
         row = {

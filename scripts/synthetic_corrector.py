@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import shlex
 import statistics
@@ -33,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from retriever.io import atomic_file, atomic_write_text
+from rlm.benchmarking import cpu_name
 from rlm.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def run_study(args: argparse.Namespace) -> dict:
         "fits": fits,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "machine": f"{cpu_name()}, torch {torch.__version__}",
     }
 
 

@@ -1,0 +1,124 @@
+"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: where a timing was taken, best-of
+timing, peak RSS, top-k overlap, a corrector that moves vectors by a stated amount, and the paper-scale
+projection constants.
+
+The scripts import these from the installed package instead of from each other: a script folder put on
+`sys.path` would shadow installed packages by its file names (`scripts/evaluate.py` hides the `evaluate`
+library from every later import in that process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# Projection defaults: the paper's RLM setting as configs/nq_corrector.yaml states it, and H100 SXM constants.
+PROJECTION_DEFAULTS = {
+    "n": 21_000_000,  # DPR psgs_w100 (21,015,324 passages), 768-d GTR-base vectors
+    "gpus": 8,
+    "questions_per_step": 128,
+    "micro_batch": 4,  # questions per GPU per micro-step (configs/nq_corrector.yaml): accumulation 4 on 8 GPUs
+    "passages": 32,
+    "passage_tokens": 256,
+    "query_tokens": 64,
+    "answer_tokens": 32,
+    "steps": 20_000,
+    "refresh_every": 500,  # the exhaustive baseline (for the refresh column only; the corrector never refreshes)
+    "peak_tflops": 989.0,  # H100 SXM bf16 dense
+    "gemm_efficiency": 0.7,  # large bf16 GEMMs (65536 x 768 x H): ~700 TFLOP/s achieved
+    "train_mfu": 0.4,  # model FLOPs utilisation of the T5-base FiD training step (HF T5, checkpointing)
+    "embed_mfu": 0.5,  # the passage tower in inference (refresh)
+    "hbm_tbps": 3.0,
+    "pcie_gbps": 25.0,  # host -> device
+    "disk_gbps": 2.0,  # one NVMe read by all 8 processes of the node (a cold start; warm page cache: faster)
+    "nvlink_gbps": 300.0,  # all-reduce bus bandwidth per GPU
+    "launch_s": 30.0,  # launcher + python + torch/CUDA/NCCL init per process
+}
+
+
+def cpu_name() -> str:
+    """The CPU model as `lscpu` names it (timings on this machine are only comparable on one CPU model)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average: other jobs on the shared cores show here."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def best_of(reps: int, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Fewest wall seconds of `reps` calls of `fn` (the least disturbed by other jobs) and the last result."""
+    times, out = [], None
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), out
+
+
+def overlap(found, reference) -> float:
+    """Mean over queries of the fraction of `reference`'s indices (per row) that `found` also holds."""
+    return float(
+        np.mean(
+            [len(set(x.tolist()) & set(y.tolist())) / len(y) for x, y in zip(found, reference, strict=True)]
+        )
+    )
+
+
+def corrector_moving(dim: int, hidden: int, move: float = 0.2, seed: int = 1, num_hidden_layers: int = 1):
+    """CorrectorNetwork(dim, hidden) in eval mode whose residual branch moves unit vectors by `move` on average.
+
+    A fresh corrector's output layer is zero (h = identity), which would time a corrector that changes nothing
+    and select exactly what the stale buffer selects; a trained one moves vectors by ~0.2 here
+    (docs/results/bench_retrieval.md), and 1.0 is a corrector that rewrites them.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from retriever.corrector import CorrectorNetwork
+
+    torch.manual_seed(seed)
+    net = CorrectorNetwork(dim, hidden, num_hidden_layers=num_hidden_layers).eval()
+    with torch.no_grad():
+        net.output.weight.normal_()
+        probe = F.normalize(torch.randn(512, dim), dim=-1)
+        net.output.weight.mul_(move / (net(probe) - probe).norm(dim=-1).mean())
+    return net
+
+
+class PeakRSS:
+    """Samples this process's RSS every few ms in a thread; `.extra_mb` = peak minus the RSS at entry."""
+
+    def __enter__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.start = self.peak = self.proc.memory_info().rss
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.extra_mb = (self.peak - self.start) / 2**20

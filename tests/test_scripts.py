@@ -1,0 +1,62 @@
+"""The scripts in scripts/ as a library user meets them: importable side by side without shadowing anything."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlm.benchmarking import corrector_moving, overlap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LOAD_ALL_SCRIPTS = """
+import importlib.util, sys
+from pathlib import Path
+
+scripts = Path(sys.argv[1])
+before = list(sys.path)
+for path in sorted(scripts.glob("*.py")):
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+added = [p for p in sys.path if p not in before]
+assert str(scripts) not in sys.path, f"a script put {scripts} on sys.path"
+
+import evaluate  # the library, not scripts/evaluate.py
+
+assert hasattr(evaluate, "load"), f"`import evaluate` found {evaluate.__file__}"
+print("ok", added)
+"""
+
+
+def test_loading_every_script_leaves_installed_packages_importable():
+    # scripts/evaluate.py shares its name with the `evaluate` library: a script that puts scripts/ on sys.path
+    # breaks `evaluate.load` for the rest of the process (CI failed this way with the metrics test after a
+    # benchmark test had loaded bench_training in-process).
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_ALL_SCRIPTS, str(ROOT / "scripts")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok")
+
+
+@pytest.mark.parametrize("move", [0.2, 1.0])
+def test_benchmark_corrector_moves_unit_vectors_by_the_stated_amount(move):
+    net = corrector_moving(64, 128, move, seed=3)
+    assert not net.training
+    probe = F.normalize(torch.randn(4096, 64, generator=torch.Generator().manual_seed(7)), dim=-1)
+    with torch.no_grad():
+        moved = (net(probe) - probe).norm(dim=-1).mean().item()
+    assert moved == pytest.approx(move, rel=0.1)
+
+
+def test_overlap_is_the_fraction_of_the_reference_found_per_query():
+    reference = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    found = torch.tensor([[4, 3, 9, 9], [5, 6, 7, 8]])
+    assert overlap(found, reference) == pytest.approx((0.5 + 1.0) / 2)
