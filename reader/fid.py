@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
+from atomicio import atomic_directory, atomic_write_json
 from reader.formatting import DEFAULT_QUESTION_TEMPLATE, DEFAULT_TEMPLATE, FiDCollator, Passages
-from reader.io import atomic_directory, atomic_write_json
 from reader.small_t5 import SmallT5Config, build_small_t5
 from reader.tokenizer import load_tokenizer
 
@@ -131,7 +131,11 @@ class FiDReader(torch.nn.Module):
         with atomic_directory(save_dir) as tmp:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
-            atomic_write_json(tmp / FID_CONFIG_NAME, {"format_version": 1, **dataclasses.asdict(self.config)})
+            atomic_write_json(
+                tmp / FID_CONFIG_NAME,
+                {"format_version": 1, **dataclasses.asdict(self.config)},
+                sort_keys=True,
+            )
 
     # ---- switches ----------------------------------------------------------------------------------------
 

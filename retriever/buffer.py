@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from atomicio import atomic_file, atomic_write_bytes, atomic_write_text
 from retriever.ids import IdSequence, id_lines
-from retriever.io import atomic_file, atomic_write_bytes, atomic_write_text
 
 META_NAME = "meta.json"
 BUILD_NAME = "build.json"

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from retriever.io import atomic_directory, atomic_write_text
+from atomicio import atomic_directory, atomic_write_text
 
 CONFIG_NAME = "corrector_config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from retriever.io import atomic_directory, atomic_write_text
+from atomicio import atomic_directory, atomic_write_text
 
 # Encoder-decoder configs whose encoder alone is the sentence encoder (what sentence-transformers does for GTR).
 _ENCODER_ONLY_CLASSES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
 from retriever.ids import IdSequence, id_lines
-from retriever.io import atomic_directory, atomic_write_bytes, atomic_write_text
 
 INDEX_NAME = "index.faiss"
 IDS_NAME = "ids.txt"

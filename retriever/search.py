@@ -259,23 +259,32 @@ def two_stage_corrected_topk(
     buffer: PassageBuffer | Tensor,
     corrector: nn.Module | None,
     k: int,
-    index,
+    index=None,
     num_candidates: int = 1024,
     compute_dtype: torch.dtype | None = None,
     nprobe: int | None = None,
+    chunk_size: int = 65536,
 ) -> TopK:
-    """Appendix B.2: top-`num_candidates` rows by the stale buffer through a faiss `index`, re-scored with h.
+    """Appendix B.2: the top-`num_candidates` rows by the stale buffer, re-scored with h.
 
-    `index` is a `retriever.index.PassageIndex` built over the same buffer rows (`PassageIndex.from_buffer`).
+    The candidates come from a faiss `index` built over the same buffer rows (`retriever.index.PassageIndex
+    .from_buffer`), or, with `index=None`, from a streamed scan of <q, B_y> over every row: the exact stale
+    candidates, no index to build or hold, one read of the buffer per call (cheap where the buffer sits in
+    accelerator memory; the expensive part of the exact corrected top-k is h on every row, not the read).
     Returns the top-k of the corrected scores among the candidates, under the same ordering contract; where
     an approximate index returned fewer than k candidates, the missing columns hold row -1 and score -inf.
     """
     buf = _as_buffer(buffer)
+    candidates = min(max(num_candidates, k), len(buf))
+    if index is None:
+        rows = corrected_topk(queries, buf, None, candidates, chunk_size=chunk_size).indices
+        scores = score_rows(queries, buf, corrector, rows, compute_dtype)
+        scores, rows = _sort_desc_then_row(scores, rows)
+        return TopK(scores[:, :k], rows[:, :k])
     if index.ntotal != len(buf):
         raise ValueError(
             f"index holds {index.ntotal} vectors but the buffer has {len(buf)} rows; rebuild the index"
         )
-    candidates = min(max(num_candidates, k), len(buf))
     _, rows = index.search_rows(queries.detach().float().cpu().numpy(), candidates, nprobe=nprobe)
     rows = torch.from_numpy(rows).to(queries.device)
     scores = score_rows(queries, buf, corrector, rows, compute_dtype)

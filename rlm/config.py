@@ -167,10 +167,14 @@ class StrategyConfig:
     # processes. null: sharded whenever there is more than one process.
     shard_buffer: bool | None = None
     # How the top-k is searched: "exact" (every row through h) or "two_stage" (Appendix B.2: the
-    # `candidates` best rows of a faiss index over the stale buffer, re-scored with h; the fixed-buffer
-    # strategies only). Every `overlap_every` steps the exact top-k is computed too and its overlap logged.
+    # `candidates` best rows by the stale buffer, re-scored with h; the fixed-buffer strategies only). Every
+    # `overlap_every` steps the exact top-k is computed too and its overlap logged.
     search: str = "exact"
     candidates: int = 1024
+    # Where two-stage candidates come from: "index" (a faiss index over the stale buffer, built once) or
+    # "scan" (<q, B_y> over every row, streamed: the exact stale candidates, no index to build or hold; one
+    # read of the buffer per selection, cheap where the buffer is in accelerator memory).
+    first_stage: str = "index"
     index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),SQfp16
     nprobe: int = 64
     overlap_every: int = 100
@@ -267,6 +271,8 @@ class TrainConfig:
             )
         if self.strategy.search not in ("exact", "two_stage"):
             raise ValueError(f"strategy.search must be exact or two_stage, got {self.strategy.search!r}")
+        if self.strategy.first_stage not in ("index", "scan"):
+            raise ValueError(f"strategy.first_stage must be index or scan, got {self.strategy.first_stage!r}")
         if self.strategy.search == "two_stage" and self.strategy.name not in ("corrector", "stale", "frozen"):
             raise ValueError(
                 "strategy.search=two_stage searches an index over the fixed buffer: use it with the corrector, "

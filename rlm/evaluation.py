@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from atomicio import atomic_write_text
 from rlm.data.qa import QAExample
 from rlm.metrics import gold_recall_at_k, qa_scores, recall_at_k
 
@@ -237,12 +238,6 @@ def majority_answer_baseline(train: Sequence[QAExample], examples: Sequence[QAEx
     return evaluate_reader(guesses, examples)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def run_evaluation(
     examples: Sequence[QAExample],
     corpus=None,
@@ -339,10 +334,10 @@ def run_evaluation(
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         result.predictions_path, result.metrics_path = out / "predictions.jsonl", out / "metrics.json"
-        _atomic_write(
+        atomic_write_text(
             result.predictions_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         )
-        _atomic_write(result.metrics_path, json.dumps({"mode": mode, **metrics}, indent=2) + "\n")
+        atomic_write_text(result.metrics_path, json.dumps({"mode": mode, **metrics}, indent=2) + "\n")
     return result
 
 

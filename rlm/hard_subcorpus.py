@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from atomicio import atomic_write_text
 from rlm.data.corpus import CorpusSubset
 from rlm.data.qa import QAExample
 
@@ -74,11 +75,7 @@ def hard_subcorpus_from_buffer(
 
 def save_subcorpus_ids(ids: Sequence[str], path: str | os.PathLike) -> None:
     """Write the ids one per line, atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(f"{pid}\n" for pid in ids), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(f"{pid}\n" for pid in ids))
 
 
 def load_subcorpus(corpus, ids_path: str | os.PathLike) -> CorpusSubset:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from retriever.io import atomic_write_text
+from atomicio import atomic_write_text
 from rlm.config import TrainConfig, dump_config, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"

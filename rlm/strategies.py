@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from atomicio import atomic_open
 from retriever.buffer import PassageBuffer
 from retriever.search import TopK, complete_selection, corrected_topk, two_stage_corrected_topk
 from rlm.config import StrategyConfig
@@ -82,8 +83,8 @@ class ShardedRows:
         self.vectors, self.row_ids, self.procs = vectors, row_ids, procs
 
     def topk(self, queries: Tensor, corrector, k: int, chunk_size: int, two_stage=None) -> TopK:
-        """`two_stage` = (faiss index over these rows, candidates, nprobe): Appendix B.2's search instead of
-        every row through h."""
+        """`two_stage` = (faiss index over these rows or None for a stale scan, candidates, nprobe): Appendix
+        B.2's search instead of every row through h."""
         procs, batch = self.procs, queries.shape[0]
         all_queries = procs.gather(queries)  # [W*B, D]
         count = len(self.vectors)
@@ -95,7 +96,14 @@ class ShardedRows:
             else:
                 index, candidates, nprobe = two_stage
                 local = two_stage_corrected_topk(
-                    all_queries, self.vectors, corrector, min(k, count), index, candidates, nprobe=nprobe
+                    all_queries,
+                    self.vectors,
+                    corrector,
+                    min(k, count),
+                    index,
+                    candidates,
+                    nprobe=nprobe,
+                    chunk_size=chunk_size,
                 )
             found = local.indices >= 0  # an approximate index may return fewer than k
             row_ids = self.row_ids.to(local.indices.device)[local.indices.clamp_min(0)]
@@ -260,9 +268,13 @@ class SelectionStrategy:
     def _two_stage_topk(self, queries: Tensor, corrector, k: int) -> TopK:
         if self._resident is None:
             self._resident = self._make_resident()
-        if self._index is None:
-            self._index = self._build_index(self._resident.vectors)
-        search = (self._index, self.cfg.candidates, self.cfg.nprobe if "IVF" in self._index.factory else None)
+        if self.cfg.first_stage == "scan":
+            search = (None, self.cfg.candidates, None)
+        else:
+            if self._index is None:
+                self._index = self._build_index(self._resident.vectors)
+            nprobe = self.cfg.nprobe if "IVF" in self._index.factory else None
+            search = (self._index, self.cfg.candidates, nprobe)
         top = self._resident.topk(queries, corrector, k, self.chunk_size, two_stage=search)
         if self._measure_overlap:
             exact = self._resident.topk(queries, corrector, k, self.chunk_size)
@@ -380,10 +392,8 @@ class _Refreshed:
         start, stop = procs.part(n) if sharded else (0, n)
         folder.mkdir(parents=True, exist_ok=True)
         final = folder / cls.file_name(procs.rank, start, stop)
-        tmp = final.with_name(f".tmp-{final.name}")
-        with open(tmp, "wb") as fh:
+        with atomic_open(final, "wb") as fh:  # a file under its final name is complete
             np.save(fh, part.to(torch.float16).cpu().numpy())
-        tmp.replace(final)  # atomic: a file under its final name is complete
         procs.barrier()  # every process's share is on disk before anyone opens them
         return cls.open(folder, procs, sharded, n, mine=part)
 

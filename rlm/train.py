@@ -37,6 +37,7 @@ from accelerate.utils import (
 )
 from tqdm.auto import tqdm
 
+from atomicio import atomic_write_text
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.data.corpus import Corpus
 from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
@@ -142,7 +143,10 @@ def checkpoints(output_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep_last: int) -> Path:
-    """accelerate save_state into a temp folder, then an atomic rename; keep the last `keep_last`."""
+    """accelerate save_state into a temp folder, then an atomic rename; keep the last `keep_last`.
+
+    Not `atomicio.atomic_directory`: every process writes its own files into the one temporary folder, and
+    only the main process renames it once all have finished."""
     final = output_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
     tmp = final.with_name(f".tmp-{final.name}")
     if accelerator.is_main_process:
@@ -582,9 +586,7 @@ def _truncate_log(log_path: Path, step: int) -> None:
     if not log_path.exists():
         return
     keep = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = log_path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, log_path)
+    atomic_write_text(log_path, "".join(line + "\n" for line in keep))
 
 
 def main(argv: list[str] | None = None) -> int:

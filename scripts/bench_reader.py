@@ -24,10 +24,10 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from atomicio import atomic_write_json, atomic_write_text
 from rlm.benchmarking import cpu_name
 from rlm.precision import cpu_bf16_support
 
@@ -355,16 +355,8 @@ def render_table(meta: dict, rows: list[dict], probe: list[dict]) -> str:
 
 def write_results(stem: Path, meta: dict, rows: list[dict], probe: list[dict]) -> None:
     """Write `<stem>.json` and `<stem>.md` atomically."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in (
-        (".json", json.dumps({"meta": meta, "rows": rows, "t5_base_probe": probe}, indent=2) + "\n"),
-        (".md", render_table(meta, rows, probe)),
-    ):
-        target = stem.with_suffix(suffix)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
+    atomic_write_json(stem.with_suffix(".json"), {"meta": meta, "rows": rows, "t5_base_probe": probe})
+    atomic_write_text(stem.with_suffix(".md"), render_table(meta, rows, probe))
 
 
 if __name__ == "__main__":

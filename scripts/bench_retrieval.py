@@ -331,7 +331,7 @@ def main() -> int:
         )
     results["peak_rss_mb_main"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    from retriever.io import atomic_write_text
+    from atomicio import atomic_write_text
 
     out = Path(args.out)
     atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=2))

@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from atomicio import atomic_open
 from rlm.benchmarking import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +62,7 @@ def write_dpr_tsv(path: Path, passages: int, seed: int = 0, words: int = 100) ->
         " ".join(vocab[int(j)].capitalize() for j in rng.integers(0, 5000, 1 + int(rng.integers(0, 3))))
         for _ in range(100_000)
     ]
-    tmp = path.with_suffix(".partial")
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
         f.write(b"id\ttext\ttitle\n")
         for lo in range(0, passages, 100_000):
             n = min(100_000, passages - lo)
@@ -75,7 +75,6 @@ def write_dpr_tsv(path: Path, passages: int, seed: int = 0, words: int = 100) ->
                     text = b'"' + text.replace(b'"', b'""') + b'"'
                 rows.append(b"%d\t%s\t%s\n" % (lo + k + 1, text, titles[int(title_ix[k])].encode()))
             f.write(b"".join(rows))
-    os.replace(tmp, path)
 
 
 def _peak_rss_mb() -> float:

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+from atomicio import atomic_file, atomic_write_json, atomic_write_text  # noqa: E402
 from retriever.buffer import shard_name  # noqa: E402
 from rlm.benchmarking import (  # noqa: E402
     PROJECTION_DEFAULTS,
@@ -125,10 +126,12 @@ def bench_size(args, folder: Path, n: int) -> dict:
     queries = make_queries(n, args.cluster, args.noise, args.queries)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
     nlist = args.nlist or max(16, int(4 * n**0.5))
-    factory = args.factory.format(nlist=nlist)
+    factory = args.factory.format(nlist=nlist) if "index" in args.first_stage else None
     start = time.perf_counter()
-    index = PassageIndex.from_buffer(buffer, factory, train_sample=min(n, args.train_per_list * nlist))
-    build_s = time.perf_counter() - start
+    index = None
+    if factory is not None:
+        index = PassageIndex.from_buffer(buffer, factory, train_sample=min(n, args.train_per_list * nlist))
+    build_s = time.perf_counter() - start if factory is not None else None
     with cast:
         stale_s, stale = best_of(1, lambda: corrected_topk(queries, buffer, None, K, chunk_size=CHUNK))
     out = {
@@ -136,11 +139,13 @@ def bench_size(args, folder: Path, n: int) -> dict:
         "factory": factory,
         "nlist": nlist,
         "index_build_s": build_s,
-        "index_bytes": n * D * 2 if "SQfp16" in factory else None,
+        "index_bytes": n * D * 2 if factory and "SQfp16" in factory else None,
         "stale_s": stale_s,
         "moves": [],
     }
-    print(f"N={n:,}: index {factory} built in {build_s:.1f} s; stale top-k {stale_s:.2f} s", file=sys.stderr)
+    if factory is not None:
+        print(f"N={n:,}: index {factory} built in {build_s:.1f} s", file=sys.stderr)
+    print(f"N={n:,}: stale top-k {stale_s:.2f} s", file=sys.stderr)
     for move in args.moves:
         net = corrector_moving(D, args.hidden, move)
         with cast, torch.no_grad():
@@ -151,7 +156,7 @@ def bench_size(args, folder: Path, n: int) -> dict:
             "stale_overlap": overlap(stale.indices, exact.indices),
             "two_stage": [],
         }
-        for nprobe in args.nprobe:
+        for nprobe in args.nprobe if index is not None else []:
             search_s, _ = best_of(
                 args.reps,
                 lambda p=nprobe, ix=index: ix.search_rows(queries.numpy(), max(args.candidates), nprobe=p),
@@ -166,6 +171,7 @@ def bench_size(args, folder: Path, n: int) -> dict:
                     )
                 row["two_stage"].append(
                     {
+                        "first_stage": "index",
                         "nprobe": nprobe,
                         "candidates": candidates,
                         "seconds": seconds,
@@ -174,10 +180,31 @@ def bench_size(args, folder: Path, n: int) -> dict:
                         "overlap": overlap(top.indices, exact.indices),
                     }
                 )
+        for candidates in args.candidates if "scan" in args.first_stage else []:
+            # The stale scan over every row gives the exact stale candidates (no index); h re-scores them.
+            with cast, torch.no_grad():
+                seconds, top = best_of(
+                    args.reps,
+                    lambda c=candidates, h=net: two_stage_corrected_topk(
+                        queries, buffer, h, K, None, num_candidates=c, chunk_size=CHUNK
+                    ),
+                )
+            row["two_stage"].append(
+                {
+                    "first_stage": "scan",
+                    "nprobe": None,
+                    "candidates": candidates,
+                    "seconds": seconds,
+                    "faiss_search_s": None,
+                    "speedup": exact_s / seconds,
+                    "overlap": overlap(top.indices, exact.indices),
+                }
+            )
         best = max(row["two_stage"], key=lambda r: (r["overlap"], r["speedup"]))
         print(
             f"N={n:,} move {move}: exact {exact_s:.1f} s, stale overlap {row['stale_overlap']:.2f}; "
-            f"best two-stage {best['seconds']:.3f} s ({best['speedup']:.0f}x), overlap {best['overlap']:.3f}",
+            f"best two-stage ({where(best)}) {best['seconds']:.3f} s ({best['speedup']:.0f}x), "
+            f"overlap {best['overlap']:.3f}",
             file=sys.stderr,
         )
         out["moves"].append(row)
@@ -223,6 +250,15 @@ def projection(args, scale: dict | None) -> dict | None:
         per_step = dict(exact["per_step"])
         per_step["corrected selection"] = accumulation * select_s
         step_s = sum(per_step.values())
+        # first_stage: scan: every row of the process's (device-resident) shard read once and scored against
+        # the G queries, a top-K' over the G x r scores, then h on the candidates as above; no index.
+        scan_parts = {
+            "stale scan (fp16 rows)": rows * 2 * D / hbm + gathered * rows * 2 * D / gemm,
+            "top-k of the scores": gathered * rows * 8 / hbm,
+            "h on the candidates": parts["h on the candidates"],
+        }
+        scan_s = sum(scan_parts.values())
+        scan_step_s = step_s - accumulation * select_s + accumulation * scan_s
         out["by_hidden"].append(
             {
                 "hidden": hidden,
@@ -235,6 +271,11 @@ def projection(args, scale: dict | None) -> dict | None:
                 "exact_selection_fraction": exact["selection_fraction"],
                 "index_gpu_bytes": rows * D * 2,
                 "days": (p["steps"] * step_s + base["startup_s"]) / 86400,
+                "scan_parts_s": scan_parts,
+                "scan_selection_s": scan_s,
+                "scan_step_s": scan_step_s,
+                "scan_selection_fraction": accumulation * scan_s / scan_step_s,
+                "scan_days": (p["steps"] * scan_step_s + base["startup_s"]) / 86400,
             }
         )
     out["accumulation"] = accumulation
@@ -250,6 +291,11 @@ def projection(args, scale: dict | None) -> dict | None:
 # ----------------------------------------------------------------------------------------------- report
 
 
+def where(r: dict) -> str:
+    """Where a two-stage row's candidates came from."""
+    return "stale scan" if r.get("first_stage") == "scan" else f"index nprobe {r['nprobe']}"
+
+
 def fmt_n(n: int) -> str:
     return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
 
@@ -257,7 +303,7 @@ def fmt_n(n: int) -> str:
 def markdown(results: dict) -> str:
     a = results["args"]
     lines = [
-        "# Two-stage selection at scale: faiss candidates from the stale buffer, re-scored with h",
+        "# Two-stage selection at scale: candidates from the stale buffer, re-scored with h",
         "",
         f"Command: `{results['command']}`  ",
         f"Date: {results['date']}  ",
@@ -270,23 +316,27 @@ def markdown(results: dict) -> str:
         f"all-gathered queries of one micro-step on 8 GPUs x 4 questions), k = {K}. Corrector h = "
         f"CorrectorNetwork({D}, {a['hidden']}) with its residual branch scaled so that it moves a unit vector by "
         "`move` on average. Exact: `corrected_topk` (every row through h, one pass). Two-stage: "
-        "`two_stage_corrected_topk` (what `strategy.search: two_stage` runs) with the index built by "
-        "`PassageIndex.from_buffer`; seconds are the minimum of "
+        "`two_stage_corrected_topk` (what `strategy.search: two_stage` runs), its candidates either from a faiss "
+        "index built by `PassageIndex.from_buffer` (`first_stage: index`) or from a streamed scan of <q, B> over "
+        "every row (`first_stage: scan`: the exact stale candidates, no index); seconds are the minimum of "
         f"{a['reps']} repetitions, `faiss` the index search alone (at the largest candidate count). "
         "Overlap: the share of the exact top-32 the two-stage top-32 holds. Stale overlap: the same for the "
         "stale top-32 (how much h changes the selection: 1.0 would make the test trivial).",
         "",
-        "| N | index | build s | move | stale overlap | exact s | nprobe | candidates | faiss s | two-stage s "
-        "| speed-up | overlap |",
+        "| N | first stage | build s | move | stale overlap | exact s | nprobe | candidates | faiss s "
+        "| two-stage s | speed-up | overlap |",
         "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for size in results["sizes"]:
         for m in size["moves"]:
             for r in m["two_stage"]:
+                scan = r.get("first_stage") == "scan"
                 lines.append(
-                    f"| {fmt_n(size['n'])} | {size['factory']} | {size['index_build_s']:.0f} | {m['move']} | "
-                    f"{m['stale_overlap']:.2f} | {m['exact_s']:.1f} | {r['nprobe']} | {r['candidates']} | "
-                    f"{r['faiss_search_s']:.3f} | {r['seconds']:.3f} | {r['speedup']:.0f}x | {r['overlap']:.3f} |"
+                    f"| {fmt_n(size['n'])} | {'stale scan' if scan else size['factory']} | "
+                    f"{'-' if scan else format(size['index_build_s'], '.0f')} | {m['move']} | "
+                    f"{m['stale_overlap']:.2f} | {m['exact_s']:.1f} | {'-' if scan else r['nprobe']} | "
+                    f"{r['candidates']} | {'-' if scan else format(r['faiss_search_s'], '.3f')} | "
+                    f"{r['seconds']:.3f} | {r['speedup']:.0f}x | {r['overlap']:.3f} |"
                 )
     lines += [
         "",
@@ -311,18 +361,37 @@ def markdown(results: dict) -> str:
             "       + G*nprobe*(r/nlist) * (2D / HBM + 2D / gemm)  (inverted lists: fp16 rows)",
             "       + G*K' * 4*D*H / gemm + G*K' * (2D + 4H + 8D) / HBM   (h on the candidates)",
             "       + faiss call (fixed, stated)",
+            "t_scan = r * 2D / HBM + G*r*2D / gemm + G*r*8 / HBM   (first_stage: scan: read + score every row, top-K')",
+            "       + the same h on the candidates                 (no index, no faiss call)",
             "```",
             "",
             "| corrector h | two-stage selection ms | exact selection ms | step s (two-stage) | step s (exact) "
             "| selection share two-stage | selection share exact | index on GPU GB | days for 20,000 steps |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
+        scan_rows = []
+        for h in proj["by_hidden"]:
+            if "scan_selection_s" not in h:
+                continue
+            scan_rows.append(
+                f"| {h['hidden']} | {h['scan_selection_s'] * 1e3:.1f} | {h['scan_step_s']:.3f} | "
+                f"{100 * h['scan_selection_fraction']:.1f}% | {h['scan_days']:.2f} |"
+            )
         for h in proj["by_hidden"]:
             lines.append(
                 f"| {h['hidden']} | {h['selection_s'] * 1e3:.1f} | {h['exact_selection_s'] * 1e3:.1f} | "
                 f"{h['step_s']:.3f} | {h['exact_step_s']:.3f} | {100 * h['selection_fraction']:.1f}% | "
                 f"{100 * h['exact_selection_fraction']:.1f}% | {h['index_gpu_bytes'] / 1e9:.1f} | {h['days']:.2f} |"
             )
+        if scan_rows:
+            lines += [
+                "",
+                "With `first_stage: scan` (the stale top-K' of every row of the process's shard, no index):",
+                "",
+                "| corrector h | scan selection ms | step s | selection share | days for 20,000 steps |",
+                "| ---: | ---: | ---: | ---: | ---: |",
+                *scan_rows,
+            ]
         parts = proj["by_hidden"][-1]["parts_s"]
         lines += [
             "",
@@ -345,8 +414,8 @@ def goals(results: dict) -> list[str]:
             met = ok and best["speedup"] >= 10
             out.append(
                 f"- N = {fmt_n(size['n'])}, move {m['move']} (stale overlap {m['stale_overlap']:.2f}): "
-                f"{'fastest with overlap >= 0.95' if ok else 'no setting reaches overlap 0.95; best'}: nprobe "
-                f"{best['nprobe']}, {best['candidates']} candidates, {best['speedup']:.0f}x faster, overlap "
+                f"{'fastest with overlap >= 0.95' if ok else 'no setting reaches overlap 0.95; best'}: "
+                f"{where(best)}, {best['candidates']} candidates, {best['speedup']:.0f}x faster, overlap "
                 f"{best['overlap']:.3f} ({'met' if met else 'NOT met'})"
             )
     return out
@@ -361,29 +430,30 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for size in results["sizes"]:
         for m in size["moves"]:
-            xs = [r["speedup"] for r in m["two_stage"]]
-            ys = [r["overlap"] for r in m["two_stage"]]
-            ax.plot(xs, ys, "o-", label=f"N={fmt_n(size['n'])}, move {m['move']}")
+            for first, marker in (("index", "o-"), ("scan", "s--")):
+                rows = [r for r in m["two_stage"] if r.get("first_stage", "index") == first]
+                if rows:
+                    xs = [r["speedup"] for r in rows]
+                    ys = [r["overlap"] for r in rows]
+                    ax.plot(xs, ys, marker, label=f"N={fmt_n(size['n'])}, move {m['move']}, {first}")
     ax.axhline(0.95, color="grey", lw=0.8, ls="--")
     ax.axvline(10, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log")
     ax.set_xlabel("speed-up over the exact corrected top-k")
     ax.set_ylabel("top-32 overlap with exact")
-    ax.set_title("two-stage selection (nprobe x candidates grid)")
+    ax.set_title("two-stage selection (index: nprobe x candidates; scan: candidates)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
 def write_outputs(results: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(results)
-    for suffix, data in ((".json", json.dumps(results, indent=2)), (".md", text)):
-        tmp = out.with_suffix(suffix + ".tmp")
-        tmp.write_text(data)
-        os.replace(tmp, out.with_suffix(suffix))
-    plot(results, out.with_suffix(".png"))
+    atomic_write_json(out.with_suffix(".json"), results)
+    atomic_write_text(out.with_suffix(".md"), text)
+    with atomic_file(out.with_suffix(".png")) as tmp:
+        plot(results, tmp)
     print(text)
 
 
@@ -412,6 +482,12 @@ def main() -> int:
     parser.add_argument("--nlist", type=int, default=2048, help="0: 4 sqrt(N) (what index_factory=auto uses)")
     parser.add_argument("--train-per-list", type=int, default=64, help="k-means training rows per list")
     parser.add_argument("--nprobe", type=ints, default=[16, 64])
+    parser.add_argument(
+        "--first-stage",
+        type=lambda t: [x for x in t.split(",") if x],
+        default=["index", "scan"],
+        help="where candidates come from: index (faiss), scan (stale top-k over every row), or both",
+    )
     parser.add_argument("--candidates", type=ints, default=[256, 1024])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch/faiss threads (default: all cores)")

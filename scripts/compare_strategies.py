@@ -34,6 +34,8 @@ import statistics
 import time
 from pathlib import Path
 
+from atomicio import atomic_write_json, atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 DEFAULT_STRATEGIES = {
@@ -86,9 +88,7 @@ def split_multihop(work: Path, held_out: int = 50) -> tuple[str, str]:
         )
         if not path.exists() or path.read_text() != text:
             # --jobs runs call this at once: a reader must never see a half-written file.
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
+            atomic_write_text(path, text)
         paths.append(str(path))
     return paths[0], paths[1]
 
@@ -178,9 +178,7 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
         "kl_fresh_stale": tail_mean("kl_fresh_stale"),
         "kl_fresh_corrected": tail_mean("kl_fresh_corrected"),
     }
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "result": result}, indent=2))
-    tmp.replace(cached)
+    atomic_write_json(cached, {"key": key, "result": result})
     return result
 
 

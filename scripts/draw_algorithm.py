@@ -9,7 +9,6 @@ passage tower g), orange = reader, green = corrector h over the fixed buffer B.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+
+from atomicio import atomic_file
 
 ROOT = Path(__file__).resolve().parents[1]
 BLUE, ORANGE, GREEN, GREY = "#dbe9f6", "#fde3c8", "#d9f0d3", "#eeeeee"
@@ -106,11 +107,9 @@ def draw(out: Path) -> None:
         fontsize=10.5,
         color="#333333",
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, bbox_inches="tight")
+    with atomic_file(out) as tmp:
+        fig.savefig(tmp, bbox_inches="tight", format="png")
     plt.close(fig)
-    os.replace(tmp, out)
 
 
 def main() -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from atomicio import atomic_file, atomic_write_json
 
 
 def load_curve(run_dir: Path) -> dict:
@@ -72,10 +73,9 @@ def plot(curves: list[dict], labels: list[str], out_png: Path, target: float | N
     axes[0].legend()
     fig.suptitle("Toy-world dev EM (held-out entities)")
     fig.tight_layout()
-    tmp = out_png.with_name(f".tmp-{out_png.name}")
-    fig.savefig(tmp, dpi=120, format="png")
+    with atomic_file(out_png) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, out_png)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "curves": [{"label": label, **curve} for label, curve in zip(labels, curves)],
     }
     json_path = args.out.with_suffix(".json")
-    tmp = json_path.with_name(f".tmp-{json_path.name}")
-    tmp.write_text(json.dumps(payload, indent=2))
-    os.replace(tmp, json_path)
+    atomic_write_json(json_path, payload)
     plot(curves, labels, args.out.with_suffix(".png"), args.target)
     print(f"wrote {json_path} and {args.out.with_suffix('.png')}")
     return 0

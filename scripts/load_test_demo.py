@@ -18,7 +18,8 @@ import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+
+from atomicio import atomic_write_text
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -159,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     line = json.dumps(report)
     print(line)
     if args.json_out:
-        out = Path(args.json_out)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(line + "\n")
-        os.replace(tmp, out)
+        atomic_write_text(args.json_out, line + "\n")
     return 0 if report["answered"] == report["requests"] else 1
 
 

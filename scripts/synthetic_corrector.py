@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from retriever.io import atomic_file, atomic_write_text
+from atomicio import atomic_file, atomic_write_text
 from rlm.benchmarking import cpu_name
 from rlm.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector
 

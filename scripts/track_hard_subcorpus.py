@@ -11,11 +11,11 @@ Kendall rank correlation of each metric between the two (`<out>/tracking.json` a
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
+
+from atomicio import atomic_write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     report = track_checkpoints(
         args.checkpoints, examples, corpus, subcorpus, retrieval_only=args.retrieval_only, k=args.k
     )
-    tmp = out / f".tracking.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out / "tracking.json")
+    atomic_write_json(out / "tracking.json", report)
     print("| metric | spearman | kendall |\n| --- | --- | --- |")
     for metric, corr in report["correlation"].items():
         print(f"| {metric} | {corr['spearman']:.3f} | {corr['kendall']:.3f} |")

@@ -29,6 +29,7 @@ CASES = [
     ("snm", 0, False),
     ("snm", 0, True),
     ("corrector", 0, "two_stage"),  # a faiss index over each process's rows, re-scored with h
+    ("corrector", 0, "scan"),  # two-stage with each process's exact stale candidates, re-scored with h
 ]
 
 
@@ -57,18 +58,24 @@ def main() -> None:
 
     results = []
     for name, step, forced in CASES:
-        search = "two_stage" if forced == "two_stage" else "exact"
+        search = "two_stage" if forced in ("two_stage", "scan") else "exact"
+        first_stage = "scan" if forced == "scan" else "index"
         forced = forced is True
         scfg = dataclasses.replace(cfg.strategy, name=name, k=4, refresh_every=1, snm_size=40)
         extra = {"include": include if forced else None}
-        record = {"strategy": f"{name}/{search}", "forced": forced}
+        record = {
+            "strategy": f"{name}/{search}" + ("/scan" if first_stage == "scan" else ""),
+            "forced": forced,
+        }
         for mode in ("whole", "sharded"):
             strategy = make_strategy(scfg, run.strategy.buffer, max_steps=4, seed=cfg.seed)
             folder = args.out / f"refresh_{name}_{forced}"
             if mode == "sharded":
                 # Two-stage against exact: the sharded run searches an index, the whole one every row.
                 strategy = make_strategy(
-                    dataclasses.replace(scfg, search=search, index_factory="IVF4,Flat", nprobe=4),
+                    dataclasses.replace(
+                        scfg, search=search, first_stage=first_stage, index_factory="IVF4,Flat", nprobe=4
+                    ),
                     run.strategy.buffer,
                     max_steps=4,
                     seed=cfg.seed,

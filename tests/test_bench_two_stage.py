@@ -40,10 +40,14 @@ def test_bench_two_stage_end_to_end_equals_exact_when_it_searches_everything(tmp
     (size,) = results["sizes"]
     assert size["factory"] == f"IVF{nlist},SQfp16"
     for move in size["moves"]:
-        grid = {(r["nprobe"], r["candidates"]): r for r in move["two_stage"]}
-        assert set(grid) == {(2, 64), (2, n), (nlist, 64), (nlist, n)}
-        # Every list searched, every row re-scored by h: the exact corrected top-k.
-        assert grid[(nlist, n)]["overlap"] == 1.0
+        grid = {(r["first_stage"], r["nprobe"], r["candidates"]): r for r in move["two_stage"]}
+        index = {("index", p, c) for p in (2, nlist) for c in (64, n)}
+        assert set(grid) == index | {("scan", None, 64), ("scan", None, n)}
+        # Every list searched (or every row scanned), every row re-scored by h: the exact corrected top-k.
+        assert grid[("index", nlist, n)]["overlap"] == 1.0
+        assert grid[("scan", None, n)]["overlap"] == 1.0
+        # The scan's candidates are the exact stale ones: at least as good as any probe of the index.
+        assert grid[("scan", None, 64)]["overlap"] >= grid[("index", nlist, 64)]["overlap"] - 1e-9
     # A corrector that rewrites the vectors changes the selection more than a small one (not a trivial test).
     assert size["moves"][1]["stale_overlap"] < size["moves"][0]["stale_overlap"]
     assert out.with_suffix(".md").read_text().startswith("# Two-stage selection at scale")

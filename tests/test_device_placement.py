@@ -201,13 +201,14 @@ def test_score_rows_reads_host_rows_for_device_queries(corrector_dtype):
             torch.testing.assert_close(got.cpu(), ref)
 
 
+@pytest.mark.parametrize("first_stage", ["index", "scan"])
 @pytest.mark.parametrize("corrector_dtype", [torch.float32, torch.bfloat16])
-def test_two_stage_corrected_topk_with_a_host_buffer(corrector_dtype):
+def test_two_stage_corrected_topk_with_a_host_buffer(corrector_dtype, first_stage):
     from retriever.index import PassageIndex
 
     buffer, queries, corrector = search_inputs()
     corrector.to(corrector_dtype)
-    index = PassageIndex.from_buffer(buffer, "Flat", use_gpu=False)
+    index = PassageIndex.from_buffer(buffer, "Flat", use_gpu=False) if first_stage == "index" else None
     ref = two_stage_corrected_topk(queries, buffer, corrector, 5, index, num_candidates=30)
     with simulated_accelerator(corrector):
         got = two_stage_corrected_topk(

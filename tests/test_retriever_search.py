@@ -160,3 +160,31 @@ def test_two_stage_equals_full_when_candidates_cover_the_answer():
     overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(small.indices, full.indices)) / 40
     assert overlap >= 0.9
     torch.testing.assert_close(small.scores, score_rows(queries, buffer, corrector, small.indices))
+
+
+def test_two_stage_scan_takes_the_exact_stale_candidates_without_an_index():
+    """index=None: candidates from <q, B> over every row (streamed), so the result is what an exact (Flat)
+    index gives with the same candidate count, and the exact corrected top-k once candidates cover it."""
+    torch.manual_seed(0)
+    emb = torch.nn.functional.normalize(torch.randn(3000, 16), dim=-1)
+    queries = torch.nn.functional.normalize(torch.randn(4, 16), dim=-1)
+    corrector = CorrectorNetwork(16, 32)
+    with torch.no_grad():
+        corrector.output.weight.normal_(std=0.05)
+    buffer = PassageBuffer.from_embeddings([f"p{i}" for i in range(3000)], emb)
+    full = corrected_topk(queries, buffer, corrector, 10)
+    everything = two_stage_corrected_topk(
+        queries, buffer, corrector, 10, None, num_candidates=3000, chunk_size=700
+    )
+    assert torch.equal(everything.indices, full.indices)
+    torch.testing.assert_close(everything.scores, full.scores, atol=1e-5, rtol=1e-5)
+    index = PassageIndex.from_buffer(buffer, "Flat")
+    for candidates in (10, 50, 200):
+        scan = two_stage_corrected_topk(queries, buffer, corrector, 10, None, candidates, chunk_size=700)
+        flat = two_stage_corrected_topk(queries, buffer, corrector, 10, index, candidates)
+        assert torch.equal(scan.indices, flat.indices), candidates
+        torch.testing.assert_close(scan.scores, score_rows(queries, buffer, corrector, scan.indices))
+    # With as many candidates as k, the corrector only re-orders the stale top-k.
+    stale = corrected_topk(queries, buffer, None, 10)
+    few = two_stage_corrected_topk(queries, buffer, corrector, 10, None, num_candidates=10)
+    assert [set(r.tolist()) for r in few.indices] == [set(r.tolist()) for r in stale.indices]

@@ -217,3 +217,30 @@ def test_two_stage_search_in_training_logs_its_overlap_with_exact(world):
     assert run.strategy._index.factory == "IVF4,Flat" and run.strategy._index.ntotal == 120
     with pytest.raises(ValueError, match="two_stage searches an index over the fixed buffer"):
         load_config(None, ["strategy.search=two_stage", "strategy.name=exhaustive"])
+
+
+def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
+    """strategy.first_stage=scan: the candidates are the stale buffer's exact top-`candidates`, no faiss index.
+    A candidate list as long as the buffer (120 rows) makes it the exact selection, with the same losses."""
+    exact = make_run(world, "optim.max_steps=2")
+    exact.model.train()
+    want = [train_step(exact) for _ in range(2)]
+    AcceleratorState._reset_state(
+        reset_partial_state=True
+    )  # build_run seeds the global RNG: one run at a time
+    scan = make_run(
+        world,
+        "strategy.search=two_stage",
+        "strategy.first_stage=scan",
+        "strategy.candidates=120",
+        "strategy.overlap_every=1",
+        "optim.max_steps=2",
+    )
+    scan.model.train()
+    got = [train_step(scan) for _ in range(2)]
+    assert [r["two_stage_overlap@4"] for r in got] == [1.0, 1.0]
+    for key in ("loss", "reader_loss", "retriever_loss", "corrector_loss"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
+    assert scan.strategy._index is None
+    with pytest.raises(ValueError, match="first_stage must be index or scan"):
+        load_config(None, ["strategy.first_stage=flat"])

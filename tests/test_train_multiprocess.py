@@ -152,7 +152,10 @@ def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_proces
                 == [r for r in ranks[0] if r.get("validation") == name][0]["sharded"]
             )
         assert "dev_exact_match" in validations["full"]["sharded"]
-        assert len(results) == 9 and results[-1]["strategy"] == "corrector/two_stage"
+        assert len(results) == 10 and [r["strategy"] for r in results[-2:]] == [
+            "corrector/two_stage",
+            "corrector/two_stage/scan",
+        ]
         for r in results:
             case = (r["strategy"], r["forced"])
             assert r["sharded"]["rows"] == r["whole"]["rows"], case

@@ -17,7 +17,6 @@ import io
 import json
 import operator
 import os
-import tempfile
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from atomicio import atomic_write_json
 from retriever.ids import IdSequence
 
 FORMATS = ("jsonl", "dpr_tsv", "pyserini")
@@ -341,7 +341,7 @@ def load_corpus(
     if _file_stamp(path) == before:
         entries[key] = {**before, "fmt": fmt, "fingerprint": corpus.fingerprint}
         try:
-            _write_json_atomic(cache, {"format_version": 1, "corpora": entries})
+            atomic_write_json(cache, {"format_version": 1, "corpora": entries})
         except OSError as err:  # a read-only checkpoint still works; it just hashes again next time
             print(f"warning: could not cache the corpus fingerprint in {cache} ({err})")
     return corpus
@@ -359,19 +359,6 @@ def _read_fingerprint_cache(cache: Path) -> dict:
         return {}
     corpora = data.get("corpora") if isinstance(data, dict) else None
     return corpora if isinstance(corpora, dict) else {}
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    # Temporary file + os.replace: a concurrent reader sees the old or the new file, never half of one.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class CorpusSubset(Sequence[Passage]):

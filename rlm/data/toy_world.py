@@ -36,9 +36,10 @@ import math
 import os
 import random
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from atomicio import atomic_open
 
 SPLITS = ("train", "dev", "test")
 QUESTION_TYPES = (
@@ -346,18 +347,6 @@ class _Names:
         )
 
 
-@contextmanager
-def _atomic_open(path: Path):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            yield f
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 class _CorpusWriter:
     def __init__(self, f):
         self.f = f
@@ -405,7 +394,7 @@ def build_toy_world(
     occupations = list(OCCUPATIONS[: config.num_occupations])
     persons, orgs = _make_entities(config, rng, names, cities, occupations)
 
-    with _atomic_open(paths.corpus) as f:
+    with atomic_open(paths.corpus) as f:
         writer = _CorpusWriter(f)
         _write_passages(config, rng, writer, persons, orgs, cities)
         if writer.count > config.num_passages:
@@ -423,7 +412,7 @@ def build_toy_world(
         rng.shuffle(questions)
         cap = config.max_questions.get(split)
         questions = questions if cap is None else questions[:cap]
-        with _atomic_open(paths.split(split)) as f:
+        with atomic_open(paths.split(split)) as f:
             for n, q in enumerate(questions):
                 q["id"] = f"{split}-{n:06d}"
                 f.write(json.dumps(q, ensure_ascii=False) + "\n")
@@ -442,7 +431,7 @@ def build_toy_world(
         },
         "answer_vocab": {"cities": cities, "occupations": occupations},
     }
-    with _atomic_open(paths.manifest) as f:
+    with atomic_open(paths.manifest) as f:
         f.write(json.dumps(manifest, indent=2) + "\n")
     return paths
 

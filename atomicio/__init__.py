@@ -1,20 +1,31 @@
 """Atomic writes: a crash or a concurrent reader never sees a half-written file or folder.
 
-Every helper writes next to the destination (same filesystem, so the final `os.replace` is atomic) and
+The one implementation every package uses (`reader`, `retriever`, `rlm`, `app` and the scripts); it imports
+nothing of theirs, so `reader` and `retriever` stay independent of each other. Every helper writes next to the
+destination (same filesystem, so the final `os.replace` is atomic), fsyncs files before the rename, and
 removes its temporary on failure.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-import torch
+__all__ = [
+    "atomic_directory",
+    "atomic_file",
+    "atomic_open",
+    "atomic_save_torch",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+]
 
 
 def _temp_path(final: Path) -> Path:
@@ -39,6 +50,15 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+    """`open(path, mode)` for writing, atomically: the file appears under `path` complete or not at all."""
+    if not mode.startswith("w"):
+        raise ValueError(f"atomic_open writes a new file: mode must start with 'w', got {mode!r}")
+    with atomic_file(path) as tmp, open(tmp, mode, encoding=None if "b" in mode else encoding) as fh:
+        yield fh
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` atomically."""
     with atomic_file(path) as tmp:
@@ -50,8 +70,15 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
     atomic_write_bytes(path, text.encode(encoding))
 
 
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2, sort_keys: bool = False) -> None:
+    """Write `obj` as JSON (and a final newline) to `path` atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
 def atomic_save_torch(obj: Any, path: str | os.PathLike) -> None:
     """`torch.save(obj, path)`, atomically."""
+    import torch
+
     with atomic_file(path) as tmp:
         torch.save(obj, tmp)
 
