@@ -371,13 +371,44 @@ def add_override_argument(parser, example: str = "strategy.name=exhaustive") -> 
     )
 
 
+# The shipped configs, inside the package so that a non-editable install has them (`configs/` in a checkout
+# is a link to this folder).
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def shipped_config(name: str | Path) -> Path | None:
+    """The shipped config a name refers to: `nq_corrector`, `nq_corrector.yaml`, `configs/nq_corrector.yaml` or
+    `configs/accelerate/ddp.yaml`; None when there is no such file."""
+    parts = Path(name).parts
+    if parts and parts[0] == "configs":
+        parts = parts[1:]
+    if not parts:
+        return None
+    candidate = SHIPPED_CONFIGS.joinpath(*parts)
+    for path in (candidate, candidate.with_name(candidate.name + ".yaml")):
+        if path.is_file():
+            return path
+    return None
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` when it is a file; else the shipped config of that name (so `--config configs/quickstart.yaml`
+    and `--config quickstart` work from any folder and from a non-editable install)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    shipped = shipped_config(path)
+    if shipped is None:
+        names = sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+        raise FileNotFoundError(f"config file not found: {path} (shipped configs: {', '.join(names)})")
+    return shipped
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load a TrainConfig from YAML (or defaults when path is None), then apply `--set` overrides."""
     data: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path} (see configs/ for the shipped ones)")
+        path = resolve_config_path(path)
         data = parse_yaml(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a config must be a YAML mapping at the top level")

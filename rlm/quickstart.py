@@ -18,9 +18,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from atomicio import atomic_write_text
-from rlm.config import TrainConfig, dump_config, load_config
+from rlm.config import SHIPPED_CONFIGS, TrainConfig, dump_config, load_config
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+DEFAULT_CONFIG = SHIPPED_CONFIGS / "quickstart.yaml"
 BASELINES = {"closed_book": "closed book (no passages)", "frozen": "frozen retriever (reader trained)"}
 BASELINES_FILE = "baselines.json"
 METRICS_FILE = "metrics.json"

@@ -23,7 +23,7 @@ import shutil
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,7 +37,7 @@ from accelerate.utils import (
 )
 from tqdm.auto import tqdm
 
-from atomicio import atomic_write_text
+from atomicio import atomic_write_json, atomic_write_text
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.data.corpus import Corpus
 from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
@@ -46,7 +46,7 @@ from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
 from rlm.setup import build_components
 from rlm.steps import Batch
 from rlm.strategies import Processes, SelectionStrategy, make_strategy
-from rlm.validation import subcorpus_path, validate
+from rlm.validation import PassageEmbeddingCache, subcorpus_path, validate
 
 CHECKPOINT_PREFIX = "step_"
 
@@ -201,6 +201,8 @@ class TrainRun:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     state: TrainState
     accumulation_steps: int
+    # Passage embeddings of the last validation, reused while the passage tower is unchanged.
+    validation_cache: PassageEmbeddingCache = field(default_factory=PassageEmbeddingCache)
 
     @property
     def raw(self) -> RetrievalAugmentedModel:
@@ -226,6 +228,7 @@ class TrainRun:
                 procs=processes(acc),
                 device=acc.device,
                 subcorpus=subcorpus,
+                cache=self.validation_cache,
             )
 
     def batch(self, step: int, micro: int) -> Batch:
@@ -573,10 +576,12 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     }
     if run.dev_examples:
         summary.update(run.validate(subcorpus=False))  # the whole corpus, sharded
+        # Validations whose passage embeddings were reused (the tower had not moved since the last one).
+        summary["validation_embeddings_reused"] = run.validation_cache.hits
     if acc.is_main_process:
         run.raw.save_pretrained(output_dir / "final")
-        (output_dir / "final" / "config.yaml").write_text(dump_config(cfg))
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write_text(output_dir / "final" / "config.yaml", dump_config(cfg))
+        atomic_write_json(output_dir / "summary.json", summary)
     acc.end_training()
     return summary
 

@@ -6,6 +6,10 @@ product, and the reader answers from the top `reader.num_passages` (Algorithm 2)
 work is sharded: each embeds and searches 1/W of the passages (the top-k lists are merged across processes,
 as in training's selection) and reads 1/W of the questions, so no process waits for another's whole corpus.
 Every process returns the same figures. The metrics are those of `rlm evaluate`, so the figures agree.
+
+A `PassageEmbeddingCache` keeps this process's passage embeddings from the last validation, keyed by the
+passage tower's fingerprint: while the tower has not moved (Algorithm 2's reader-only warm-up, a frozen
+retriever, the final validation right after a periodic one) validation embeds nothing again.
 """
 
 from __future__ import annotations
@@ -28,13 +32,52 @@ def subcorpus_path(cfg) -> Path | None:
     return Path(cfg.output_dir) / SUBCORPUS_FILE if value == "build" else Path(value)
 
 
+class PassageEmbeddingCache:
+    """The passage embeddings of the last validation on this process (one entry: the rows it embedded, which
+    corpus, which tower weights, which autocast). `hits` and `misses` count the validations served and
+    embedded."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.vectors: torch.Tensor | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, tower, corpus_key: str, start: int, stop: int, embed) -> torch.Tensor:
+        autocast = [torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        key = (tower.fingerprint(), corpus_key, start, stop, str(autocast))
+        if key == self.key and self.vectors is not None:
+            self.hits += 1
+            return self.vectors
+        self.key, self.vectors = None, None  # never hold two shards' worth at once
+        vectors = embed()
+        self.key, self.vectors = key, vectors
+        self.misses += 1
+        return vectors
+
+
 def sharded_retrieve(
-    retriever, corpus, questions, k: int, procs: Processes, device=None, batch_size: int = 64
+    retriever,
+    corpus,
+    questions,
+    k: int,
+    procs: Processes,
+    device=None,
+    batch_size: int = 64,
+    cache: PassageEmbeddingCache | None = None,
+    corpus_key: str = "corpus",
 ) -> Retrieved:
-    """Exact top-k passages per question, this process embedding and scanning only its share of the corpus."""
+    """Exact top-k passages per question, this process embedding and scanning only its share of the corpus
+    (or taking it from `cache` when the passage tower is the one that embedded it; `corpus_key` names which
+    corpus or subcorpus `corpus` is)."""
     start, stop = procs.part(len(corpus))
     texts = corpus.retrieval_texts()
-    passages = retriever.passage_tower.encode([texts[i] for i in range(start, stop)], batch_size=batch_size)
+    tower = retriever.passage_tower
+
+    def embed() -> torch.Tensor:
+        return tower.encode([texts[i] for i in range(start, stop)], batch_size=batch_size)
+
+    passages = embed() if cache is None else cache.get(tower, corpus_key, start, stop, embed)
     queries = retriever.query_tower.encode(list(questions), batch_size=batch_size)
     if device is not None:
         queries = queries.to(device)
@@ -54,8 +97,10 @@ def validate(
     procs: Processes | None = None,
     device: torch.device | None = None,
     subcorpus: bool = True,
+    cache: PassageEmbeddingCache | None = None,
 ) -> dict[str, float]:
-    """Dev metrics (`dev_` + EM, F1, answer and gold recall@k); `subcorpus=False` ignores the hard subcorpus."""
+    """Dev metrics (`dev_` + EM, F1, answer and gold recall@k); `subcorpus=False` ignores the hard subcorpus;
+    `cache` reuses the last validation's passage embeddings while the passage tower is unchanged."""
     procs = procs or Processes()
     path = subcorpus_path(cfg) if subcorpus else None
     if path is not None:
@@ -68,7 +113,15 @@ def validate(
         ks = [k for k in RECALL_KS if k <= len(corpus)] or [len(corpus)]
         questions = [ex.question for ex in dev_examples]
         retrieved = sharded_retrieve(
-            model.retriever, corpus, questions, max(ks), procs, device, cfg.buffer.batch_size
+            model.retriever,
+            corpus,
+            questions,
+            max(ks),
+            procs,
+            device,
+            cfg.buffer.batch_size,
+            cache=cache,
+            corpus_key=f"{getattr(corpus, 'fingerprint', '')}:{path or 'all'}:{len(corpus)}",
         )
         metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
     if model.reader is not None:

@@ -232,6 +232,39 @@ def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(
     assert hard["dev_gold_recall@5"] == 1.0
 
 
+def test_validation_embeds_the_corpus_again_only_when_the_passage_tower_moved(world, monkeypatch):
+    from rlm.hard_subcorpus import save_subcorpus_ids
+    from rlm.validation import PassageEmbeddingCache, validate
+
+    cfg, parts, model, strategy = make_parts(world)
+    dev = parts.dev_examples[:6]
+    tower = model.retriever.passage_tower
+    embedded = []
+    encode = tower.encode
+    monkeypatch.setattr(
+        tower, "encode", lambda texts, **kw: embedded.append(len(texts)) or encode(texts, **kw)
+    )
+    cache = PassageEmbeddingCache()
+    first = validate(model, parts.corpus, dev, cfg, cache=cache)
+    again = validate(model, parts.corpus, dev, cfg, cache=cache)  # the reader may have moved, the tower not
+    assert again == first and embedded == [len(parts.corpus)] and (cache.hits, cache.misses) == (1, 1)
+    # Another corpus (the hard subcorpus) is embedded, not served from the whole corpus's rows.
+    ids = sorted({pid for ex in dev for pid in ex.gold_passage_ids})
+    save_subcorpus_ids(ids, world / "hard_cache.txt")
+    cfg.data.dev_subcorpus = str(world / "hard_cache.txt")
+    hard = validate(model, parts.corpus, dev, cfg, cache=cache)
+    assert embedded == [len(parts.corpus), len(ids)] and hard["dev_gold_recall@5"] == 1.0
+    cfg.data.dev_subcorpus = None
+    # The tower moved: the corpus is embedded again and the figures are the new tower's.
+    with torch.no_grad():
+        for p in tower.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    moved = validate(model, parts.corpus, dev, cfg, cache=cache)
+    assert embedded == [len(parts.corpus), len(ids), len(parts.corpus)]
+    assert moved == validate(model, parts.corpus, dev, cfg)  # no cache: the same figures
+    assert (cache.hits, cache.misses) == (1, 3)
+
+
 def test_in_batch_scores_exactly_the_batchs_gold_passages(world):
     cfg, parts, model, strategy = make_parts(world, "algorithm=1", "strategy.name=in_batch")
     batch = make_batch(parts.train_examples, list(range(5)), parts.corpus, 1)
