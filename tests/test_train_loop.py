@@ -244,3 +244,35 @@ def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
     assert scan.strategy._index is None
     with pytest.raises(ValueError, match="first_stage must be index or scan"):
         load_config(None, ["strategy.first_stage=flat"])
+
+
+def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(world):
+    """Validations after steps 1 and 2 fall in the reader-only warm-up (the tower has not moved: the second
+    reuses the first's embeddings); after step 3 the retriever has trained (embedded again); the final one
+    follows it with no step between (reused)."""
+    import json
+
+    from rlm.train import train
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={world}/cached_validation",
+            f"buffer.dir={world}/buffer",
+            f"data.toy_world.dir={world}/toy",
+            *TINY,
+            "data.dev=toy",
+            "data.max_dev_examples=4",
+            "reader.reader_only_steps=2",
+            "optim.max_steps=3",
+            "eval_every=1",
+            "save_every=0",
+            "log_every=1",
+        ],
+    )
+    summary = train(cfg)
+    assert summary["validation_embeddings_reused"] == 2
+    log = [json.loads(line) for line in (world / "cached_validation" / "log.jsonl").read_text().splitlines()]
+    assert [("dev_exact_match" in r) for r in log] == [True, True, True]
+    assert log[0]["dev_gold_recall@5"] == log[1]["dev_gold_recall@5"]
