@@ -49,7 +49,17 @@ def test_configs_resolve_by_name_from_any_folder(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_quickstart_runs_from_a_wheel_install(tmp_path):
     wheels = tmp_path / "wheels"
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels)]
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(wheels),
+    ]
     done = subprocess.run([*build, str(ROOT)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = wheels.glob("rlm_corrector-*.whl")
