@@ -22,6 +22,8 @@ DEFAULT_PORT = 7860
 CONCURRENCY_LIMIT = 2  # two CPU-bound requests at a time; the rest wait in the queue instead of thrashing
 QUEUE_MAX_SIZE = 64
 MAX_BATCH_SIZE = 8
+# The reader's sequence probability below which the page warns that the answer is probably wrong.
+LOW_CONFIDENCE = 0.5
 
 CSS = """
 #passages .passage { border: 1px solid #ddd; border-radius: 6px; padding: 8px 10px; margin: 6px 0; }
@@ -56,11 +58,23 @@ def passages_html(result: dict) -> str:
     return "".join(cards) or "<p>No passages retrieved.</p>"
 
 
+def confidence_note(confidence: float) -> str:
+    """The reader's confidence as the page states it; below LOW_CONFIDENCE it says plainly not to trust it."""
+    if confidence < LOW_CONFIDENCE:
+        return (
+            f"⚠️ low confidence ({100 * confidence:.0f}%): the reader is unsure, this answer may well be wrong"
+        )
+    return f"confidence {100 * confidence:.0f}%"
+
+
 def render(result: dict, batch_size: int = 1) -> tuple[str, str, str]:
-    """(answer, latency line, passages HTML) of one `QAService` result."""
+    """(answer, status line: confidence and latency, passages HTML) of one `QAService` result."""
     shared = f" (batch of {batch_size})" if batch_size > 1 else ""
-    latency = f"{result['latency_ms']:.0f} ms{shared} · top-{result['k']} passages"
-    return result["answer"], latency, passages_html(result)
+    status = (
+        f"{confidence_note(result['confidence'])} · {result['latency_ms']:.0f} ms{shared} · "
+        f"top-{result['k']} passages"
+    )
+    return result["answer"], status, passages_html(result)
 
 
 def respond(service: QAService, question: str, k: float) -> tuple[str, str, str]:

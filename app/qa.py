@@ -111,8 +111,9 @@ class QAService:
     def answer(self, question: str, k: int | None = None) -> dict:
         """Answer one question from its top-k passages.
 
-        Returns {"question", "answer", "k", "latency_ms", "passages": [{"id", "title", "text", "score",
-        "has_answer"}]}, passages best first. Raises InvalidQuestion for empty or oversized input.
+        Returns {"question", "answer", "confidence", "k", "latency_ms", "passages": [{"id", "title", "text",
+        "score", "has_answer"}]}, passages best first; `confidence` is the reader's probability of the answer
+        it generated. Raises InvalidQuestion for empty or oversized input.
         """
         return self.answer_many([question], k)[0]
 
@@ -128,12 +129,15 @@ class QAService:
             queries = self.retriever.query_tower.encode(texts).numpy()
             scores, ids = self.index.search(queries, k)
             passages = [[self.corpus[self.corpus.index_of(pid)] for pid in row] for row in ids]
-            answers = self.reader.answer(texts, [[(p.title, p.text) for p in row] for row in passages])
+            answers = self.reader.answer_with_confidence(
+                texts, [[(p.title, p.text) for p in row] for row in passages]
+            )
         latency_ms = round((time.perf_counter() - start) * 1000, 1)
         return [
             {
                 "question": text,
                 "answer": answer,
+                "confidence": round(confidence, 4),
                 "k": k,
                 "latency_ms": latency_ms,
                 "passages": [
@@ -147,7 +151,7 @@ class QAService:
                     for p, score in zip(row, row_scores)
                 ],
             }
-            for text, answer, row, row_scores in zip(texts, answers, passages, scores)
+            for text, (answer, confidence), row, row_scores in zip(texts, answers, passages, scores)
         ]
 
     def warm_up(self) -> None:

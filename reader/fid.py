@@ -279,11 +279,27 @@ class FiDReader(torch.nn.Module):
         batch_size: int | None = None,
     ) -> list[str]:
         """Answer each question from its (title, text) passages; empty passage lists answer closed book."""
+        return [a for a, _ in self._answer(questions, passages, max_new_tokens, num_beams, batch_size, False)]
+
+    def answer_with_confidence(
+        self,
+        questions: Sequence[str],
+        passages: Passages,
+        max_new_tokens: int | None = None,
+        num_beams: int = 1,
+        batch_size: int | None = None,
+    ) -> list[tuple[str, float]]:
+        """`answer`, each with the reader's probability of the answer it generated: prod_t P(a_t | a_<t, x, S_x)
+        over the answer's tokens and its end-of-sequence token (the sequence probability; low means the reader
+        itself doubts the answer)."""
+        return self._answer(questions, passages, max_new_tokens, num_beams, batch_size, True)
+
+    def _answer(self, questions, passages, max_new_tokens, num_beams, batch_size, confidence: bool):
         was_training = self.training
         self.eval()
         try:
             step = batch_size or max(len(questions), 1)
-            answers: list[str] = []
+            answers: list[tuple[str, float]] = []
             for start in range(0, len(questions), step):
                 batch = self.collator(questions[start : start + step], passages[start : start + step])
                 out = self.generate(
@@ -291,8 +307,30 @@ class FiDReader(torch.nn.Module):
                     batch["attention_mask"],
                     max_new_tokens=max_new_tokens,
                     num_beams=num_beams,
+                    output_scores=confidence,
+                    return_dict_in_generate=True,
                 )
-                answers.extend(t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True))
+                texts = [
+                    t.strip() for t in self.tokenizer.batch_decode(out.sequences, skip_special_tokens=True)
+                ]
+                probs = self._sequence_probabilities(out) if confidence else [float("nan")] * len(texts)
+                answers.extend(zip(texts, probs, strict=True))
             return answers
         finally:
             self.train(was_training)
+
+    def _sequence_probabilities(self, out) -> list[float]:
+        """exp(sum of the generated tokens' log-probabilities up to and including the first end-of-sequence)."""
+        beams = getattr(out, "beam_indices", None)
+        logp = self.model.compute_transition_scores(
+            out.sequences, out.scores, beams, normalize_logits=beams is None
+        ).float()
+        generated = out.sequences[:, -logp.shape[1] :]
+        eos_ids = self.model.generation_config.eos_token_id
+        eos_ids = torch.tensor(eos_ids if isinstance(eos_ids, list) else [eos_ids], device=generated.device)
+        eos = torch.isin(generated, eos_ids).int()
+        upto_eos = (eos.cumsum(dim=1) - eos) == 0  # tokens before the first EOS, and the EOS itself
+        if beams is not None:
+            upto_eos &= beams[:, : logp.shape[1]] >= 0  # beam search pads finished hypotheses with -1
+        logp = torch.where(upto_eos & torch.isfinite(logp), logp, torch.zeros_like(logp))
+        return logp.sum(dim=1).exp().tolist()

@@ -24,13 +24,14 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 class CorrectorNetwork(nn.Module):
-    """Residual MLP [..., D] -> [..., D] with `num_hidden_layers` ReLU layers of width `hidden_dim`."""
+    """Residual MLP [..., D] -> [..., D] with `num_hidden_layers` ReLU layers of width `hidden_dim`
+    (0 hidden layers: the linear residual map x + W x + b)."""
 
     def __init__(self, dim: int, hidden_dim: int, num_hidden_layers: int = 1, linear: bool = False):
         super().__init__()
-        if dim <= 0 or hidden_dim <= 0 or num_hidden_layers < 1:
+        if dim <= 0 or hidden_dim <= 0 or num_hidden_layers < 0:
             raise ValueError(
-                f"CorrectorNetwork needs dim > 0, hidden_dim > 0, num_hidden_layers >= 1; "
+                f"CorrectorNetwork needs dim > 0, hidden_dim > 0, num_hidden_layers >= 0; "
                 f"got dim={dim}, hidden_dim={hidden_dim}, num_hidden_layers={num_hidden_layers}"
             )
         self.dim, self.hidden_dim, self.num_hidden_layers = dim, hidden_dim, num_hidden_layers
@@ -39,7 +40,7 @@ class CorrectorNetwork(nn.Module):
             nn.init.zeros_(self.linear.weight)
         widths = [dim] + [hidden_dim] * num_hidden_layers
         self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
-        self.output = nn.Linear(hidden_dim, dim)
+        self.output = nn.Linear(widths[-1], dim)
         # Zero output layer: h is the identity at init, and the hidden layers still get gradient through
         # the output weights as soon as those move off zero.
         nn.init.zeros_(self.output.weight)

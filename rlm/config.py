@@ -39,7 +39,6 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12BoolLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
-STRATEGIES = ("corrector", "stale", "exhaustive", "snm", "two_round", "frozen", "closed_book", "in_batch")
 READER_ARCHS = ("t5", "warm_start")
 
 
@@ -248,12 +247,16 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         if self.algorithm not in (1, 2):
             raise ValueError(f"algorithm must be 1 or 2, got {self.algorithm}")
-        if self.strategy.name not in STRATEGIES:
-            raise ValueError(f"strategy.name must be one of {STRATEGIES}, got {self.strategy.name!r}")
-        if self.algorithm == 1 and self.strategy.name in ("frozen", "closed_book"):
-            raise ValueError(f"strategy {self.strategy.name!r} only makes sense for algorithm 2")
-        if self.algorithm == 2 and self.strategy.name == "in_batch":
-            raise ValueError("strategy 'in_batch' needs gold passages: use it with algorithm 1")
+        from rlm.strategies import strategy_class  # the registry says what each strategy takes part in
+
+        strategy = strategy_class(self.strategy.name)
+        if self.algorithm not in strategy.algorithms:
+            only = " and ".join(str(a) for a in strategy.algorithms)
+            why = " (its S_x are the batch's gold passages)" if strategy.shares_batch else ""
+            raise ValueError(
+                f"strategy {self.strategy.name!r} only makes sense for algorithm {only}{why}; "
+                f"this config has algorithm {self.algorithm}"
+            )
         if self.corrector.loss not in ("ce", "mse"):
             raise ValueError(f"corrector.loss must be 'ce' or 'mse', got {self.corrector.loss!r}")
         if self.reader.score_reduction not in ("sum", "mean"):
@@ -273,10 +276,13 @@ class TrainConfig:
             raise ValueError(f"strategy.search must be exact or two_stage, got {self.strategy.search!r}")
         if self.strategy.first_stage not in ("index", "scan"):
             raise ValueError(f"strategy.first_stage must be index or scan, got {self.strategy.first_stage!r}")
-        if self.strategy.search == "two_stage" and self.strategy.name not in ("corrector", "stale", "frozen"):
+        if self.strategy.search == "two_stage" and not strategy.scans_fixed_buffer:
+            from rlm.strategies import STRATEGY_CLASSES
+
+            fixed = [name for name, cls in STRATEGY_CLASSES.items() if cls.scans_fixed_buffer]
             raise ValueError(
-                "strategy.search=two_stage searches an index over the fixed buffer: use it with the corrector, "
-                f"stale or frozen strategy (not {self.strategy.name!r}, whose rows change during training)"
+                "strategy.search=two_stage searches an index over the fixed buffer: use it with a strategy that "
+                f"scans it ({', '.join(fixed)}), not {self.strategy.name!r}"
             )
         for name in ("k", "refresh_every", "snm_size", "candidates", "nprobe", "overlap_every"):
             if getattr(self.strategy, name) < 1:

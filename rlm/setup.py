@@ -19,6 +19,7 @@ from retriever.encoder import DualEncoder, default_retriever_path
 from rlm.config import ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.qa import QAExample, load_qa_dataset
+from rlm.strategies import strategy_class
 
 
 @dataclass
@@ -201,7 +202,7 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
         reader = build_reader(cfg, corpus, train_examples)
         collator = reader.collator  # carries the reader's own template and lengths (fid_config.json)
     corrector = None
-    if cfg.strategy.name == "corrector":
+    if strategy_class(cfg.strategy.name).uses_corrector:
         dim = buffer.dim
         corrector = CorrectorNetwork(
             dim,

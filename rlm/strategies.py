@@ -150,10 +150,13 @@ class SelectionStrategy:
     corrector loss's B_y) come from the whole memory-mapped buffer, where only those rows are touched.
     """
 
+    # What a strategy is, for everything outside this module (building components, validation, config checks):
     name = "stale"
+    algorithms = (1, 2)  # the paper's algorithms it takes part in
     trains_retriever = True
-    uses_passages = True
-    uses_corrector = False
+    uses_passages = True  # False: the reader answers closed book (nothing selected, nothing retrieved)
+    uses_corrector = False  # a corrector network h is built, trained and used for selection
+    scans_fixed_buffer = True  # selects from B as built (never re-embedded): an index over B stays valid
     shares_batch = False  # every question of a batch scores the union of the batch's S_x
 
     def __init__(
@@ -340,6 +343,7 @@ class StaleStrategy(SelectionStrategy):
 
 class FrozenStrategy(SelectionStrategy):
     name = "frozen"
+    algorithms = (2,)
     trains_retriever = False
 
 
@@ -357,6 +361,8 @@ class InBatchStrategy(SelectionStrategy):
     """Algorithm 1's cheapest baseline: no buffer search; each question scores the batch's gold passages."""
 
     name = "in_batch"
+    algorithms = (1,)  # its S_x are the batch's gold passages
+    scans_fixed_buffer = False
     shares_batch = True
 
     def select(self, queries, corrector=None, include=None, num_random=0):
@@ -369,8 +375,10 @@ class InBatchStrategy(SelectionStrategy):
 
 class ClosedBookStrategy(SelectionStrategy):
     name = "closed_book"
+    algorithms = (2,)
     trains_retriever = False
     uses_passages = False
+    scans_fixed_buffer = False
 
     def select(self, queries, corrector=None, include=None, num_random=0):
         raise RuntimeError("closed_book selects no passages")
@@ -420,6 +428,8 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
     rows when sharded), writes it as fp16 under `refresh_dir/step_<s>/`, and checkpoints reference that folder
     instead of pickling N x D floats. Without it (tests, scripts) the refreshed rows stay in memory.
     """
+
+    scans_fixed_buffer = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -508,6 +518,7 @@ class SNMStrategy(SelectionStrategy):
     """
 
     name = "snm"
+    scans_fixed_buffer = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -600,6 +611,13 @@ STRATEGY_CLASSES: dict[str, type[SelectionStrategy]] = {
 }
 
 
+def strategy_class(name: str) -> type[SelectionStrategy]:
+    """The strategy registered under `name`; an unknown name is an error listing the known ones."""
+    if name not in STRATEGY_CLASSES:
+        raise ValueError(f"strategy.name must be one of {', '.join(STRATEGY_CLASSES)}; got {name!r}")
+    return STRATEGY_CLASSES[name]
+
+
 def make_strategy(
     cfg: StrategyConfig,
     buffer: PassageBuffer,
@@ -609,8 +627,6 @@ def make_strategy(
     start_step: int = 0,
 ) -> SelectionStrategy:
     """The strategy named by `cfg.name`; `start_step` is the first step that updates the retriever."""
-    if cfg.name not in STRATEGY_CLASSES:
-        raise ValueError(f"unknown strategy {cfg.name!r}; choose one of {', '.join(STRATEGY_CLASSES)}")
-    return STRATEGY_CLASSES[cfg.name](
+    return strategy_class(cfg.name)(
         cfg, buffer, max_steps, seed=seed, chunk_size=chunk_size, start_step=start_step
     )

@@ -22,7 +22,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from retriever.corrector import CorrectorNetwork
@@ -59,34 +58,9 @@ class GaussianMixture:
         return self.means[component] + self.stds[component, None] * noise
 
 
-class ResidualMLP(nn.Module):
-    """x + W_out relu(... relu(W_1 x)); with 0 hidden layers it is the linear residual map x + W x + b.
-
-    Used as the random drift m (g = m(g')) and as the 0-hidden-layer corrector, which
-    `retriever.corrector.CorrectorNetwork` (at least one hidden layer) cannot express.
-    """
-
-    def __init__(self, dim: int, hidden_dim: int, num_hidden_layers: int):
-        super().__init__()
-        if dim <= 0 or hidden_dim <= 0 or num_hidden_layers < 0:
-            raise ValueError(
-                f"ResidualMLP needs dim > 0, hidden_dim > 0, num_hidden_layers >= 0; "
-                f"got {dim}, {hidden_dim}, {num_hidden_layers}"
-            )
-        widths = [dim] + [hidden_dim] * num_hidden_layers
-        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
-        self.output = nn.Linear(widths[-1], dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = x
-        for layer in self.hidden:
-            y = F.relu(layer(y))
-        return x + self.output(y)
-
-
 def random_drift(
     dim: int, hidden_dim: int, num_hidden_layers: int, init_scale: float, seed: int
-) -> ResidualMLP:
+) -> CorrectorNetwork:
     """A frozen random residual MLP m, g = m(g'): weights N(0, 1 / fan_in), biases N(0, 1/4), and the output
     layer (weights and bias) then multiplied by `init_scale`.
 
@@ -96,7 +70,7 @@ def random_drift(
     if init_scale < 0:
         raise ValueError(f"init_scale must be >= 0, got {init_scale}")
     generator = torch.Generator().manual_seed(seed)
-    drift = ResidualMLP(dim, hidden_dim, num_hidden_layers)
+    drift = CorrectorNetwork(dim, hidden_dim, num_hidden_layers)  # the corrector's shape, random weights
     with torch.no_grad():
         for layer in [*drift.hidden, drift.output]:
             fan_in = layer.weight.shape[1]
@@ -110,15 +84,10 @@ def random_drift(
 
 
 def build_corrector(dim: int, hidden_dim: int, num_hidden_layers: int, seed: int = 0) -> nn.Module:
-    """The corrector h, identity at init: `CorrectorNetwork` for >= 1 hidden layer, else a linear residual map."""
+    """The corrector h, identity at init (0 hidden layers: the linear residual map x + W x + b)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if num_hidden_layers >= 1:
-            return CorrectorNetwork(dim, hidden_dim, num_hidden_layers)
-        linear = ResidualMLP(dim, dim, 0)
-    nn.init.zeros_(linear.output.weight)
-    nn.init.zeros_(linear.output.bias)
-    return linear
+        return CorrectorNetwork(dim, hidden_dim or dim, num_hidden_layers)
 
 
 def parameter_count(module: nn.Module) -> int:

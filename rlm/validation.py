@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rlm.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
-from rlm.strategies import Processes, ShardedRows
+from rlm.strategies import Processes, ShardedRows, strategy_class
 
 SUBCORPUS_FILE = "dev_subcorpus.txt"
 
@@ -109,7 +109,7 @@ def validate(
         corpus = load_subcorpus(corpus, path)
     metrics: dict[str, float] = {}
     retrieved = None
-    if cfg.strategy.name != "closed_book":
+    if strategy_class(cfg.strategy.name).uses_passages:
         ks = [k for k in RECALL_KS if k <= len(corpus)] or [len(corpus)]
         questions = [ex.question for ex in dev_examples]
         retrieved = sharded_retrieve(

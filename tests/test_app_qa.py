@@ -9,7 +9,7 @@ import shutil
 import pytest
 from test_quickstart import build_tiny_quickstart
 
-from app.demo import highlight, launch_kwargs, passages_html, respond
+from app.demo import highlight, launch_kwargs, passages_html, render, respond
 from app.qa import INDEX_CACHE, InvalidQuestion, QAService, corpus_from_config
 
 
@@ -28,6 +28,21 @@ def test_answer_returns_passages_best_first_with_scores(service):
     assert len(scores) == 3 and scores == sorted(scores, reverse=True)
     first = result["passages"][0]
     assert first["id"] and first["text"] and isinstance(first["has_answer"], bool)
+
+
+def test_answer_carries_the_readers_confidence_and_the_page_warns_when_it_is_low(service):
+    question = service.examples[0]
+    result = service.answer(question, 3)
+    passages = [[(p["title"], p["text"]) for p in result["passages"]]]
+    ((answer, confidence),) = service.reader.answer_with_confidence([question], passages)
+    assert result["answer"] == answer and result["confidence"] == pytest.approx(confidence, abs=1e-4)
+    assert 0.0 < result["confidence"] <= 1.0
+    page_answer, status, _ = respond(service, question, 3)
+    assert page_answer == answer and status.endswith("top-3 passages")
+    # Two training steps leave the reader unsure of everything: the page says so in words.
+    assert result["confidence"] < 0.5 and status.startswith("⚠️ low confidence")
+    sure = render({**result, "confidence": 0.93})[1]
+    assert sure.startswith("confidence 93% · ") and "⚠️" not in sure
 
 
 def test_gold_passage_is_retrieved_for_a_dev_question(service, tmp_path_factory):

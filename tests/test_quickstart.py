@@ -52,6 +52,15 @@ def test_quickstart_writes_checkpoint_metrics_and_table(tiny_run, capsys):
     assert metrics["reembedded"] == 0  # the corrector never re-embeds the buffer
     assert metrics["dev_questions"] == 8
     assert 0.0 <= metrics["dev"]["exact_match"] <= 1.0 and "recall@5" in metrics["dev"]
+    # The dev figures are the saved checkpoint's: `rlm evaluate` on it over the same 8 questions agrees.
+    out = tiny_run / "evaluate_check"
+    argv = ["evaluate", "--checkpoint", str(tiny_run / "final"), "--data-path", str(tiny_run / "toy_world")]
+    assert main([*argv, "--max-examples", "8", "--out", str(out)]) == 0
+    evaluated = json.loads((out / "metrics.json").read_text())
+    for key in ("exact_match", "f1", "recall@1", "recall@5"):
+        assert evaluated[key] == pytest.approx(metrics["dev"][key], abs=1e-3), key
+    predictions = (out / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 8
     for name in BASELINES:
         assert metrics["baselines"][name]["source"].startswith(("not measured", "cached from"))
     for part in ("retriever", "reader", "config.yaml"):

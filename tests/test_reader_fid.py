@@ -103,6 +103,25 @@ def test_generate_greedy_and_beam_batched_return_strings(reader):
     )
 
 
+def test_answer_confidence_is_the_probability_of_the_generated_sequence(reader):
+    """The confidence of each answer is exp(-teacher-forced NLL) of the tokens it generated (through EOS)."""
+    got = reader.answer_with_confidence(QUESTIONS, PASSAGES, max_new_tokens=6)
+    assert [a for a, _ in got] == reader.answer(QUESTIONS, PASSAGES, max_new_tokens=6)
+    batch = reader.collator(QUESTIONS, PASSAGES)
+    ids = reader.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=6)
+    eos = reader.tokenizer.eos_token_id
+    for b, (_, confidence) in enumerate(got):
+        generated = ids[b, 1:].tolist()  # without the decoder start token
+        if eos in generated:
+            generated = generated[: generated.index(eos) + 1]
+        one = reader.collator([QUESTIONS[b]], [PASSAGES[b]])
+        with torch.no_grad():
+            nll = reader(one["input_ids"], one["attention_mask"], labels=torch.tensor([generated])).loss
+        assert confidence == pytest.approx(float(torch.exp(-nll * len(generated))), rel=1e-4)
+    beams = reader.answer_with_confidence(QUESTIONS, PASSAGES, max_new_tokens=6, num_beams=3)
+    assert all(0.0 < c <= 1.0 for _, c in beams)
+
+
 def test_reader_learns_to_answer_from_its_passages(tok):
     torch.manual_seed(0)
     reader = FiDReader.from_config(tok, TINY, seed=0, dropout_rate=0.0)
@@ -117,6 +136,8 @@ def test_reader_learns_to_answer_from_its_passages(tok):
         opt.zero_grad(set_to_none=True)
     assert loss.item() < 0.1 * first
     assert reader.answer(QUESTIONS, PASSAGES) == ANSWERS
+    # It has learnt these answers, and it is sure of them.
+    assert all(c > 0.5 for _, c in reader.answer_with_confidence(QUESTIONS, PASSAGES))
 
 
 def test_save_load_round_trip_and_plain_transformers_load(reader, tmp_path):

@@ -27,7 +27,25 @@ def test_identity_at_init_and_trainable():
 
 def test_rejects_bad_sizes():
     with pytest.raises(ValueError, match="num_hidden_layers"):
-        CorrectorNetwork(8, 16, num_hidden_layers=0)
+        CorrectorNetwork(8, 16, num_hidden_layers=-1)
+    with pytest.raises(ValueError, match="hidden_dim > 0"):
+        CorrectorNetwork(8, 0)
+
+
+def test_zero_hidden_layers_is_the_linear_residual_map(tmp_path):
+    """Section 5.3's smallest corrector: h(x) = x + W x + b, identity at init, saved and loaded like the rest."""
+    net = CorrectorNetwork(8, 16, num_hidden_layers=0)
+    assert len(net.hidden) == 0 and net.output.in_features == 8
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(net(x), x, atol=0, rtol=0)
+    with torch.no_grad():
+        net.output.weight.normal_()
+        net.output.bias.normal_()
+    torch.testing.assert_close(net(x), x + x @ net.output.weight.T + net.output.bias)
+    net.save_pretrained(tmp_path / "h0")
+    loaded = CorrectorNetwork.from_pretrained(tmp_path / "h0")
+    assert loaded.num_hidden_layers == 0
+    torch.testing.assert_close(loaded(x), net(x))
 
 
 def test_ce_loss_matches_definition_and_stops_target_gradient():

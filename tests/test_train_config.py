@@ -121,3 +121,28 @@ def test_mixed_precision_no_is_a_word_not_a_boolean(tmp_path):
     assert cfg.mixed_precision == "no" and cfg.cpu is True
     with pytest.raises(ValueError, match="expected true/false"):
         load_config(None, ["cpu=yes"])
+
+
+@pytest.mark.parametrize(
+    "name", ["corrector", "stale", "exhaustive", "snm", "two_round", "frozen", "closed_book", "in_batch"]
+)
+def test_each_strategy_is_checked_by_what_its_class_says(name):
+    """The config takes the strategy names, the algorithms each takes part in and whether two-stage search
+    applies from the strategy classes themselves (no list of names repeated here)."""
+    from rlm.strategies import STRATEGY_CLASSES
+
+    cls = STRATEGY_CLASSES[name]
+    for algorithm in (1, 2):
+        overrides = [f"strategy.name={name}", f"algorithm={algorithm}"]
+        if algorithm not in cls.algorithms:
+            with pytest.raises(ValueError, match=f"only makes sense for algorithm {cls.algorithms[0]}"):
+                load_config(None, overrides)
+            continue
+        assert load_config(None, overrides).strategy.name == name
+        if cls.scans_fixed_buffer:
+            assert load_config(None, [*overrides, "strategy.search=two_stage"]).strategy.search == "two_stage"
+        else:
+            with pytest.raises(ValueError, match="two_stage searches an index over the fixed buffer"):
+                load_config(None, [*overrides, "strategy.search=two_stage"])
+    assert cls.uses_corrector == (name == "corrector")
+    assert cls.uses_passages == (name != "closed_book")
