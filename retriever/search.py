@@ -57,7 +57,7 @@ def _correct(corrector: nn.Module | None, vectors: Tensor) -> Tensor:
     return corrector(vectors)
 
 
-def _sort_desc_then_row(scores: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+def sort_desc_then_row(scores: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
     """Reorder each row's (score, row) pairs by score descending, then buffer row ascending."""
     rows, perm = rows.sort(dim=1)
     scores = scores.gather(1, perm)
@@ -70,7 +70,7 @@ def _chunk_candidates(scores: Tensor, start: int, k: int) -> tuple[Tensor, Tenso
     batch, width = scores.shape
     if k >= width:
         rows = torch.arange(start, start + width, device=scores.device).expand(batch, width)
-        return _sort_desc_then_row(scores, rows)
+        return sort_desc_then_row(scores, rows)
     values, positions = scores.topk(k, dim=1)
     # topk breaks ties arbitrarily, so a tie at the k-th value could pick the wrong rows. All rows scoring
     # >= that value are the top `widest` of their query, so one wider topk holds every tied row, and the
@@ -78,7 +78,7 @@ def _chunk_candidates(scores: Tensor, start: int, k: int) -> tuple[Tensor, Tenso
     widest = int((scores >= values[:, -1:]).sum(dim=1).max())
     if widest > k:
         values, positions = scores.topk(widest, dim=1)
-    values, rows = _sort_desc_then_row(values, positions + start)
+    values, rows = sort_desc_then_row(values, positions + start)
     return values[:, :k], rows[:, :k]
 
 
@@ -231,7 +231,7 @@ def _force_include(queries, buf, corrector, include, top_scores, top_rows, k, dt
         scores = torch.cat([forced_scores, top_scores[b][others][:fill]])
         out_scores.append(scores)
         out_rows.append(rows)
-    return _sort_desc_then_row(torch.stack(out_scores), torch.stack(out_rows))
+    return sort_desc_then_row(torch.stack(out_scores), torch.stack(out_rows))
 
 
 def _add_random(
@@ -249,7 +249,7 @@ def _add_random(
         picks.append(fresh[:num_random])
     random_rows = torch.stack(picks)
     random_scores = score_rows(queries, buf, corrector, random_rows, dtype)
-    return _sort_desc_then_row(
+    return sort_desc_then_row(
         torch.cat([top_scores, random_scores], 1), torch.cat([top_rows, random_rows], 1)
     )
 
@@ -279,7 +279,7 @@ def two_stage_corrected_topk(
     if index is None:
         rows = corrected_topk(queries, buf, None, candidates, chunk_size=chunk_size).indices
         scores = score_rows(queries, buf, corrector, rows, compute_dtype)
-        scores, rows = _sort_desc_then_row(scores, rows)
+        scores, rows = sort_desc_then_row(scores, rows)
         return TopK(scores[:, :k], rows[:, :k])
     if index.ntotal != len(buf):
         raise ValueError(
@@ -290,6 +290,6 @@ def two_stage_corrected_topk(
     scores = score_rows(queries, buf, corrector, rows, compute_dtype)
     # faiss marks "no result" (possible with IVF/HNSW) with -1: never select those.
     scores = scores.masked_fill(rows < 0, float("-inf"))
-    scores, rows = _sort_desc_then_row(scores, rows)
+    scores, rows = sort_desc_then_row(scores, rows)
     keep = min(k, candidates)
     return TopK(scores[:, :keep], rows[:, :keep])

@@ -47,30 +47,21 @@ class RetrievalAugmentedModel(nn.Module):
 
     def parameter_groups(self, strategy, optim_cfg) -> list[dict]:
         """One group per component with its own learning rate; components the strategy does not train are frozen."""
+        # (name, module, trained or None when the strategy has no say: the reader keeps any weights its recipe
+        # froze, e.g. a warm start's embeddings, learning rate)
+        components = [
+            ("reader", self.reader, None, optim_cfg.lr_reader),
+            ("retriever", self.retriever, strategy.trains_retriever, optim_cfg.lr_retriever),
+            ("corrector", self.corrector, strategy.uses_corrector, optim_cfg.lr_corrector),
+        ]
         groups = []
-        if self.reader is not None:
-            groups.append(
-                {"name": "reader", "params": list(self.reader.parameters()), "lr": optim_cfg.lr_reader}
-            )
-        self.retriever.requires_grad_(strategy.trains_retriever)
-        if strategy.trains_retriever:
-            groups.append(
-                {
-                    "name": "retriever",
-                    "params": list(self.retriever.parameters()),
-                    "lr": optim_cfg.lr_retriever,
-                }
-            )
-        if self.corrector is not None:
-            self.corrector.requires_grad_(strategy.uses_corrector)
-            if strategy.uses_corrector:
-                groups.append(
-                    {
-                        "name": "corrector",
-                        "params": list(self.corrector.parameters()),
-                        "lr": optim_cfg.lr_corrector,
-                    }
-                )
+        for name, module, trained, lr in components:
+            if module is None:
+                continue
+            if trained is not None:
+                module.requires_grad_(trained)
+            if trained is not False:
+                groups.append({"name": name, "params": list(module.parameters()), "lr": lr})
         return groups
 
     def save_pretrained(self, out_dir: str | Path) -> None:

@@ -156,11 +156,7 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
     if retriever_loss is not None:
         terms["retriever"] = retriever_loss
         loss = (retriever_loss + reader_loss) / 2
-    if corrector_loss is not None:
-        terms["corrector"] = corrector_loss
-        loss = loss + cfg.corrector.weight * corrector_loss
-        metrics["corrector_loss"] = float(corrector_loss.detach())
-    return StepOutput(loss, metrics, terms)
+    return with_corrector_term(loss, terms, metrics, corrector_loss, cfg.corrector.weight)
 
 
 def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
@@ -209,11 +205,16 @@ def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
         model, strategy, queries, rows, mask, fresh, logits, beta, cfg
     )
     metrics.update(quality)
-    terms = {"retriever": task_loss}
-    loss = task_loss
+    return with_corrector_term(
+        task_loss, {"retriever": task_loss}, metrics, corrector_loss, cfg.corrector.weight
+    )
+
+
+def with_corrector_term(loss, terms: dict, metrics: dict, corrector_loss, weight: float) -> StepOutput:
+    """The step's output: the task loss plus w * l when the strategy trains a corrector (both algorithms)."""
     if corrector_loss is not None:
         terms["corrector"] = corrector_loss
-        loss = loss + cfg.corrector.weight * corrector_loss
+        loss = loss + weight * corrector_loss
         metrics["corrector_loss"] = float(corrector_loss.detach())
     return StepOutput(loss, metrics, terms)
 

@@ -31,7 +31,13 @@ from torch import Tensor
 
 from atomicio import atomic_open
 from retriever.buffer import PassageBuffer
-from retriever.search import TopK, complete_selection, corrected_topk, two_stage_corrected_topk
+from retriever.search import (
+    TopK,
+    complete_selection,
+    corrected_topk,
+    sort_desc_then_row,
+    two_stage_corrected_topk,
+)
 from rlm.config import StrategyConfig
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
@@ -124,9 +130,8 @@ class ShardedRows:
         scores = torch.cat([part[mine] for part in scores.chunk(procs.world)], dim=1)
         rows = torch.cat([part[mine] for part in rows.chunk(procs.world)], dim=1)
         # Row ascending first (padding -1 sorts first but carries -inf), then a stable sort by score.
-        rows, order = rows.sort(dim=1)
-        scores, order2 = scores.gather(1, order).sort(dim=1, descending=True, stable=True)
-        return TopK(scores[:, :k], rows.gather(1, order2)[:, :k])
+        scores, rows = sort_desc_then_row(scores, rows)
+        return TopK(scores[:, :k], rows[:, :k])
 
 
 def _slice_rows(source: PassageBuffer, start: int, stop: int) -> PassageBuffer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -48,6 +49,21 @@ def test_configs_resolve_by_name_from_any_folder(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_quickstart_runs_from_a_wheel_install(tmp_path):
+    # Built from a copy of the sources: setuptools writes build/ and *.egg-info next to them.
+    source = tmp_path / "source"
+    skip = (
+        ".venv",
+        ".git",
+        "build",
+        "dist",
+        "runs",
+        "docs",
+        "tests",
+        "*.egg-info",
+        "__pycache__",
+        ".*_cache",
+    )
+    shutil.copytree(ROOT, source, symlinks=True, ignore=shutil.ignore_patterns(*skip))
     wheels = tmp_path / "wheels"
     build = [
         sys.executable,
@@ -60,7 +76,7 @@ def test_quickstart_runs_from_a_wheel_install(tmp_path):
         "-w",
         str(wheels),
     ]
-    done = subprocess.run([*build, str(ROOT)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*build, str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = wheels.glob("rlm_corrector-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
