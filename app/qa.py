@@ -49,6 +49,8 @@ class QAService:
         num_examples: int = 8,
         show_progress: bool = False,
         index_path: str | os.PathLike | None = None,
+        corrected_buffer: bool = False,
+        buffer_path: str | os.PathLike | None = None,
     ) -> QAService:
         """Load reader + retriever from `checkpoint`, the corpus from `corpus_path` or the run's config.
 
@@ -58,7 +60,10 @@ class QAService:
         `<checkpoint>/demo_corpus_fingerprint.json` by the corpus file's path, size and mtime, so a restart
         with an unchanged file does not hash it again. `index_path` uses a prebuilt index instead (`rlm embed
         --encoder <checkpoint>/retriever` then `rlm index`: the way for a corpus too large to embed here);
-        its passage ids must be the corpus's, row for row.
+        its passage ids must be the corpus's, row for row. `corrected_buffer` retrieves over h(B) instead, the
+        run's fixed buffer (`buffer_path`, default from its config) through its trained corrector: nothing is
+        re-embedded (`rlm.corrected_index`); that index is cached in `demo_index/` too, keyed by the
+        corrector's weights and the buffer's fingerprints.
         """
         from rlm import evaluation
         from rlm.data.corpus import load_corpus
@@ -78,6 +83,8 @@ class QAService:
         reader.eval()
         if index_path is not None:
             index = evaluation.load_index_for(index_path, corpus.ids)
+        elif corrected_buffer:
+            index = cached_corrected_index(root, corpus, buffer_path)
         else:
             index = cached_index(root, retriever.passage_tower, corpus, show_progress=show_progress)
         default_k = min(evaluation.reader_passages_from_config(config, default=4), MAX_K)
@@ -208,6 +215,36 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False)
     except OSError as err:  # a read-only checkpoint still serves; it just embeds again next time
         print(f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start")
     return index
+
+
+def cached_corrected_index(root: Path, corpus, buffer_path=None):
+    """The h(B) index of the run of checkpoint `root`, cached in `root/demo_index/corrected-<key>`."""
+    import json
+
+    from rlm import evaluation
+    from rlm.corrected_index import corrected_index, corrected_index_key, run_buffer_dir
+
+    meta_file = run_buffer_dir(root, buffer_path) / "meta.json"
+    if (root / "corrector").is_dir() and meta_file.is_file():
+        folder = (
+            root / INDEX_CACHE / f"corrected-{corrected_index_key(root, json.loads(meta_file.read_text()))}"
+        )
+        if (folder / "index.faiss").is_file():
+            return evaluation.load_index_for(folder, corpus.ids)
+    else:
+        folder = None
+    built = corrected_index(root, corpus, buffer_path)  # verifies the buffer (and says what is missing)
+    print(
+        f"index over h(B): {built.rows:,} rows through the corrector in {built.correct_s:.2f} s, none re-embedded"
+    )
+    if folder is not None:
+        try:
+            built.index.save(folder)
+        except OSError as err:
+            print(
+                f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start"
+            )
+    return built.index
 
 
 def _index_key(tower_fingerprint: str, corpus_fingerprint: str) -> str:

@@ -20,6 +20,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--index",
         help="prebuilt faiss index folder (`rlm index`) of the corpus under the trained passage tower",
     )
+    parser.add_argument(
+        "--corrected-buffer",
+        action="store_true",
+        help="retrieve over h(B), the run's fixed buffer through its trained corrector: nothing re-embedded",
+    )
+    parser.add_argument(
+        "--buffer", help="with --corrected-buffer: the run's buffer folder (default: its config)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
@@ -33,6 +41,8 @@ def serve_checkpoint(
     port: int = 7860,
     concurrency: int = 2,
     index: str | None = None,
+    corrected_buffer: bool = False,
+    buffer: str | None = None,
 ) -> None:
     """Load the checkpoint (its index built and cached on first use), then serve the page until interrupted."""
     from pathlib import Path
@@ -46,7 +56,19 @@ def serve_checkpoint(
     # One request is a few small forward passes: intra-op threads only add synchronisation on a busy CPU,
     # so requests run single-threaded and the queue runs `concurrency` of them side by side.
     torch.set_num_threads(1)
-    service = QAService.from_checkpoint(checkpoint, corpus, examples, show_progress=True, index_path=index)
+    if (index is not None) + corrected_buffer > 1:
+        raise ValueError("--index and --corrected-buffer exclude each other: pick one index")
+    if buffer is not None and not corrected_buffer:
+        raise ValueError("--buffer only goes with --corrected-buffer")
+    service = QAService.from_checkpoint(
+        checkpoint,
+        corpus,
+        examples,
+        show_progress=True,
+        index_path=index,
+        corrected_buffer=corrected_buffer,
+        buffer_path=buffer,
+    )
     from app.demo import serve  # gradio takes seconds to import: only once loading worked
 
     demo, _ = serve(service, host, port, concurrency, blocked=[checkpoint, Path(service.corpus.path).parent])
@@ -57,6 +79,14 @@ def serve_checkpoint(
 def run(args: argparse.Namespace) -> int:
     """Serve the demo of `--checkpoint`."""
     serve_checkpoint(
-        args.checkpoint, args.corpus, args.examples, args.host, args.port, args.concurrency, args.index
+        args.checkpoint,
+        args.corpus,
+        args.examples,
+        args.host,
+        args.port,
+        args.concurrency,
+        args.index,
+        args.corrected_buffer,
+        args.buffer,
     )
     return 0

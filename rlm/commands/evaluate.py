@@ -22,7 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--subcorpus", help="ids file (one per line) restricting the corpus, e.g. a hard subcorpus"
     )
-    parser.add_argument("--index", help="reuse a saved faiss index folder (`rlm index`) instead of embedding")
+    parser.add_argument(
+        "--index",
+        help="reuse a saved faiss index folder (`rlm index`) instead of embedding; `corrected`: retrieve over "
+        "h(B), the run's fixed buffer through its trained corrector (nothing re-embedded)",
+    )
+    parser.add_argument(
+        "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
+    )
     parser.add_argument("--save-index", help="save the index built here to this folder for reuse")
     parser.add_argument(
         "--k", type=int, default=100, help="passages retrieved per question (recall@k up to k)"
@@ -93,7 +100,22 @@ def run(args: argparse.Namespace) -> int:
         need_retriever=not without_retriever,
     )
     index = None
-    if args.index and retriever is not None:
+    if args.buffer and args.index != "corrected":
+        raise ValueError("--buffer only goes with --index corrected")
+    if args.index == "corrected" and retriever is not None:
+        from rlm.corrected_index import corrected_index
+
+        if not args.checkpoint:
+            raise ValueError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
+        built = corrected_index(args.checkpoint, corpus, args.buffer)
+        index = built.index
+        print(
+            f"index over h(B): {built.rows:,} rows of {built.buffer_dir} through the corrector in "
+            f"{built.correct_s:.2f} s (+ {built.index_s:.2f} s faiss), no passage re-embedded"
+        )
+        if args.save_index:
+            index.save(args.save_index)
+    elif args.index and retriever is not None:
         index = evaluation.load_index_for(args.index, corpus.ids)
     elif args.save_index and retriever is not None:
         embeddings = evaluation.embed_corpus(

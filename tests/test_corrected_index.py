@@ -1,0 +1,100 @@
+"""Answering from h(B): retrieval over the run's fixed buffer through its trained corrector, nothing re-embedded,
+checked on the tiny quickstart run (a corrector run)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from test_quickstart import build_tiny_quickstart
+
+from retriever.buffer import PassageBuffer
+from retriever.corrector import CorrectorNetwork
+from retriever.search import corrected_topk
+from rlm.cli import main
+from rlm.corrected_index import corrected_index, run_buffer_dir
+from rlm.data.corpus import load_corpus
+from rlm.evaluation import load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return build_tiny_quickstart(tmp_path_factory.getbasetemp())
+
+
+def test_retrieval_over_h_of_b_is_trainings_corrected_top_k(run, tmp_path):
+    """The index over h(B) ranks passages exactly as training's selection <q, h(b_y)> does."""
+    # The tiny run's two steps are reader-only (h is still the identity): give a copy of it a corrector that
+    # moves the vectors, as a trained one does.
+    final = tmp_path / "final"
+    shutil.copytree(run / "final", final, ignore=shutil.ignore_patterns("demo_index"))
+    moved = CorrectorNetwork.from_pretrained(final / "corrector")
+    with torch.no_grad():
+        moved.output.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
+    moved.save_pretrained(final / "corrector")
+    corpus = load_corpus(run / "toy_world" / "corpus.jsonl")
+    built = corrected_index(final, corpus)
+    assert built.rows == len(corpus) and built.buffer_dir == run_buffer_dir(run / "final")
+    retriever, _, _ = load_checkpoint(final, need_reader=False)
+    questions = [json.loads(line)["question"] for line in (run / "toy_world" / "dev.jsonl").open()][:6]
+    with torch.no_grad():
+        queries = retriever.query_tower.encode(questions)
+    buffer = PassageBuffer.load(built.buffer_dir)
+    corrector = CorrectorNetwork.from_pretrained(final / "corrector").eval()
+    want = corrected_topk(queries, buffer, corrector, 5)
+    scores, ids = built.index.search(queries.numpy(), 5)
+    assert [list(row) for row in ids] == [[corpus.ids[r] for r in row] for row in want.indices.tolist()]
+    torch.testing.assert_close(torch.as_tensor(scores), want.scores, atol=1e-4, rtol=1e-4)
+    # Not trivially the stale ranking: h changes which passages come first.
+    stale = corrected_topk(queries, buffer, None, 5)
+    assert not torch.equal(stale.indices, want.indices)
+
+
+def test_a_buffer_of_another_corpus_or_a_run_without_corrector_is_refused(run, tmp_path):
+    final = run / "final"
+    corpus = load_corpus(run / "toy_world" / "corpus.jsonl")
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(line for line in (run / "toy_world" / "corpus.jsonl").open()) + "")
+    rows = other.read_text().splitlines()
+    other.write_text("\n".join([rows[1], rows[0], *rows[2:]]) + "\n")  # the same passages, two swapped
+    with pytest.raises(ValueError, match="corpus fingerprint"):
+        corrected_index(final, load_corpus(other))
+    no_corrector = tmp_path / "final"
+    shutil.copytree(final, no_corrector, ignore=shutil.ignore_patterns("corrector", "demo_index"))
+    with pytest.raises(FileNotFoundError, match="strategy.name=corrector"):
+        corrected_index(no_corrector, corpus)
+    with pytest.raises(FileNotFoundError, match="--buffer DIR"):
+        corrected_index(final, corpus, buffer_dir=tmp_path / "nowhere")
+
+
+def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
+    from app.qa import INDEX_CACHE, QAService
+
+    final = run / "final"
+    out = run / "evaluate_corrected"
+    argv = [
+        "evaluate",
+        "--checkpoint",
+        str(final),
+        "--data-path",
+        str(run / "toy_world"),
+        "--max-examples",
+        "8",
+    ]
+    assert main([*argv, "--index", "corrected", "--out", str(out)]) == 0
+    assert "no passage re-embedded" in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["num_questions"] == 8 and 0.0 <= metrics["exact_match"] <= 1.0 and "recall@5" in metrics
+    assert main([*argv, "--buffer", str(run)]) == 2  # --buffer without --index corrected
+
+    service = QAService.from_checkpoint(final, corrected_buffer=True)
+    result = service.answer(service.examples[0], 3)
+    assert len(result["passages"]) == 3 and isinstance(result["answer"], str)
+    cached = [p.name for p in (final / INDEX_CACHE).iterdir() if p.name.startswith("corrected-")]
+    assert len(cached) == 1
+    again = QAService.from_checkpoint(final, corrected_buffer=True)  # from the cache: the same passages
+    assert [p["id"] for p in again.answer(service.examples[0], 3)["passages"]] == [
+        p["id"] for p in result["passages"]
+    ]
