@@ -98,3 +98,24 @@ def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
     assert [p["id"] for p in again.answer(service.examples[0], 3)["passages"]] == [
         p["id"] for p in result["passages"]
     ]
+
+
+def test_answer_from_hb_script_compares_the_three_indexes(run, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "hb"
+    argv = [sys.executable, str(root / "scripts" / "answer_from_hb.py"), "--checkpoint", str(run / "final")]
+    argv += ["--data-path", str(run / "toy_world"), "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    names = [row["name"] for row in results["rows"]]
+    assert names == ["fresh (re-embedded)", "h(B) (corrected)", "B (stale)"]
+    assert results["rows"][0]["cost"] == f"{results['passages']:,} passages re-embedded"
+    # The tiny run's h is the identity (its two steps are reader-only): h(B) retrieves exactly what B does.
+    hb, stale = results["rows"][1]["metrics"], results["rows"][2]["metrics"]
+    assert all(hb[key] == stale[key] for key in ("recall@1", "recall@5", "exact_match"))
+    assert out.with_suffix(".md").read_text().count("\n| ") == 5  # header, rule, 3 rows

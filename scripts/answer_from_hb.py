@@ -1,0 +1,127 @@
+"""Answering from h(B) against the re-embedded corpus (issue 16, beyond the paper): one trained checkpoint, three
+indexes for the same trained query tower and reader, side by side.
+
+- fresh: the corpus re-embedded with the trained passage tower (what the paper does for inference);
+- h(B): the run's fixed buffer through its trained corrector (`rlm evaluate --index corrected`);
+- B: the fixed buffer as it is (the starting passage tower's embeddings; what h corrects).
+
+Prints a table (EM/F1 when the checkpoint has a reader, answer and gold recall@k, seconds to build the index),
+writes `<out>.json` and `<out>.md`.
+
+    python scripts/answer_from_hb.py --checkpoint runs/quickstart/final --data-path runs/quickstart/toy_world
+    python scripts/answer_from_hb.py --checkpoint RUN/final --dataset jsonl --data-path dev.jsonl \
+        --corpus ../shared/data/multihop200/corpus.jsonl --retrieval-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+from atomicio import atomic_write_json, atomic_write_text
+from rlm import evaluation
+from rlm.benchmarking import cpu_name
+from rlm.corrected_index import corrected_index, run_buffer_dir
+from rlm.data.corpus import load_corpus
+from rlm.data.qa import load_qa_dataset
+
+METRICS = ("exact_match", "f1", "recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@5")
+
+
+def indexes(args, corpus, retriever):
+    """(name, index, seconds to build it, what building it cost) for fresh, h(B) and B."""
+    from retriever.buffer import PassageBuffer
+
+    start = time.perf_counter()
+    embeddings = evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
+    fresh = evaluation.build_index(embeddings, corpus.ids)
+    yield "fresh (re-embedded)", fresh, time.perf_counter() - start, f"{len(corpus):,} passages re-embedded"
+    built = corrected_index(args.checkpoint, corpus, args.buffer)
+    yield "h(B) (corrected)", built.index, built.correct_s + built.index_s, "0 re-embedded"
+    start = time.perf_counter()
+    buffer = PassageBuffer.load(
+        run_buffer_dir(args.checkpoint, args.buffer), corpus_fingerprint=corpus.fingerprint
+    )
+    stale = evaluation.build_index(buffer.embeddings.float().numpy(), corpus.ids)
+    yield "B (stale)", stale, time.perf_counter() - start, "0 re-embedded"
+
+
+def markdown(results: dict) -> str:
+    rows = results["rows"]
+    shown = [m for m in METRICS if m in rows[0]["metrics"]]
+    lines = [
+        "# Answering from h(B): the fixed buffer through the trained corrector vs the re-embedded corpus",
+        "",
+        f"Command: `{results['command']}`  ",
+        f"Date: {results['date']}; CPU: {results['cpu']}; {results['questions']} questions, corpus of "
+        f"{results['passages']:,} passages; checkpoint `{results['checkpoint']}`.",
+        "",
+        "| index | " + " | ".join(shown) + " | index built in s | cost |",
+        "| --- | " + " | ".join("---:" for _ in shown) + " | ---: | --- |",
+    ]
+    for row in rows:
+        values = " | ".join(f"{100 * row['metrics'][m]:.1f}" for m in shown)
+        lines.append(f"| {row['name']} | {values} | {row['index_seconds']:.2f} | {row['cost']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--checkpoint", required=True, help="final/ folder of a corrector run")
+    parser.add_argument("--dataset", default="toy")
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--data-path", required=True)
+    parser.add_argument("--corpus", help="default: corpus.jsonl in --data-path")
+    parser.add_argument("--buffer", help="the run's buffer folder (default: from its config.yaml)")
+    parser.add_argument("--retrieval-only", action="store_true", help="recall only (e.g. an Algorithm 1 run)")
+    parser.add_argument("--k", type=int, default=20)
+    parser.add_argument("--out", default="docs/results/answer_from_hb")
+    args = parser.parse_args()
+
+    corpus = load_corpus(args.corpus or Path(args.data_path) / "corpus.jsonl")
+    examples = load_qa_dataset(args.dataset, args.split, args.data_path)
+    retriever, reader, config = evaluation.load_checkpoint(
+        args.checkpoint, need_reader=not args.retrieval_only
+    )
+    retriever.eval()
+    num_passages = evaluation.reader_passages_from_config(config)
+    rows = []
+    for name, index, seconds, cost in indexes(args, corpus, retriever):
+        result = evaluation.run_evaluation(
+            examples,
+            corpus,
+            retriever,
+            reader,
+            index=index,
+            k=min(args.k, len(corpus)),
+            num_passages=num_passages,
+        )
+        rows.append({"name": name, "metrics": result.metrics, "index_seconds": seconds, "cost": cost})
+        print(
+            f"{name}: index {seconds:.2f} s, "
+            + ", ".join(f"{m} {result.metrics[m]:.3f}" for m in METRICS if m in result.metrics),
+            file=sys.stderr,
+        )
+    results = {
+        "command": "python scripts/answer_from_hb.py " + " ".join(sys.argv[1:]),
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_name(),
+        "checkpoint": str(args.checkpoint),
+        "questions": len(examples),
+        "passages": len(corpus),
+        "rows": rows,
+    }
+    text = markdown(results)
+    atomic_write_json(Path(args.out).with_suffix(".json"), results)
+    atomic_write_text(Path(args.out).with_suffix(".md"), text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
