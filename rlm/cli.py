@@ -27,7 +27,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("rlm.commands.bench", "Run a benchmark script: retrieval, reader or training."),
 }
 
-USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, KeyError)
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What the CLI reports as one line: bad values and files, and an unknown passage id in the user's data.
+    Any other KeyError is a bug in our code and keeps its traceback."""
+    from rlm.data.corpus import UnknownPassageError
+
+    return (ValueError, FileNotFoundError, PermissionError, UnknownPassageError)
 
 
 def _top_level_help() -> str:
@@ -61,11 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)
-    except USER_ERRORS as err:
-        if os.environ.get("RLM_DEBUG"):
+    except Exception as err:
+        if os.environ.get("RLM_DEBUG") or not isinstance(err, _user_errors()):
             raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -135,3 +135,29 @@ def test_bench_runs_the_named_script(capfd):
     assert "usage: bench_training.py" in capfd.readouterr().out
     assert main(["bench", "strategies", "--help"]) == 0
     assert "usage: compare_strategies.py" in capfd.readouterr().out
+
+
+def test_a_bug_keeps_its_traceback_and_an_unknown_passage_id_is_one_line(tmp_path, capsys, monkeypatch):
+    """A KeyError from our own code is a bug: the CLI lets it through with its traceback. An id the user's
+    data names but the corpus lacks (`UnknownPassageError`, a KeyError) is the user's mistake: one line."""
+    import rlm.commands.evaluate as evaluate_command
+    from rlm.data.corpus import UnknownPassageError, load_corpus
+
+    def bug(args):
+        return {}["missing"]
+
+    monkeypatch.setattr(evaluate_command, "run", bug)
+    with pytest.raises(KeyError, match="missing"):
+        main(["evaluate", "--checkpoint", str(tmp_path)])
+
+    corpus = load_corpus(write_jsonl(tmp_path / "c.jsonl", [{"id": "1", "title": "A", "text": "alpha"}]))
+    with pytest.raises(UnknownPassageError) as caught:
+        corpus.index_of("nope")
+    assert isinstance(caught.value, KeyError) and str(caught.value).startswith("passage id 'nope' not in")
+
+    def users_data(args):
+        corpus.index_of("nope")
+
+    monkeypatch.setattr(evaluate_command, "run", users_data)
+    assert main(["evaluate", "--checkpoint", str(tmp_path)]) == 2
+    assert one_error_line(capsys) == f"error: passage id 'nope' not in {tmp_path / 'c.jsonl'}"

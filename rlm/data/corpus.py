@@ -40,6 +40,14 @@ class Passage:
     text: str
 
 
+class UnknownPassageError(KeyError):
+    """A passage id the corpus does not hold: a mistake in the user's data (a gold id, an ids file), reported
+    by the CLI as one line, unlike any other KeyError, which is a bug and keeps its traceback."""
+
+    def __str__(self) -> str:  # KeyError's str() quotes its message
+        return str(self.args[0]) if self.args else ""
+
+
 def retrieval_text(title: str, text: str) -> str:
     """The string the retriever encodes for a passage: `"{title}. {text}"`, or the text alone without a title."""
     return f"{title}. {text}" if title else text
@@ -288,7 +296,7 @@ class Corpus(Sequence[Passage]):
                 yield self._parse(self.path, int(self._line_numbers[i]), f.readline())
 
     def index_of(self, passage_id: str) -> int:
-        """Row of a passage id; KeyError when the corpus has no such id."""
+        """Row of a passage id; `UnknownPassageError` (a KeyError) when the corpus has no such id."""
         key = passage_id.encode("utf-8")
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
         lo = int(np.searchsorted(self._sorted_hashes, h, side="left"))
@@ -297,7 +305,7 @@ class Corpus(Sequence[Passage]):
             row = int(self._order[j])
             if self.ids[row] == passage_id:
                 return row
-        raise KeyError(f"passage id {passage_id!r} not in {self.path}")
+        raise UnknownPassageError(f"passage id {passage_id!r} not in {self.path}")
 
     def retrieval_texts(self) -> Sequence[str]:
         """Lazy sequence of the strings the retriever encodes (`"{title}. {text}"`)."""
@@ -387,9 +395,9 @@ class CorpusSubset(Sequence[Passage]):
         return self.corpus[int(self.rows[i])]
 
     def index_of(self, passage_id: str) -> int:
-        """Row of a passage id within the subset; KeyError when absent."""
+        """Row of a passage id within the subset; `UnknownPassageError` (a KeyError) when absent."""
         if passage_id not in self._index:
-            raise KeyError(f"passage id {passage_id!r} not in this subset of {self.path}")
+            raise UnknownPassageError(f"passage id {passage_id!r} not in this subset of {self.path}")
         return self._index[passage_id]
 
     def retrieval_texts(self) -> Sequence[str]:
