@@ -155,6 +155,19 @@ class CorrectorConfig:
 
 
 @dataclass
+class RegressionConfig:
+    """`strategy.name: regression` (Dynnibal-style approximate re-encoding, `retriever/reencode.py`): every
+    `strategy.refresh_every` retriever updates, re-embed `samples` random passages, fit a Nystrom kernel ridge
+    regression from their stale rows to the fresh ones, and apply it to the whole buffer."""
+
+    samples: int = 8192  # s', passages re-embedded per refit (the paper's NQ and MSMARCO setting)
+    landmarks: int = 128  # d', random rows of B, fixed for the run (the paper: 128)
+    kernel: str = "rbf"  # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z>
+    gamma: float | None = None  # rbf width; None: 1 / median squared sample-landmark distance at each refit
+    ridge: float = 1e-3  # per-sample ridge penalty
+
+
+@dataclass
 class StrategyConfig:
     name: str = "corrector"
     k: int = 32
@@ -177,6 +190,7 @@ class StrategyConfig:
     index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),SQfp16
     nprobe: int = 64
     overlap_every: int = 100
+    regression: RegressionConfig = field(default_factory=RegressionConfig)
 
 
 @dataclass
@@ -287,6 +301,17 @@ class TrainConfig:
         for name in ("k", "refresh_every", "snm_size", "candidates", "nprobe", "overlap_every"):
             if getattr(self.strategy, name) < 1:
                 raise ValueError(f"strategy.{name} must be >= 1")
+        regression = self.strategy.regression
+        from retriever.reencode import KERNELS
+
+        if regression.kernel not in KERNELS:
+            raise ValueError(
+                f"strategy.regression.kernel must be one of {KERNELS}, got {regression.kernel!r}"
+            )
+        if regression.samples < 1 or regression.landmarks < 1:
+            raise ValueError("strategy.regression.samples and strategy.regression.landmarks must be >= 1")
+        if regression.ridge <= 0 or (regression.gamma is not None and regression.gamma <= 0):
+            raise ValueError("strategy.regression.ridge and strategy.regression.gamma (when set) must be > 0")
         if self.optim.max_steps < 1 or self.optim.batch_size < 1:
             raise ValueError("optim.max_steps and optim.batch_size must be >= 1")
         if self.optim.gradient_accumulation_steps < 1:

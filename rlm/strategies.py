@@ -11,6 +11,7 @@ passages every R steps; two-round re-embeds the corpus once, half way.
 | stale | top-k <q, B> (passage tower still trained) | 0 |
 | exhaustive | top-k <q, B_t>, B_t re-embedded every R steps | N * steps / R |
 | snm | top-k over a random subset of M, resampled and re-embedded every R | M * steps / R |
+| regression | top-k <q, R(B)>, R a kernel regression B -> B_t refitted every R on s' re-embedded passages | s' * steps / R |
 | two_round | stale, B re-embedded once at max_steps / 2 | N |
 | frozen | top-k <q, B>, retriever not trained | 0 |
 | closed_book | none | 0 |
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from atomicio import atomic_open
 from retriever.buffer import PassageBuffer
+from retriever.reencode import NystromRegression
 from retriever.search import (
     TopK,
     complete_selection,
@@ -445,23 +447,33 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
     def due(self, step: int) -> bool:
         """Whether the buffer is re-embedded before optimizer step `step`."""
 
+    def prepare_refresh(self, step: int, embed_rows: EmbedRows) -> int:
+        """Work a refresh does before its rows are computed; returns the passages it re-embedded (each once,
+        however many processes shared the work). Exhaustive re-embeds them all in `refreshed_rows`."""
+        return len(self.buffer)
+
+    def refreshed_rows(self, start: int, stop: int, embed_rows: EmbedRows) -> Tensor:
+        """Rows [start, stop) of the refreshed buffer: the corpus re-embedded by the current passage tower."""
+        return embed_rows(range(start, stop))
+
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
         if not self.due(step):
             return
         n = len(self.buffer)
+        reembedded = self.prepare_refresh(step, embed_rows)
         if self.refresh_dir is None:
-            # In memory (no run folder): every process re-embeds and holds all rows.
-            self.fresh = embed_rows(range(n)).to(torch.float32)
+            # In memory (no run folder): every process computes and holds all rows.
+            self.fresh = self.refreshed_rows(0, n, embed_rows).to(torch.float32)
             self._mine = None if self.sharded else self.fresh
         else:
             start, stop = self.procs.part(n) if self.sharded else (0, n)
             # fp16, as written: a run resumed from the files scans exactly what this one scans.
-            part = embed_rows(range(start, stop)).to(torch.float16)
+            part = self.refreshed_rows(start, stop, embed_rows).to(torch.float16)
             folder = self.refresh_dir / f"step_{step:07d}"
             refreshed = _Refreshed.write(folder, self.procs, self.sharded, n, part)
             self.fresh, self._mine = refreshed.whole, part
         self.refresh_step = step
-        self.reembedded += n  # every passage once, however many processes shared the work
+        self.reembedded += reembedded
         self._resident = None
 
     def search_space(self) -> PassageBuffer | torch.Tensor:
@@ -502,6 +514,73 @@ class ExhaustiveStrategy(_RefreshingStrategy):
     def due(self, step: int) -> bool:
         trained = step - self.start_step
         return trained > 0 and trained % self.cfg.refresh_every == 0
+
+
+class RegressionStrategy(ExhaustiveStrategy):
+    """Dynnibal-style approximate re-encoding (`retriever/reencode.py`): on exhaustive's schedule, re-embed
+    `regression.samples` random passages, fit a Nystrom kernel ridge regression from their rows of B to the
+    fresh embeddings, and scan R(B), the whole buffer mapped by it. Only the samples count as re-embedded.
+
+    Landmarks are random rows of B drawn at the first refit and kept for the run (as in the paper). With a
+    sharded buffer every process re-embeds its share of the samples, the shares are gathered so that every
+    process fits the same map, and each maps (and scans) its own share of B.
+    """
+
+    name = "regression"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.landmark_rows: Tensor | None = None  # [d'] corpus rows, fixed at the first refit
+        self.model: NystromRegression | None = None
+
+    def prepare_refresh(self, step: int, embed_rows: EmbedRows) -> int:
+        cfg, n = self.cfg.regression, len(self.buffer)
+        if self.landmark_rows is None:
+            self.landmark_rows = torch.randperm(n, generator=self.generator)[: cfg.landmarks].sort().values
+        samples = torch.randperm(n, generator=self.generator)[: cfg.samples].sort().values
+        fresh = self._embed_shared(samples, embed_rows).float().cpu()
+        stale = self.buffer.rows(samples).float()
+        self.model = NystromRegression.fit(
+            stale,
+            fresh,
+            self.buffer.rows(self.landmark_rows).float(),
+            kernel=cfg.kernel,
+            ridge=cfg.ridge,
+            gamma=cfg.gamma,
+        )
+        # How much of the drift the fit explains on its own samples (0: all of it, 1: none).
+        left = (self.model(stale) - fresh).square().sum() / (stale - fresh).square().sum().clamp_min(1e-12)
+        self.metrics["regression_residual"] = float(left)
+        return len(samples)
+
+    def _embed_shared(self, rows: Tensor, embed_rows: EmbedRows) -> Tensor:
+        """`rows` re-embedded, every process getting all of them, each having embedded only its share."""
+        if not self.sharded:
+            return embed_rows(rows.tolist())
+        procs, count = self.procs, len(rows)
+        start, stop = procs.part(count)
+        mine = embed_rows(rows[start:stop].tolist()) if stop > start else None
+        device = mine.device if mine is not None else (self.device or torch.device("cpu"))
+        per = -(
+            -count // procs.world
+        )  # the gather needs one shape on every process: pad to the largest share
+        padded = torch.zeros(per, self.buffer.dim, device=device)
+        if mine is not None:
+            padded[: stop - start] = mine.float()
+        gathered = procs.gather(padded)
+        shares = [Processes(r, procs.world).part(count) for r in range(procs.world)]
+        return torch.cat([gathered[r * per : r * per + (b - a)] for r, (a, b) in enumerate(shares)])
+
+    def refreshed_rows(self, start: int, stop: int, embed_rows: EmbedRows) -> Tensor:
+        blocks = (block for _, block in _slice_rows(self.buffer, start, stop).iter_chunks(self.chunk_size))
+        return self.model.apply_chunks(blocks, device=self.device)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "landmark_rows": self.landmark_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.landmark_rows = state.get("landmark_rows")
 
 
 class TwoRoundStrategy(_RefreshingStrategy):
@@ -608,6 +687,7 @@ STRATEGY_CLASSES: dict[str, type[SelectionStrategy]] = {
         CorrectorStrategy,
         StaleStrategy,
         ExhaustiveStrategy,
+        RegressionStrategy,
         SNMStrategy,
         TwoRoundStrategy,
         FrozenStrategy,

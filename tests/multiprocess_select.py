@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rlm.config import add_override_argument, load_config
+from rlm.config import RegressionConfig, add_override_argument, load_config
 from rlm.strategies import Processes, make_strategy
 from rlm.train import build_run, processes
 
@@ -28,6 +28,8 @@ CASES = [
     ("two_round", 2, True),
     ("snm", 0, False),
     ("snm", 0, True),
+    ("regression", 1, False),  # s' samples re-embedded in halves and gathered, every process the same fit
+    ("regression", 1, True),
     ("corrector", 0, "two_stage"),  # a faiss index over each process's rows, re-scored with h
     ("corrector", 0, "scan"),  # two-stage with each process's exact stale candidates, re-scored with h
 ]
@@ -61,7 +63,10 @@ def main() -> None:
         search = "two_stage" if forced in ("two_stage", "scan") else "exact"
         first_stage = "scan" if forced == "scan" else "index"
         forced = forced is True
-        scfg = dataclasses.replace(cfg.strategy, name=name, k=4, refresh_every=1, snm_size=40)
+        regression = RegressionConfig(samples=40, landmarks=16)
+        scfg = dataclasses.replace(
+            cfg.strategy, name=name, k=4, refresh_every=1, snm_size=40, regression=regression
+        )
         extra = {"include": include if forced else None}
         record = {
             "strategy": f"{name}/{search}" + ("/scan" if first_stage == "scan" else ""),

@@ -353,3 +353,38 @@ def test_algorithm_steps_with_the_model_on_a_device_and_the_buffer_on_the_host(
         got = step()
     assert on_accelerator(got.loss) and all(on_accelerator(t) for t in got.terms.values())
     torch.testing.assert_close(got.loss.as_subclass(torch.Tensor), ref.loss, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_regression_refresh_with_the_passage_tower_on_a_device(training_parts, placement):
+    """Approximate re-encoding as training runs it on a GPU: samples re-embedded on the device, the fit on
+    the host, the map applied to host buffer rows, the mapped rows scanned from the host or the device."""
+    from rlm.config import load_config
+    from rlm.model import embed_rows
+    from rlm.strategies import Processes, make_strategy
+
+    root, overrides, build_components = training_parts
+    extra = ["strategy.name=regression", "strategy.refresh_every=1", "strategy.regression.samples=30"]
+    cfg = load_config(None, [*overrides, *extra, "strategy.regression.landmarks=8"])
+    parts = build_components(cfg)
+    tower = parts.retriever.passage_tower.eval()
+    texts = parts.corpus.retrieval_texts()
+    queries = torch.nn.functional.normalize(torch.randn(2, parts.buffer.dim), dim=-1)
+    with torch.no_grad():  # the tower drifts, so the refit has something to map
+        for p in tower.parameters():
+            p.mul_(1 + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+
+    def select(device):
+        strategy = make_strategy(cfg.strategy, parts.buffer, 10, seed=0)
+        strategy.distribute(Processes(), False, device=device)
+        strategy.before_step(1, lambda rows: embed_rows(tower, texts, rows))
+        assert strategy.reembedded == 30
+        return strategy.select(queries if device is None else queries.to(device))
+
+    ref = select(None)
+    with simulated_accelerator(tower):
+        got = select(ACCELERATOR if placement == "device" else None)
+    if placement == "device":
+        assert_same_topk(got, ref)
+    else:
+        assert torch.equal(got.indices, ref.indices)

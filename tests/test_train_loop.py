@@ -149,7 +149,15 @@ class _Fixed:
         return getattr(self.inner, name)
 
 
-def test_exhaustive_refreshes_live_in_the_run_folder_and_resume_exactly(world):
+@pytest.mark.parametrize(
+    "name, options, per_refresh",
+    [
+        ("exhaustive", [], 120),
+        # Approximate re-encoding: the landmarks drawn at the first refit come back with the checkpoint.
+        ("regression", ["strategy.regression.samples=30", "strategy.regression.landmarks=16"], 30),
+    ],
+)
+def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, name, options, per_refresh):
     """Refreshed rows are fp16 files under <output_dir>/refresh that checkpoints reference (not pickle); the
     ones no kept checkpoint needs are deleted; a run resumed from step 2 repeats steps 3-4's losses."""
     import json
@@ -165,8 +173,9 @@ def test_exhaustive_refreshes_live_in_the_run_folder_and_resume_exactly(world):
                 f"buffer.dir={world}/buffer",
                 f"data.toy_world.dir={world}/toy",
                 *TINY,
-                "strategy.name=exhaustive",
+                f"strategy.name={name}",
                 "strategy.refresh_every=1",
+                *options,
                 "optim.max_steps=4",
                 "save_every=2",
                 "log_every=1",
@@ -174,26 +183,29 @@ def test_exhaustive_refreshes_live_in_the_run_folder_and_resume_exactly(world):
             ],
         )
 
-    train(config("full"))
-    full = world / "full"
+    train(config(f"full_{name}"))
+    full = world / f"full_{name}"
     log = {r["step"]: r for r in map(json.loads, (full / "log.jsonl").read_text().splitlines())}
     # Refreshes before steps 1, 2 and 3; checkpoints after 2 and 4 steps need those before 1 and 3.
     assert sorted(p.name for p in (full / "refresh").iterdir()) == ["step_0000001", "step_0000003"]
-    assert log[4]["reembedded"] == 3 * 120
+    assert log[4]["reembedded"] == 3 * per_refresh
     pickled = sum(
         p.stat().st_size for p in (full / "checkpoints" / "step_0000002").glob("custom_checkpoint_*")
     )
     assert pickled < 20_000, "the refreshed rows were pickled into the checkpoint"
 
     # The same run folder as after a kill at step 3: checkpoint 2 and the refresh it references.
-    resumed = world / "resumed"
+    resumed = world / f"resumed_{name}"
     shutil.copytree(full / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
     shutil.copytree(full / "refresh" / "step_0000001", resumed / "refresh" / "step_0000001")
     shutil.copytree(full / "tokenizer", resumed / "tokenizer")
     AcceleratorState._reset_state(reset_partial_state=True)
-    train(config("resumed"), resume=True)
+    train(config(f"resumed_{name}"), resume=True)
     again = {r["step"]: r for r in map(json.loads, (resumed / "log.jsonl").read_text().splitlines())}
     assert sorted(again) == [3, 4]
+    # The resumed run's last refresh wrote the very rows the uninterrupted one wrote.
+    for path in (full / "refresh" / "step_0000003").iterdir():
+        assert path.read_bytes() == (resumed / "refresh" / "step_0000003" / path.name).read_bytes(), path
     for step in (3, 4):
         for key in ("loss", "reader_loss", "retriever_loss"):
             assert again[step][key] == pytest.approx(log[step][key], rel=1e-5, abs=1e-6), (step, key)

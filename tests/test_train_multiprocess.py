@@ -123,7 +123,7 @@ def test_cpu_2proc_config_trains_two_processes_and_a_sharded_buffer_selects_the_
 
 
 def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_processes(root):
-    """Stale, corrector, exhaustive, two-round and SNM, with and without Algorithm 1's forced label and
+    """Stale, corrector, exhaustive, two-round, SNM and regression, with and without Algorithm 1's forced label and
     uniform rows: each process scanning (and re-embedding) half the rows selects what one process scanning all
     of them selects; the re-embedding counter counts each passage once; a resumed strategy reads the refreshed
     rows back from the run folder."""
@@ -152,7 +152,7 @@ def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_proces
                 == [r for r in ranks[0] if r.get("validation") == name][0]["sharded"]
             )
         assert "dev_exact_match" in validations["full"]["sharded"]
-        assert len(results) == 10 and [r["strategy"] for r in results[-2:]] == [
+        assert len(results) == 12 and [r["strategy"] for r in results[-2:]] == [
             "corrector/two_stage",
             "corrector/two_stage/scan",
         ]
@@ -165,5 +165,5 @@ def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_proces
             assert r["sharded"]["reembedded"] == r["whole"]["reembedded"], case
             if r["strategy"] in ("exhaustive/exact", "two_round/exact"):
                 assert r["whole"]["embedded_here"] == n and r["sharded"]["embedded_here"] == n // 2, case
-            if r["strategy"] == "snm/exact":
+            if r["strategy"] in ("snm/exact", "regression/exact"):
                 assert r["whole"]["embedded_here"] == 40 and r["sharded"]["embedded_here"] == 20, case

@@ -157,6 +157,8 @@ def test_each_loss_falls_on_a_repeated_batch(world):
         ("exhaustive", ["strategy.refresh_every=2"], lambda n: 2 * n),  # before steps 2 and 4
         ("snm", ["strategy.refresh_every=2", "strategy.snm_size=20"], lambda n: 3 * 20),  # steps 0, 2, 4
         ("two_round", [], lambda n: n),  # once, before step 5 // 2 = 2
+        # s' samples before steps 2 and 4; the other rows are mapped, not re-embedded
+        ("regression", ["strategy.refresh_every=2", "strategy.regression.samples=30"], lambda n: 2 * 30),
     ],
 )
 def test_reembedding_counts(world, name, extra, expected):
@@ -178,6 +180,7 @@ def test_reembedding_counts(world, name, extra, expected):
         ("exhaustive", ["strategy.refresh_every=2"], [5, 7]),  # 2 and 4 retriever updates after step 3
         ("snm", ["strategy.refresh_every=2", "strategy.snm_size=20"], [0, 5, 7]),  # a subset from step 0
         ("two_round", [], [5]),  # halfway through the 5 steps that train the retriever
+        ("regression", ["strategy.refresh_every=2", "strategy.regression.samples=30"], [5, 7]),
     ],
 )
 def test_reembedding_schedule_counts_from_the_first_retriever_update(world, name, extra, refreshed_before):
@@ -206,6 +209,45 @@ def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
     fresh = model.retriever.passage_tower.encode([texts[i] for i in range(5)])
     torch.testing.assert_close(strategy.search_space()[:5], fresh, atol=1e-5, rtol=0)
     assert not torch.allclose(parts.buffer.embeddings[:5].float(), fresh, atol=1e-3)
+
+
+def test_regression_maps_every_row_towards_the_live_tower_from_a_few_re_embedded_ones(world):
+    """Dynnibal's approximate re-encoding: 60 of 150 passages re-embedded, all 150 rows move towards what the
+    live passage tower gives, the 90 never re-embedded included; the landmarks stay fixed across refits."""
+    from rlm.model import embed_rows
+
+    cfg, parts, model, strategy = make_parts(
+        world,
+        "strategy.name=regression",
+        "strategy.refresh_every=1",
+        "strategy.regression.samples=60",
+        "strategy.regression.landmarks=32",
+    )
+    texts = parts.corpus.retrieval_texts()
+    tower = model.retriever.passage_tower
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a drift that changes rankings, as training does
+        for p in tower.parameters():
+            p.mul_(1 + 0.05 * torch.randn(p.shape, generator=generator))
+    embedded = []
+
+    def embed(rows):
+        embedded.extend(rows)
+        return embed_rows(tower, texts, rows)
+
+    strategy.before_step(1, embed)
+    assert len(embedded) == strategy.reembedded == 60
+    fresh = tower.encode(texts).float()
+    stale = parts.buffer.embeddings.float()
+    mapped = strategy.search_space().float()
+    unseen = torch.tensor(sorted(set(range(len(texts))) - set(embedded)))
+    before = (stale[unseen] - fresh[unseen]).square().sum()
+    after = (mapped[unseen] - fresh[unseen]).square().sum()
+    assert after < 0.7 * before, (float(after), float(before))
+    assert strategy.pop_metrics()["regression_residual"] < 0.7
+    landmarks = strategy.landmark_rows.clone()
+    strategy.before_step(2, embed)
+    assert torch.equal(strategy.landmark_rows, landmarks) and strategy.reembedded == 120
 
 
 def test_closed_book_reads_no_passages(world):
