@@ -20,9 +20,9 @@ approximation: the map is fitted from B each time (errors do not compound from o
 regresses the *residual* f(y) - b, so with d' landmarks smaller than the embedding width the output keeps b's
 full rank and only the correction is low-rank (the paper works in the d'-dimensional Nystrom space instead).
 
-Kernels: `rbf` exp(-gamma |b - z|^2), with gamma from the median heuristic (1 / median squared distance between
-the samples and the landmarks) unless given; `linear` <b, z> (the paper's inner-product similarity: a rank-d'
-linear correction).
+Kernels: `rbf` exp(-gamma |b - z|^2), with gamma from the median heuristic (sigma = the median distance between
+the samples and the landmarks, gamma = 1 / (2 sigma^2)) unless given; `linear` <b, z> + 1 (the paper's inner-product similarity plus a
+constant: a rank-d' affine correction).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def kernel_matrix(x: Tensor, landmarks: Tensor, kernel: str, gamma: float) -> Te
     landmarks = landmarks.to(device=x.device, dtype=x.dtype)
     dots = x @ landmarks.T
     if kernel == "linear":
-        return dots
+        return dots + 1  # the constant makes the correction affine: drifts that shift every row are in reach
     if kernel == "rbf":
         squared = (x * x).sum(-1, keepdim=True) + (landmarks * landmarks).sum(-1) - 2 * dots
         return torch.exp(-gamma * squared.clamp_min(0))
@@ -49,10 +49,10 @@ def kernel_matrix(x: Tensor, landmarks: Tensor, kernel: str, gamma: float) -> Te
 
 
 def median_gamma(x: Tensor, landmarks: Tensor) -> float:
-    """The median heuristic: 1 / median of the squared distances between `x` and the landmarks."""
+    """The median heuristic: 1 / (2 sigma^2), sigma the median distance between `x` and the landmarks."""
     squared = torch.cdist(x.double(), landmarks.double()).square()
     median = float(squared[squared > 0].median()) if bool((squared > 0).any()) else 1.0
-    return 1.0 / median
+    return 0.5 / median
 
 
 @dataclass
@@ -71,7 +71,7 @@ class NystromRegression:
         fresh: Tensor,
         landmarks: Tensor,
         kernel: str = "rbf",
-        ridge: float = 1e-3,
+        ridge: float = 1e-5,
         gamma: float | None = None,
     ) -> NystromRegression:
         """Fit on `s'` pairs: `stale` [s', D] rows of B, `fresh` [s', D] the same passages re-embedded now.

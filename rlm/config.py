@@ -163,8 +163,8 @@ class RegressionConfig:
     samples: int = 8192  # s', passages re-embedded per refit (the paper's NQ and MSMARCO setting)
     landmarks: int = 128  # d', random rows of B, fixed for the run (the paper: 128)
     kernel: str = "rbf"  # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z>
-    gamma: float | None = None  # rbf width; None: 1 / median squared sample-landmark distance at each refit
-    ridge: float = 1e-3  # per-sample ridge penalty
+    gamma: float | None = None  # rbf width; None: 1 / (2 median squared sample-landmark distance), each refit
+    ridge: float = 1e-5  # per-sample ridge penalty
 
 
 @dataclass

@@ -13,6 +13,9 @@ P(y|x) = softmax_y(beta <f(x), g(y)>) over all targets is the truth, P_g' uses g
 corrector h is trained alone (Adam, lr 0.03, at most 1,000 full-batch epochs, patience 100) with the
 cross-entropy between the truncated softmaxes of g and h(g') over a sampled fraction of the targets (Eq. 6),
 and judged by KL(P || P_h) over *all* targets on held-out queries, so targets it never saw count.
+
+Its rival at the same budget (`fit_regression`): Dynnibal's Nystrom kernel ridge regression from g' to g, fitted
+in closed form on the same sampled targets and judged the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from retriever.corrector import CorrectorNetwork
+from retriever.reencode import NystromRegression
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,15 @@ class SyntheticWorld:
         return softmax_kl(self.eval_queries, fresh, self.stale, self.beta)
 
 
+def sample_targets(num_targets: int, fraction: float, seed: int) -> Tensor:
+    """The targets whose fresh embeddings a method may see (the re-embedding budget): a uniform sample of
+    `fraction` of them, the same for every method fitted with this seed."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_targets, generator=generator)[: max(2, round(fraction * num_targets))]
+
+
 def fit_corrector(
     world: SyntheticWorld,
     fresh: Tensor,
@@ -246,11 +259,7 @@ def fit_corrector(
     Returns a flat record: the corrector shape and parameter count, the number of sampled targets, the
     held-out KL(P || P_h) over all targets, and the fit (epochs, truncated training KL, seconds).
     """
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    num_targets = len(world.stale)
-    generator = torch.Generator().manual_seed(seed)
-    sampled = torch.randperm(num_targets, generator=generator)[: max(2, round(fraction * num_targets))]
+    sampled = sample_targets(len(world.stale), fraction, seed)
     h = build_corrector(world.dim, corrector.width_mult * world.dim, corrector.num_hidden_layers, seed=seed)
     fit = train_corrector(
         h, world.stale[sampled], fresh[sampled], world.train_queries, world.beta, **train_kwargs
@@ -266,4 +275,37 @@ def fit_corrector(
         "sampled_targets": len(sampled),
         "corrected_kl": softmax_kl(world.eval_queries, fresh, corrected, world.beta),
         **{f"fit_{k}": v for k, v in asdict(fit).items()},
+    }
+
+
+def fit_regression(
+    world: SyntheticWorld,
+    fresh: Tensor,
+    fraction: float,
+    kernel: str = "rbf",
+    landmarks: int = 128,
+    ridge: float = 1e-5,
+    seed: int = 0,
+) -> dict:
+    """Dynnibal's approximate re-encoding at the corrector's re-embedding budget: a Nystrom kernel ridge
+    regression (`retriever.reencode`) fitted on the same sampled targets `fit_corrector` sees, applied to all
+    targets, scored by the same held-out KL. Landmarks are `landmarks` random stale targets.
+    """
+    sampled = sample_targets(len(world.stale), fraction, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    chosen = torch.randperm(len(world.stale), generator=generator)[:landmarks]
+    start = time.perf_counter()
+    model = NystromRegression.fit(
+        world.stale[sampled], fresh[sampled], world.stale[chosen], kernel=kernel, ridge=ridge
+    )
+    mapped = model(world.stale)
+    return {
+        "method": f"nystrom-{kernel}",
+        "kernel": kernel,
+        "landmarks": len(chosen),
+        "ridge": ridge,
+        "fraction": fraction,
+        "sampled_targets": len(sampled),
+        "regression_kl": softmax_kl(world.eval_queries, fresh, mapped, world.beta),
+        "seconds": time.perf_counter() - start,
     }

@@ -29,16 +29,21 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from atomicio import atomic_file, atomic_write_text
 from rlm.benchmarking import cpu_name
-from rlm.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector
+from rlm.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector, fit_regression
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "results" / "synthetic_corrector"
 NUM_COMPONENTS = 20
 DEPTH_MARKERS = {0: "s", 1: "o", 2: "^"}  # corrector hidden layers -> marker, in both plots
+REGRESSION_KERNELS = ("rbf", "linear")  # Dynnibal's approximate re-encoding, beside the correctors
+REGRESSION_MARKERS = {"rbf": ("X", "black"), "linear": ("P", "grey")}
+LANDMARKS = 128  # the paper's d'
+RIDGE = 1e-5
 KL_PLOT_FLOOR = 1e-4
 FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
 
@@ -85,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--replot", action="store_true", help="re-render the report and plots from <out>.json, no fitting"
     )
+    parser.add_argument(
+        "--regression-only",
+        action="store_true",
+        help="keep the corrector fits of <out>.json and (re)fit only the Nystrom regressions (seconds)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (others share this CPU)")
     args = parser.parse_args(argv)
     if args.seeds is None:
@@ -92,8 +102,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_study(args: argparse.Namespace) -> dict:
-    """Every fit of both figures for every seed; fits shared by the two figures are run once.
+def grid(args: argparse.Namespace):
+    """(drift shapes, Fig. 3 drift shapes, corrector specs, sampled fractions) of this run."""
+    quick = args.quick
+    drift_grid = QUICK_DRIFTS if quick else FULL_DRIFTS
+    fig3_drifts = QUICK_FIG3_DRIFTS if quick else FULL_FIG3_DRIFTS
+    correctors = [CorrectorSpec(*c) for c in (QUICK_CORRECTORS if quick else FULL_CORRECTORS)]
+    fractions = QUICK_FRACTIONS if quick else FULL_FRACTIONS
+    if args.fig4_fraction not in fractions:
+        fractions = sorted({*fractions, args.fig4_fraction})
+    return drift_grid, fig3_drifts, correctors, fractions
+
+
+def fit_jobs(args: argparse.Namespace) -> list[tuple[int, DriftSpec, CorrectorSpec, float]]:
+    """Every (seed, drift, corrector, fraction) fit of both figures, grouped by seed and drift."""
+    drift_grid, fig3_drifts, correctors, fractions = grid(args)
+    jobs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        for i, shape in enumerate(drift_grid):
+            drift = DriftSpec(*shape, seed=1000 * seed + i)
+            for fraction in fractions if shape in fig3_drifts else [args.fig4_fraction]:
+                jobs += [(seed, drift, corrector, fraction) for corrector in correctors]
+    return jobs
+
+
+def run_study(args: argparse.Namespace, previous: dict | None = None) -> dict:
+    """Every fit of both figures for every seed; fits shared by the two figures are run once. With `previous`
+    (an earlier run's results, whose grid `args` repeats), its corrector fits are kept and only the
+    regressions are fitted.
 
     Each seed draws its own world (mixture, targets, queries), its own drift MLPs, target samples and corrector
     inits, so the spread over seeds covers all of the set-up's randomness.
@@ -104,28 +140,22 @@ def run_study(args: argparse.Namespace) -> dict:
         "max_epochs": args.max_epochs or (150 if quick else 1000),
         "patience": args.patience or (30 if quick else 100),
     }
-    drift_grid = QUICK_DRIFTS if quick else FULL_DRIFTS
-    fig3_drifts = QUICK_FIG3_DRIFTS if quick else FULL_FIG3_DRIFTS
-    correctors = [CorrectorSpec(*c) for c in (QUICK_CORRECTORS if quick else FULL_CORRECTORS)]
-    fractions = QUICK_FRACTIONS if quick else FULL_FRACTIONS
-    if args.fig4_fraction not in fractions:
-        fractions = sorted({*fractions, args.fig4_fraction})
+    drift_grid, fig3_drifts, _, _ = grid(args)
     missing = set(fig3_drifts) - set(drift_grid)
     if missing:
         raise ValueError(f"Fig. 3 drifts {sorted(missing)} are not in the drift grid")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
 
-    jobs = []
-    for seed in range(args.seed, args.seed + args.seeds):
-        for i, shape in enumerate(drift_grid):
-            drift = DriftSpec(*shape, seed=1000 * seed + i)
-            for fraction in fractions if shape in fig3_drifts else [args.fig4_fraction]:
-                jobs += [(seed, drift, corrector, fraction) for corrector in correctors]
+    jobs = fit_jobs(args)
+
+    if previous is not None:
+        jobs = []  # the corrector fits are kept; only the regressions below are run
 
     worlds, stale_kls, fresh_cache, fits = {}, {}, {}, []
-    start = time.perf_counter()
-    for seed, drift, corrector, fraction in tqdm(jobs, desc="corrector fits", unit="fit"):
+
+    def world_and_fresh(seed: int, drift: DriftSpec) -> tuple[SyntheticWorld, Tensor]:
+        nonlocal worlds, fresh_cache
         if seed not in worlds:
             worlds = {
                 seed: SyntheticWorld.generate(
@@ -137,12 +167,41 @@ def run_study(args: argparse.Namespace) -> dict:
                     seed=seed,
                 )
             }
-        world = worlds[seed]
         if drift not in fresh_cache:
-            fresh_cache = {drift: world.drifted(drift)}  # jobs are grouped by seed and drift: keep one
-            stale_kls[drift] = world.stale_kl(fresh_cache[drift])
-        record = fit_corrector(world, fresh_cache[drift], corrector, fraction, seed=seed, **train_kwargs)
+            # jobs are grouped by seed and drift: keep one
+            fresh_cache = {drift: worlds[seed].drifted(drift)}
+            stale_kls[drift] = worlds[seed].stale_kl(fresh_cache[drift])
+        return worlds[seed], fresh_cache[drift]
+
+    start = time.perf_counter()
+    for seed, drift, corrector, fraction in tqdm(jobs, desc="corrector fits", unit="fit"):
+        world, fresh = world_and_fresh(seed, drift)
+        record = fit_corrector(world, fresh, corrector, fraction, seed=seed, **train_kwargs)
         fits.append({"seed": seed, "drift": drift.label, "stale_kl": stale_kls[drift], **record})
+
+    # Dynnibal's regression on the same sampled targets (the same re-embedding budget), once per setting.
+    regressions = []
+    settings = sorted(
+        {(seed, drift, fraction) for seed, drift, _, fraction in fit_jobs(args)},
+        key=lambda x: (x[0], x[1].seed, x[2]),
+    )
+    for seed, drift, fraction in tqdm(settings, desc="regression fits", unit="setting"):
+        world, fresh = world_and_fresh(seed, drift)
+        for kernel in REGRESSION_KERNELS:
+            record = fit_regression(
+                world, fresh, fraction, kernel=kernel, landmarks=LANDMARKS, ridge=RIDGE, seed=seed
+            )
+            regressions.append({"seed": seed, "drift": drift.label, "stale_kl": stale_kls[drift], **record})
+    if previous is not None:
+        # The worlds are regenerated from their seeds: they must be the ones the kept fits were scored on.
+        kept = {(d["label"], d["seed"]): d["stale_kl"] for d in previous["drifts"]}
+        for drift, kl in stale_kls.items():
+            if abs(kept[(drift.label, drift.seed)] - kl) > 1e-6 * max(1.0, kl):
+                raise ValueError(f"drift {drift.label} seed {drift.seed}: {kl} here, {kept} in the kept fits")
+        previous["regressions"] = regressions
+        previous["regression"] = {"landmarks": LANDMARKS, "ridge": RIDGE, "kernels": list(REGRESSION_KERNELS)}
+        previous["regression_seconds"] = time.perf_counter() - start
+        return previous
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "world": {
@@ -159,6 +218,8 @@ def run_study(args: argparse.Namespace) -> dict:
         "fig3_drifts": [DriftSpec(*d).label for d in fig3_drifts],
         "drifts": [{"label": d.label, "seed": d.seed, "stale_kl": kl} for d, kl in stale_kls.items()],
         "fits": fits,
+        "regressions": regressions,
+        "regression": {"landmarks": LANDMARKS, "ridge": RIDGE, "kernels": list(REGRESSION_KERNELS)},
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "machine": f"{cpu_name()}, torch {torch.__version__}",
@@ -216,6 +277,22 @@ def plot_fig4(results: dict, path: Path) -> None:
             linewidths=0.4,
             label=_depth_label(layers),
         )
+    for kernel, (marker, colour) in REGRESSION_MARKERS.items():
+        sub = [
+            r
+            for r in results.get("regressions", [])
+            if r["kernel"] == kernel and r["fraction"] == results["fig4_fraction"]
+        ]
+        if sub:
+            ax.scatter(
+                [r["stale_kl"] for r in sub],
+                [max(r["regression_kl"], floor) for r in sub],
+                marker=marker,
+                color=colour,
+                s=40,
+                linewidths=0.4,
+                label=f"Nystrom regression ({kernel})",
+            )
     lo = max(floor, min(min(r["corrected_kl"] for r in rows), min(r["stale_kl"] for r in rows))) * 0.5
     hi = max(r["stale_kl"] for r in rows) * 2
     ax.plot([lo, hi], [lo, hi], "r--", lw=1, label="parity (no correction)")
@@ -327,6 +404,22 @@ def render_markdown(results: dict, previous: str | None) -> str:
         f"(seeds {', '.join(map(str, seeds))}: each draws its own world, drifts, samples and inits).",
         "",
     ]
+    regressions = results.get("regressions", [])
+    if regressions:
+        reg = results["regression"]
+        how = (
+            f" (added to the kept corrector fits by `{results['regression_command']}`)"
+            if "regression_command" in results
+            else ""
+        )
+        lines += [
+            "Beside the correctors, Dynnibal's approximate re-encoding (`retriever/reencode.py`) at the same "
+            "re-embedding budget: a Nystrom kernel ridge regression g' -> g fitted in closed form on the same "
+            f"sampled targets, {reg['landmarks']} random stale targets as landmarks, ridge {reg['ridge']:g}, "
+            "kernels `rbf` (median-heuristic width) and `linear`, applied to all targets and scored by the "
+            f"same held-out KL{how}.",
+            "",
+        ]
     previous_findings = None
     if previous:
         match = re.search(re.escape(FINDINGS_START) + r".*?" + re.escape(FINDINGS_END), previous, re.S)
@@ -342,20 +435,26 @@ def render_markdown(results: dict, previous: str | None) -> str:
         {(f["corrector_layers"], f["corrector_width_mult"], f["corrector"], f["params"]) for f in fig4}
     )
     pct = f"{100 * results['fig4_fraction']:g}%"
+    kernels = sorted({r["kernel"] for r in regressions}, key=REGRESSION_KERNELS.index)
     lines += [
         f"## Fig. 4 analogue: KL(P || P_h) per staleness setting and corrector ({pct} of targets sampled)",
         "",
         f"![Fig. 4 analogue]({results['png_fig4']})",
         "",
-        "Rows from least to most stale. Columns: corrector (parameter count).",
+        "Rows from least to most stale. Columns: corrector (parameter count)"
+        + (", then the Nystrom regressions at the same budget." if kernels else "."),
         "",
-        "| drift | stale KL | " + " | ".join(f"{c[2]} ({c[3]})" for c in correctors) + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in correctors) + " |",
+        "| drift | stale KL | "
+        + " | ".join([*(f"{c[2]} ({c[3]})" for c in correctors), *(f"Nystrom {k}" for k in kernels)])
+        + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in [*correctors, *kernels]) + " |",
     ]
     for label in order:
         rows = [f for f in fig4 if f["drift"] == label]
         stale = [d["stale_kl"] for d in results["drifts"] if d["label"] == label]
         cells = [cell([r for r in rows if r["corrector"] == c[2]]) for c in correctors]
+        at = [r for r in regressions if r["drift"] == label and r["fraction"] == results["fig4_fraction"]]
+        cells += [cell([r for r in at if r["kernel"] == k], "regression_kl") for k in kernels]
         lines.append(f"| {label} | {_fmt(stale)} | " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"![Fig. 3 analogue]({results['png_fig3']})", ""]
@@ -379,6 +478,11 @@ def render_markdown(results: dict, previous: str | None) -> str:
                 at = [f for f in sub if f["fraction"] == x]
                 cells.append(f"{cell(at)}<br>({statistics.fmean(f['fit_train_kl'] for f in at):.4f})")
             lines.append(f"| {sub[0]['corrector']} | {sub[0]['params']} | " + " | ".join(cells) + " |")
+        for kernel in kernels:
+            sub = [r for r in regressions if r["drift"] == label and r["kernel"] == kernel]
+            cells = [cell([r for r in sub if r["fraction"] == x], "regression_kl") for x in fractions]
+            size = f"{sub[0]['landmarks']} x {world['dim']}" if sub else ""
+            lines.append(f"| Nystrom {kernel} | {size} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -392,6 +496,16 @@ def main(argv: list[str] | None = None) -> int:
         if not json_path.exists():
             raise FileNotFoundError(f"{json_path} not found: run the study first (without --replot)")
         results = json.loads(json_path.read_text())
+    elif args.regression_only:
+        json_path = out.with_suffix(".json")
+        if not json_path.exists():
+            raise FileNotFoundError(f"{json_path} not found: run the study first (without --regression-only)")
+        previous = json.loads(json_path.read_text())
+        for key in ("quick", "seed", "seeds", "beta", "fig4_fraction"):  # the grid of the kept fits
+            setattr(args, key, previous["args"][key])
+        results = run_study(args, previous)
+        given = sys.argv[1:] if argv is None else argv
+        results["regression_command"] = shlex.join(["python", "scripts/synthetic_corrector.py", *given])
     else:
         results = run_study(args)
         given = sys.argv[1:] if argv is None else argv

@@ -15,6 +15,7 @@ from rlm.synthetic import (
     SyntheticWorld,
     build_corrector,
     fit_corrector,
+    fit_regression,
     parameter_count,
     softmax_kl,
     train_corrector,
@@ -105,6 +106,18 @@ def test_no_drift_stops_after_patience(world):
     assert abs(fit.train_kl) < 1e-5
 
 
+def test_regression_at_the_corrector_budget_beats_the_stale_buffer(world):
+    """Dynnibal's closed-form refit sees the same sampled targets the corrector sees; a linear drift is
+    recovered exactly by the linear (affine) kernel."""
+    fresh = world.drifted(DriftSpec(2, 8, 2.0, seed=5))
+    record = fit_regression(world, fresh, fraction=0.5, kernel="rbf", landmarks=64)
+    corrector = fit_corrector(world, fresh, CorrectorSpec(0, 1), fraction=0.5, max_epochs=1)
+    assert record["sampled_targets"] == corrector["sampled_targets"] == 256
+    assert record["regression_kl"] < 0.3 * world.stale_kl(fresh)
+    linear = world.drifted(DriftSpec(0, 1, 0.3, seed=2))
+    assert fit_regression(world, linear, fraction=0.1, kernel="linear")["regression_kl"] < 1e-4
+
+
 def test_bad_arguments_are_refused(world):
     with pytest.raises(ValueError, match="fraction"):
         fit_corrector(world, world.stale, CorrectorSpec(0, 1), fraction=0.0)
@@ -133,9 +146,22 @@ def test_quick_script_writes_report_and_keeps_findings(tmp_path):
     strongest = max(results["drifts"], key=lambda d: d["stale_kl"])
     best = min(f["corrected_kl"] for f in results["fits"] if f["drift"] == strongest["label"])
     assert best < strongest["stale_kl"]
+    # Dynnibal's regression beside them: 2 kernels x (3 drifts at 10% + the Fig. 3 drift at 5% and 100%).
+    regressions = results["regressions"]
+    assert len(regressions) == 2 * 5 and {r["kernel"] for r in regressions} == {"rbf", "linear"}
+    sampled = {(f["drift"], f["fraction"]): f["sampled_targets"] for f in results["fits"]}
+    assert all(r["sampled_targets"] == sampled[(r["drift"], r["fraction"])] for r in regressions)
+    rbf_strongest = [r for r in regressions if r["drift"] == strongest["label"] and r["kernel"] == "rbf"]
+    assert all(r["regression_kl"] < strongest["stale_kl"] for r in rbf_strongest)
     report = out.with_suffix(".md").read_text()
     assert findings in report and "old table" not in report
-    assert "| 2x8D@3 |" in report
+    assert "| 2x8D@3 |" in report and "| Nystrom rbf |" in report
+
+    # --regression-only keeps the corrector fits and the grid of the kept run, and refits the same regressions.
+    assert script.main(["--regression-only", "--out", str(out), "--seeds", "3"]) == 0
+    again = json.loads(out.with_suffix(".json").read_text())
+    assert again["fits"] == results["fits"] and again["command"] == results["command"]
+    assert [r["regression_kl"] for r in again["regressions"]] == [r["regression_kl"] for r in regressions]
     for name in ("report_fig3.png", "report_fig4.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
