@@ -178,6 +178,26 @@ class SentenceEncoder(nn.Module):
             )
             atomic_write_text(tmp / "modules.json", json.dumps(modules, indent=2))
 
+    def truncated(self, num_layers: int) -> SentenceEncoder:
+        """A copy of this tower keeping only its first `num_layers` transformer layers (DAFT's light query tower:
+        the same embeddings, tokenizer, pooling and Dense, fewer layers; saved and loaded like any tower)."""
+        import copy
+
+        layers, config_key = _layer_list(self.model)
+        if not 1 <= num_layers <= len(layers):
+            raise ValueError(
+                f"layers:{num_layers}: this tower has {len(layers)} layers (keep 1 to {len(layers)})"
+            )
+        tower = copy.deepcopy(self)
+        kept, _ = _layer_list(tower.model)
+        del kept[num_layers:]
+        setattr(tower.model.config, config_key, num_layers)
+        return tower
+
+    @property
+    def num_layers(self) -> int:
+        return len(_layer_list(self.model)[0])
+
     @property
     def hidden_size(self) -> int:
         config = self.model.config
@@ -311,6 +331,19 @@ def _load_dense(folder: Path) -> tuple[nn.Linear, str]:
     return dense, activation
 
 
+def _layer_list(model: nn.Module) -> tuple[nn.ModuleList, str]:
+    """The transformer's layer list and the config key that counts them (BERT family, T5 encoders)."""
+    encoder = getattr(model, "encoder", None)
+    for attr, key in (("layer", "num_hidden_layers"), ("block", "num_layers")):
+        layers = getattr(encoder, attr, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers, key
+    raise ValueError(f"cannot truncate a {type(model).__name__}: no encoder.layer or encoder.block list")
+
+
+QUERY_LAYERS_PREFIX = "layers:"
+
+
 class DualEncoder(nn.Module):
     """Query tower f and passage tower g (separate parameters by default; `shared=True` ties them)."""
 
@@ -343,6 +376,34 @@ class DualEncoder(nn.Module):
         if shared:
             return cls(query)
         return cls(query, SentenceEncoder.from_pretrained(path, max_length=max_length))
+
+    @classmethod
+    def from_towers(
+        cls, path: str, query_path: str | None = None, shared: bool = False, max_length: int = 256
+    ) -> DualEncoder:
+        """Towers from `path` (as `from_pretrained`), the query tower replaced when `query_path` is given: a
+        sentence-transformers folder (any model with the passage tower's output size) or `layers:N`, the
+        passage tower's first N layers (DAFT's light query tower)."""
+        retriever = cls.from_pretrained(path, shared=shared and query_path is None, max_length=max_length)
+        if query_path is None:
+            return retriever
+        if shared:
+            raise ValueError(
+                "retriever.query_path gives the query tower its own model: not with shared_towers"
+            )
+        passage = retriever.passage_tower
+        if query_path.startswith(QUERY_LAYERS_PREFIX):
+            count = query_path[len(QUERY_LAYERS_PREFIX) :]
+            if not count.isdigit():
+                raise ValueError(f"retriever.query_path {query_path!r}: expected layers:N with N a number")
+            query = passage.truncated(int(count))
+        else:
+            query = SentenceEncoder.from_pretrained(query_path, max_length=max_length)
+        if query.dim != passage.dim:
+            raise ValueError(
+                f"query tower {query_path} gives {query.dim}-dim embeddings, the passage tower {passage.dim}"
+            )
+        return cls(query, passage)
 
     def save_pretrained(self, out_dir: str | os.PathLike) -> None:
         """`query_tower/` and `passage_tower/` (each a sentence-transformers folder) + `dual_encoder.json`."""

@@ -72,6 +72,9 @@ class DataConfig:
 @dataclass
 class RetrieverConfig:
     path: str | None = None  # sentence-transformers folder or hub name; None: the packaged all-MiniLM-L6-v2
+    # The query tower, when it differs from the passage tower's model (DAFT's light query tower): a
+    # sentence-transformers folder with the same output size, or "layers:N" for the first N layers of `path`.
+    query_path: str | None = None
     shared_towers: bool = False
     query_max_length: int = 64
     passage_max_length: int = 128

@@ -158,8 +158,10 @@ def load_or_build_buffer(
 
 def build_retriever(cfg: TrainConfig) -> DualEncoder:
     """The starting dual encoder with the config's lengths and dropout, as training uses it."""
-    retriever = DualEncoder.from_pretrained(
-        cfg.retriever.path or default_retriever_path(), shared=cfg.retriever.shared_towers
+    retriever = DualEncoder.from_towers(
+        cfg.retriever.path or default_retriever_path(),
+        query_path=cfg.retriever.query_path,
+        shared=cfg.retriever.shared_towers,
     )
     retriever.query_tower.max_length = cfg.retriever.query_max_length
     if not retriever.shared:

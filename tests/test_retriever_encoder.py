@@ -137,3 +137,44 @@ def test_hub_name_offline_names_the_fix(monkeypatch):
         SentenceEncoder.from_pretrained("sentence-transformers/this-model-is-not-cached-xyz")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         SentenceEncoder.from_pretrained("/no/such/folder")
+
+
+def test_light_query_tower_is_the_first_layers_and_saves_and_loads_as_such(minilm_path, tiny_gtr, tmp_path):
+    """`retriever.query_path: layers:N` (DAFT's light query tower): the passage model's first N layers, the
+    same pooling and normalisation; sentence-transformers reads the saved tower; the dual encoder reloads
+    with the light query tower and the full passage tower."""
+    full = SentenceEncoder.from_pretrained(minilm_path, max_length=32).eval()
+    light = full.truncated(2).eval()
+    assert (full.num_layers, light.num_layers) == (6, 2) and light.model.config.num_hidden_layers == 2
+    batch = full.tokenize(TEXTS)
+    with torch.no_grad():
+        hidden = full.model(**batch, output_hidden_states=True).hidden_states[2]  # after layer 2
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        expected = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+        torch.testing.assert_close(light(**batch), expected, atol=1e-5, rtol=0)
+    assert full.num_layers == 6  # the passage tower is untouched
+
+    retriever = DualEncoder.from_towers(minilm_path, query_path="layers:2", max_length=32)
+    assert (retriever.query_tower.num_layers, retriever.passage_tower.num_layers) == (2, 6)
+    retriever.save_pretrained(tmp_path / "dual")
+    again = DualEncoder.from_pretrained(str(tmp_path / "dual"), max_length=32)
+    assert (again.query_tower.num_layers, again.passage_tower.num_layers) == (2, 6)
+    torch.testing.assert_close(again.query_tower.encode(TEXTS), light.encode(TEXTS), atol=1e-5, rtol=0)
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(tmp_path / "dual" / "query_tower"), device="cpu")
+    theirs = torch.from_numpy(st.encode(TEXTS, normalize_embeddings=True))
+    torch.testing.assert_close(theirs, light.encode(TEXTS), atol=1e-5, rtol=0)
+
+    # A T5 encoder (GTR) truncates through its block list.
+    assert tiny_gtr.truncated(1).num_layers == 1 and tiny_gtr.num_layers == 2
+    # Errors name the setting.
+    with pytest.raises(ValueError, match="layers:7"):
+        DualEncoder.from_towers(minilm_path, query_path="layers:7")
+    with pytest.raises(ValueError, match="layers:N"):
+        DualEncoder.from_towers(minilm_path, query_path="layers:two")
+    with pytest.raises(ValueError, match="shared_towers"):
+        DualEncoder.from_towers(minilm_path, query_path="layers:2", shared=True)
+    tiny_gtr.save_pretrained(tmp_path / "gtr24")
+    with pytest.raises(ValueError, match="24-dim"):
+        DualEncoder.from_towers(minilm_path, query_path=str(tmp_path / "gtr24"))

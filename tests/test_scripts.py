@@ -60,3 +60,22 @@ def test_overlap_is_the_fraction_of_the_reference_found_per_query():
     reference = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     found = torch.tensor([[4, 3, 9, 9], [5, 6, 7, 8]])
     assert overlap(found, reference) == pytest.approx((0.5 + 1.0) / 2)
+
+
+def test_bench_query_tower_times_the_full_and_a_light_tower_side_by_side(tmp_path):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_query_tower", ROOT / "scripts" / "bench_query_tower.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "bq"
+    argv = ["--layers", "1", "--batch", "4", "--singles", "2", "--reps", "1", "--out", str(out)]
+    assert script.main(argv) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [r["layers"] for r in rows] == [6, 1]
+    assert rows[0]["single_speedup"] == 1.0 and rows[1]["params_m"] < rows[0]["params_m"]
+    assert all(r["single_ms"] > 0 and r["batch_ms_per_query"] > 0 for r in rows)
+    assert "| layers:1 | 1 |" in out.with_suffix(".md").read_text()

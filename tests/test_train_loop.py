@@ -288,3 +288,40 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
     log = [json.loads(line) for line in (world / "cached_validation" / "log.jsonl").read_text().splitlines()]
     assert [("dev_exact_match" in r) for r in log] == [True, True, True]
     assert log[0]["dev_gold_recall@5"] == log[1]["dev_gold_recall@5"]
+
+
+def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(world, capsys):
+    """`retriever.query_path=layers:2`: training keeps the 2-layer query tower against the 6-layer passage
+    tower (whose buffer stays the starting MiniLM's), and `rlm evaluate` and the demo's service read the
+    checkpoint with the light tower."""
+    import json
+
+    from app.qa import QAService
+    from rlm.cli import main
+    from rlm.train import train
+
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={world}/light",
+            f"buffer.dir={world}/buffer",
+            f"data.toy_world.dir={world}/toy",
+            *TINY,
+            "retriever.query_path=layers:2",
+            "optim.max_steps=2",
+        ],
+    )
+    train(cfg)
+    final = world / "light" / "final"
+    layers = {
+        tower: json.loads((final / "retriever" / tower / "config.json").read_text())["num_hidden_layers"]
+        for tower in ("query_tower", "passage_tower")
+    }
+    assert layers == {"query_tower": 2, "passage_tower": 6}
+    argv = ["evaluate", "--checkpoint", str(final), "--data-path", str(world / "toy"), "--retrieval-only"]
+    assert main([*argv, "--out", str(world / "light_eval"), "--max-examples", "4"]) == 0
+    metrics = json.loads((world / "light_eval" / "metrics.json").read_text())
+    assert metrics["num_questions"] == 4 and 0 <= metrics["recall@5"] <= 1
+    service = QAService.from_checkpoint(final)
+    assert service.retriever.query_tower.num_layers == 2
+    assert len(service.answer(service.examples[0], 3)["passages"]) == 3

@@ -1,0 +1,119 @@
+"""Query encoding latency of a light query tower (`retriever.query_path: layers:N`, DAFT's efficient query
+encoder) against the full one, measured side by side in one run.
+
+    python scripts/bench_query_tower.py                       # the packaged MiniLM, 6 -> 4, 2, 1 layers
+    python scripts/bench_query_tower.py --layers 2 --threads 1
+
+For each tower: one question at a time (an interactive demo's latency, tokenizer included) and a batch of
+`--batch` questions (throughput), best of `--reps`, on toy-world questions. Prints a table and writes
+`<out>.json` and `<out>.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from atomicio import atomic_write_text
+from rlm.benchmarking import best_of, cpu_name, load_average
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "docs" / "results" / "bench_query_tower"
+
+
+def questions(count: int) -> list[str]:
+    """`count` toy-world train questions (generated into a temporary folder)."""
+    import tempfile
+
+    from rlm.data.qa import load_qa_dataset
+    from rlm.data.toy_world import build_toy_world
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = build_toy_world(tmp, num_passages=200)
+        found = [ex.question for ex in load_qa_dataset("toy", "train", paths.root)]
+    return (found * (count // max(1, len(found)) + 1))[:count]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--path", default=None, help="sentence-transformers folder (default: packaged MiniLM)"
+    )
+    parser.add_argument("--layers", default="4,2,1", help="comma-separated light query tower depths")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--singles", type=int, default=32, help="questions encoded one at a time per rep")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--max-length", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from retriever.encoder import SentenceEncoder, default_retriever_path
+
+    full = SentenceEncoder.from_pretrained(args.path or default_retriever_path(), max_length=args.max_length)
+    towers = {f"full ({full.num_layers} layers)": full.eval()}
+    for n in (int(x) for x in args.layers.split(",") if x):
+        towers[f"layers:{n}"] = full.truncated(n).eval()
+    batch = questions(args.batch)
+    singles = batch[: args.singles]
+    rows = []
+    with torch.inference_mode():
+        for tower in towers.values():  # warm-up: first calls pay for allocations and kernel selection
+            tower.encode(batch[:8])
+        for name, tower in towers.items():
+            single_s, _ = best_of(args.reps, lambda t=tower: [t.encode([q]) for q in singles])
+            batch_s, _ = best_of(args.reps, lambda t=tower: t.encode(batch, batch_size=args.batch))
+            rows.append(
+                {
+                    "tower": name,
+                    "layers": tower.num_layers,
+                    "params_m": sum(p.numel() for p in tower.parameters()) / 1e6,
+                    "single_ms": 1000 * single_s / len(singles),
+                    "batch_ms_per_query": 1000 * batch_s / len(batch),
+                }
+            )
+    base = rows[0]
+    for row in rows:
+        row["single_speedup"] = base["single_ms"] / row["single_ms"]
+        row["batch_speedup"] = base["batch_ms_per_query"] / row["batch_ms_per_query"]
+    machine = f"{cpu_name()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+    command = " ".join(["python", "scripts/bench_query_tower.py", *(sys.argv[1:] if argv is None else argv)])
+    lines = [
+        "# Query encoding latency: light query towers (`retriever.query_path: layers:N`) against the full one",
+        "",
+        f"Command: `{command}` ({machine}; load average {load_average()}). Toy-world questions, max length "
+        f"{args.max_length} tokens; one question at a time ({len(singles)} per rep, tokenizer included) and "
+        f"batches of {args.batch}; best of {args.reps}. Speed-ups are against the full tower in the same run.",
+        "",
+        "| query tower | layers | parameters (M) | one question (ms) | speed-up | batch, per question (ms) | speed-up |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tower']} | {r['layers']} | {r['params_m']:.1f} | {r['single_ms']:.2f} | "
+            f"{r['single_speedup']:.2f}x | {r['batch_ms_per_query']:.3f} | {r['batch_speedup']:.2f}x |"
+        )
+    report = "\n".join(lines) + "\n"
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "machine": machine,
+        "args": {**vars(args), "out": str(args.out)},
+        "rows": rows,
+    }
+    atomic_write_text(args.out.with_suffix(".json"), json.dumps(payload, indent=2) + "\n")
+    atomic_write_text(args.out.with_suffix(".md"), report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
