@@ -20,6 +20,8 @@ approximation: the map is fitted from B each time (errors do not compound from o
 regresses the *residual* f(y) - b, so with d' landmarks smaller than the embedding width the output keeps b's
 full rank and only the correction is low-rank (the paper works in the d'-dimensional Nystrom space instead).
 
+The ridge is chosen per refit on a held-out fifth of the samples (`fit_validated`), or fixed by the caller.
+
 Kernels: `rbf` exp(-gamma |b - z|^2), with gamma from the median heuristic (sigma = the median distance between
 the samples and the landmarks, gamma = 1 / (2 sigma^2)) unless given; `linear` <b, z> + 1 (the paper's inner-product similarity plus a
 constant: a rank-d' affine correction).
@@ -53,6 +55,15 @@ def median_gamma(x: Tensor, landmarks: Tensor) -> float:
     squared = torch.cdist(x.double(), landmarks.double()).square()
     median = float(squared[squared > 0].median()) if bool((squared > 0).any()) else 1.0
     return 0.5 / median
+
+
+RIDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)  # the grid `fit_validated` chooses from
+
+
+def residual(mapped: Tensor, stale: Tensor, fresh: Tensor) -> float:
+    """The share of the drift a map leaves: |R(b) - f|^2 / |b - f|^2 (0: all of it explained; 1: none)."""
+    mapped, stale, fresh = mapped.double(), stale.double(), fresh.double()
+    return float((mapped - fresh).square().sum() / (stale - fresh).square().sum().clamp_min(1e-24))
 
 
 @dataclass
@@ -101,6 +112,38 @@ class NystromRegression:
         system = system + 1e-10 * scale * torch.eye(len(z), dtype=system.dtype)
         alpha = torch.linalg.solve(system, k_xz.T @ (y - x))
         return cls(z.float(), alpha.float(), kernel, float(gamma))
+
+    @classmethod
+    def fit_validated(
+        cls,
+        stale: Tensor,
+        fresh: Tensor,
+        landmarks: Tensor,
+        kernel: str = "rbf",
+        gamma: float | None = None,
+        ridges: tuple[float, ...] = RIDGES,
+        holdout: float = 0.2,
+        seed: int = 0,
+    ) -> tuple[NystromRegression, dict[float, float]]:
+        """The ridge chosen on the samples themselves: fit each of `ridges` on (1 - holdout) of the pairs,
+        score it on the rest (the share of their drift it leaves, `residual`), refit the best on all pairs.
+
+        A fixed ridge does not carry from one regime to another (a few hundred samples in 384 dimensions
+        overfit at the 1e-5 that suits thousands in 8), and every fit is a d' x d' solve, so choosing costs
+        nothing next to re-embedding the samples. Returns the model and the held-out residual per ridge.
+        """
+        count = len(stale)
+        if count < 5:  # too few to hold any out: the middle of the grid
+            return cls.fit(stale, fresh, landmarks, kernel, ridges[len(ridges) // 2], gamma), {}
+        order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+        held = order[: max(1, round(holdout * count))]
+        kept = order[len(held) :]
+        scores = {}
+        for ridge in ridges:
+            model = cls.fit(stale[kept], fresh[kept], landmarks, kernel, ridge, gamma)
+            scores[ridge] = residual(model(stale[held]), stale[held], fresh[held])
+        best = min(scores, key=scores.get)
+        return cls.fit(stale, fresh, landmarks, kernel, best, gamma), scores
 
     def __call__(self, rows: Tensor) -> Tensor:
         """R(rows) [n, D] float32 on rows' device."""

@@ -167,7 +167,7 @@ class RegressionConfig:
     landmarks: int = 128  # d', random rows of B, fixed for the run (the paper: 128)
     kernel: str = "rbf"  # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z>
     gamma: float | None = None  # rbf width; None: 1 / (2 median squared sample-landmark distance), each refit
-    ridge: float = 1e-5  # per-sample ridge penalty
+    ridge: float | None = None  # per-sample ridge penalty; None: chosen at each refit on held-out samples
 
 
 @dataclass
@@ -313,7 +313,9 @@ class TrainConfig:
             )
         if regression.samples < 1 or regression.landmarks < 1:
             raise ValueError("strategy.regression.samples and strategy.regression.landmarks must be >= 1")
-        if regression.ridge <= 0 or (regression.gamma is not None and regression.gamma <= 0):
+        if (regression.ridge is not None and regression.ridge <= 0) or (
+            regression.gamma is not None and regression.gamma <= 0
+        ):
             raise ValueError("strategy.regression.ridge and strategy.regression.gamma (when set) must be > 0")
         if self.optim.max_steps < 1 or self.optim.batch_size < 1:
             raise ValueError("optim.max_steps and optim.batch_size must be >= 1")

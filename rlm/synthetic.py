@@ -284,20 +284,24 @@ def fit_regression(
     fraction: float,
     kernel: str = "rbf",
     landmarks: int = 128,
-    ridge: float = 1e-5,
+    ridge: float | None = None,
     seed: int = 0,
 ) -> dict:
     """Dynnibal's approximate re-encoding at the corrector's re-embedding budget: a Nystrom kernel ridge
     regression (`retriever.reencode`) fitted on the same sampled targets `fit_corrector` sees, applied to all
-    targets, scored by the same held-out KL. Landmarks are `landmarks` random stale targets.
+    targets, scored by the same held-out KL. Landmarks are `landmarks` random stale targets; `ridge` None
+    chooses it on a held-out fifth of the samples, as training does.
     """
     sampled = sample_targets(len(world.stale), fraction, seed)
     generator = torch.Generator().manual_seed(seed + 1)
     chosen = torch.randperm(len(world.stale), generator=generator)[:landmarks]
     start = time.perf_counter()
-    model = NystromRegression.fit(
-        world.stale[sampled], fresh[sampled], world.stale[chosen], kernel=kernel, ridge=ridge
-    )
+    stale, target, landmarks = world.stale[sampled], fresh[sampled], world.stale[chosen]
+    if ridge is None:  # as training does: chosen on a held-out fifth of the samples
+        model, scores = NystromRegression.fit_validated(stale, target, landmarks, kernel=kernel, seed=seed)
+        ridge = min(scores, key=scores.get) if scores else None
+    else:
+        model = NystromRegression.fit(stale, target, landmarks, kernel=kernel, ridge=ridge)
     mapped = model(world.stale)
     return {
         "method": f"nystrom-{kernel}",

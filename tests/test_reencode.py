@@ -72,3 +72,21 @@ def test_duplicate_landmarks_and_bad_input_are_handled():
         kernel_matrix(stale, twice, "cosh", 1.0)
     with pytest.raises(ValueError, match="ridge"):
         NystromRegression.fit(stale, fresh, twice, ridge=0)
+
+
+def test_validated_ridge_beats_a_too_small_fixed_one_where_samples_are_few():
+    """A few hundred samples in many dimensions overfit a tiny ridge; the ridge chosen on held-out samples
+    does not, and the chosen fit generalises to rows nobody sampled."""
+    from retriever.reencode import RIDGES, residual
+
+    g = torch.Generator().manual_seed(4)
+    dim, n = 64, 3000
+    stale = unit(torch.randn(n, dim, generator=g))
+    w1, w2 = torch.randn(dim, 128, generator=g), torch.randn(128, dim, generator=g)
+    fresh = unit(stale + 0.5 * torch.tanh(stale @ w1) @ w2 / 11 + 0.05 * torch.randn(n, dim, generator=g))
+    samples, landmarks, rest = torch.arange(0, 150), torch.arange(150, 278), torch.arange(300, n)
+    chosen, scores = NystromRegression.fit_validated(stale[samples], fresh[samples], stale[landmarks])
+    assert set(scores) == set(RIDGES) and min(scores, key=scores.get) > RIDGES[0]
+    tiny = NystromRegression.fit(stale[samples], fresh[samples], stale[landmarks], ridge=RIDGES[0])
+    got = residual(chosen(stale[rest]), stale[rest], fresh[rest])
+    assert got < residual(tiny(stale[rest]), stale[rest], fresh[rest]) and got < 1.0
