@@ -76,6 +76,9 @@ class RetrieverConfig:
     # sentence-transformers folder with the same output size, or "layers:N" for the first N layers of `path`.
     query_path: str | None = None
     shared_towers: bool = False
+    # A run stops when the mean pairwise cosine of the dev questions' query embeddings (logged at every
+    # validation as dev_query_mean_cosine) exceeds this: the query tower has collapsed (DAFT). null: never.
+    collapse_cosine: float | None = 0.99
     query_max_length: int = 64
     passage_max_length: int = 128
     dropout: float | None = (
@@ -304,6 +307,10 @@ class TrainConfig:
         for name in ("k", "refresh_every", "snm_size", "candidates", "nprobe", "overlap_every"):
             if getattr(self.strategy, name) < 1:
                 raise ValueError(f"strategy.{name} must be >= 1")
+        if self.retriever.collapse_cosine is not None and not -1 < self.retriever.collapse_cosine <= 1:
+            raise ValueError(
+                f"retriever.collapse_cosine must be in (-1, 1] or null, got {self.retriever.collapse_cosine}"
+            )
         regression = self.strategy.regression
         from retriever.reencode import KERNELS
 

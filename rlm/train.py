@@ -71,6 +71,10 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+class RepresentationCollapseError(RuntimeError):
+    """The query tower maps every dev question to nearly the same vector (DAFT's collapse)."""
+
+
 def batch_indices(micro_step: int, num_examples: int, batch_size: int, rank: int, world: int, seed: int):
     """Example indices of process `rank` at `micro_step`: epoch = seeded permutation, drop the last partial batch."""
     global_batch = batch_size * world
@@ -558,6 +562,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             )
         if cfg.eval_every and state.step % cfg.eval_every == 0 and run.dev_examples:
             record.update(run.validate())  # on the hard subcorpus when configured
+            check_collapse(cfg, record, state.step)
         if acc.is_main_process:
             acc.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=state.step)
             with open(log_path, "a") as fh:
@@ -576,6 +581,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     }
     if run.dev_examples:
         summary.update(run.validate(subcorpus=False))  # the whole corpus, sharded
+        check_collapse(cfg, summary, state.step)
         # Validations whose passage embeddings were reused (the tower had not moved since the last one).
         summary["validation_embeddings_reused"] = run.validation_cache.hits
     if acc.is_main_process:
@@ -584,6 +590,18 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
         atomic_write_json(output_dir / "summary.json", summary)
     acc.end_training()
     return summary
+
+
+def check_collapse(cfg: TrainConfig, metrics: dict, step: int) -> None:
+    """Stop the run (every process sees the same figures) when the query tower has collapsed."""
+    cosine, limit = metrics.get("dev_query_mean_cosine"), cfg.retriever.collapse_cosine
+    if cosine is not None and limit is not None and cosine > limit:
+        raise RepresentationCollapseError(
+            f"step {step}: the query tower has collapsed: the dev questions' query embeddings have a mean "
+            f"pairwise cosine of {cosine:.4f} > retriever.collapse_cosine={limit} (every question retrieves "
+            "nearly the same passages). A light query tower needs aligning first (DAFT); otherwise lower "
+            "optim.lr_retriever. Set retriever.collapse_cosine=null to train on anyway."
+        )
 
 
 def _truncate_log(log_path: Path, step: int) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from retriever.alignment import alignment_metrics
 from rlm.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
 from rlm.strategies import Processes, ShardedRows, strategy_class
 
@@ -124,6 +125,9 @@ def validate(
             corpus_key=f"{getattr(corpus, 'fingerprint', '')}:{path or 'all'}:{len(corpus)}",
         )
         metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
+        # DAFT's watch on the towers: query_mean_cosine (-> 1 when the query tower collapses) and the kNN KL
+        # between the passage and query towers' embeddings of the dev questions (how aligned they are).
+        metrics.update(alignment_metrics(model.retriever, questions, cfg.buffer.batch_size))
     if model.reader is not None:
         n = cfg.reader.num_passages or cfg.strategy.k
         first, last = procs.part(len(dev_examples))

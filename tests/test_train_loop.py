@@ -325,3 +325,28 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
     service = QAService.from_checkpoint(final)
     assert service.retriever.query_tower.num_layers == 2
     assert len(service.answer(service.examples[0], 3)["passages"]) == 3
+
+
+def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world):
+    """retriever.collapse_cosine: validation logs the dev questions' mean pairwise query cosine, and a run
+    whose value passes the limit stops (here the limit is set below what MiniLM gives to force it)."""
+    from rlm.train import RepresentationCollapseError, train
+
+    cfg = load_config(
+        None,
+        [
+            f"output_dir={world}/collapse",
+            f"buffer.dir={world}/buffer",
+            f"data.toy_world.dir={world}/toy",
+            *TINY,
+            "data.dev=toy",
+            "data.max_dev_examples=6",
+            "eval_every=1",
+            "optim.max_steps=2",
+            "retriever.collapse_cosine=0.05",
+        ],
+    )
+    with pytest.raises(RepresentationCollapseError, match=r"step 1: the query tower has collapsed.*0\.05"):
+        train(cfg)
+    with pytest.raises(ValueError, match="collapse_cosine"):
+        load_config(None, ["retriever.collapse_cosine=1.5"])

@@ -266,6 +266,9 @@ def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(
     full = validate(model, parts.corpus, dev, cfg)
     assert {"dev_exact_match", "dev_f1", "dev_recall@1", "dev_gold_recall@5"} <= set(full)
     assert 0 <= full["dev_gold_recall@1"] <= full["dev_gold_recall@5"] <= 1
+    # DAFT's watch on the towers: the starting towers are one model (KL 0), and not collapsed.
+    assert full["dev_query_passage_knn_kl"] == pytest.approx(0.0, abs=1e-3)
+    assert 0 < full["dev_query_mean_cosine"] < cfg.retriever.collapse_cosine
     # A subcorpus of exactly the gold passages: every question's gold passage is then in its top 5.
     ids = sorted({pid for ex in dev for pid in ex.gold_passage_ids})
     save_subcorpus_ids(ids, world / "hard.txt")
