@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGORITHM2 = ("corrector", "stale", "exhaustive", "snm", "two_round", "frozen", "closed_book")
+ALGORITHM2 = ("corrector", "stale", "exhaustive", "snm", "regression", "two_round", "frozen", "closed_book")
 TINY = [
     "data.toy_world.num_passages=120",
     "data.max_dev_examples=8",
     "strategy.k=4",
     "strategy.refresh_every=1",
     "strategy.snm_size=30",
+    "strategy.regression.samples=30",
     "retriever.passage_max_length=40",
     "retriever.query_max_length=24",
     "reader.d_model=32",
