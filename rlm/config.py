@@ -79,6 +79,15 @@ class RetrieverConfig:
     # A run stops when the mean pairwise cosine of the dev questions' query embeddings (logged at every
     # validation as dev_query_mean_cosine) exceeds this: the query tower has collapsed (DAFT). null: never.
     collapse_cosine: float | None = 0.99
+    # DAFT's alignment stage: the first `align_steps` steps that train the retriever update the query tower
+    # alone (the passage tower is frozen, so the buffer is exact and the corrector is not trained); every
+    # `align_every` steps the kNN KL between the towers' embeddings of the dev questions (or 256 training
+    # questions) is measured, and the stage ends early once it falls below `align_kl` or has not fallen for
+    # `align_patience` measurements. 0: no alignment stage (both towers train from the start).
+    align_steps: int = 0
+    align_kl: float | None = None
+    align_every: int = 10
+    align_patience: int = 3
     query_max_length: int = 64
     passage_max_length: int = 128
     dropout: float | None = (
@@ -311,6 +320,14 @@ class TrainConfig:
             raise ValueError(
                 f"retriever.collapse_cosine must be in (-1, 1] or null, got {self.retriever.collapse_cosine}"
             )
+        if (
+            self.retriever.align_steps < 0
+            or self.retriever.align_every < 1
+            or self.retriever.align_patience < 1
+        ):
+            raise ValueError("retriever.align_steps must be >= 0, align_every and align_patience >= 1")
+        if self.retriever.align_steps and self.retriever.shared_towers:
+            raise ValueError("retriever.align_steps trains the query tower alone: not with shared_towers")
         regression = self.strategy.regression
         from retriever.reencode import KERNELS
 

@@ -38,6 +38,7 @@ from accelerate.utils import (
 from tqdm.auto import tqdm
 
 from atomicio import atomic_write_json, atomic_write_text
+from retriever.alignment import alignment_metrics
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.data.corpus import Corpus
 from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
@@ -59,6 +60,11 @@ class TrainState:
     nonfinite_total: int = 0
     nonfinite_in_a_row: int = 0
     wall_time: float = 0.0
+    # DAFT's alignment stage: the step it ended at (None while it runs or when there is none), the best kNN
+    # KL so far and how many measurements since it last fell.
+    align_end: int | None = None
+    align_best: float = float("inf")
+    align_stalled: int = 0
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
@@ -118,6 +124,17 @@ def reader_only_step(cfg: TrainConfig, step: int) -> bool:
     and the last `reader.final_reader_only_steps` of the run."""
     rc = cfg.reader
     return step < rc.reader_only_steps or step >= cfg.optim.max_steps - rc.final_reader_only_steps
+
+
+def retriever_start(cfg: TrainConfig) -> int:
+    """The first optimizer step that trains the retriever (Algorithm 2's reader-only warm-up comes first)."""
+    return cfg.reader.reader_only_steps if cfg.algorithm == 2 else 0
+
+
+def aligning(cfg: TrainConfig, state: TrainState, step: int) -> bool:
+    """Whether optimizer step `step` is in DAFT's alignment stage (the query tower trains alone)."""
+    first = retriever_start(cfg)
+    return state.align_end is None and first <= step < first + cfg.retriever.align_steps
 
 
 def check_gold_passages(examples, corpus) -> None:
@@ -344,9 +361,15 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         cfg.optim.max_steps,
         seed=cfg.seed,
         chunk_size=cfg.buffer.chunk_size,
-        start_step=cfg.reader.reader_only_steps if cfg.algorithm == 2 else 0,
+        # Re-embedding counts from the first step that moves the passage tower: after the alignment stage
+        # (lowered to where it ends when it ends early).
+        start_step=retriever_start(cfg) + cfg.retriever.align_steps,
     )
     distribute_strategy(strategy, cfg, accelerator)
+    if cfg.retriever.align_steps and accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError(
+            "retriever.align_steps is not supported under DeepSpeed (it freezes a tower per step)"
+        )
     if cfg.gradient_checkpointing and model.reader is not None:
         model.reader.gradient_checkpointing_enable()
 
@@ -377,6 +400,8 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         if found:
             accelerator.load_state(str(found[-1]))
             accelerator.print(f"resumed from {found[-1]} at step {state.step}")
+            if state.align_end is not None:
+                strategy.start_step = state.align_end
         else:
             accelerator.print(f"--resume: no checkpoint under {output_dir / 'checkpoints'}, starting fresh")
     return run
@@ -503,6 +528,12 @@ def train_step(run: TrainRun) -> dict | None:
         state.nonfinite_total += 1
         state.nonfinite_in_a_row += 1
         return None
+    align = aligning(cfg, state, state.step)
+    if align:  # DAFT stage 1: only the query tower moves (AdamW skips parameters without a gradient)
+        frozen = [*run.raw.retriever.passage_tower.parameters()]
+        frozen += [*run.raw.corrector.parameters()] if run.raw.corrector is not None else []
+        for p in frozen:
+            p.grad = None
     norms = clip_per_component(acc, run.optimizer, cfg.optim.max_grad_norm)
     lrs = {f"lr_{group['name']}": group["lr"] for group in run.optimizer.param_groups}  # this step's
     run.optimizer.step()
@@ -517,9 +548,51 @@ def train_step(run: TrainRun) -> dict | None:
         **{k: round(v, 6) for k, v in norms.items()},
         **strategy.pop_metrics(),
         **lrs,
+        **({"aligning": 1} if align else {}),
         "reembedded": strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
     }
+
+
+def alignment_questions(run: TrainRun, limit: int = 256) -> list[str]:
+    """The questions the alignment stage measures the towers on: the dev set's, else training questions."""
+    examples = run.dev_examples or run.train_examples
+    return [ex.question for ex in examples[:limit]]
+
+
+def check_alignment(run: TrainRun, record: dict) -> None:
+    """After a step of the alignment stage: every `align_every` steps (and at its last step) measure the kNN
+    KL between the towers; end the stage below `align_kl`, after `align_patience` measurements without a new
+    best, or at its last step. Every process measures the same questions, so they all decide alike."""
+    cfg, state, rc = run.cfg, run.state, run.cfg.retriever
+    step, first = state.step, retriever_start(run.cfg)
+    if not aligning(cfg, state, step - 1):
+        return
+    last = step >= first + rc.align_steps
+    if (step - first) % rc.align_every and not last:
+        return
+    metrics = alignment_metrics(run.raw.retriever, alignment_questions(run), cfg.buffer.batch_size)
+    kl = metrics["query_passage_knn_kl"]
+    record.update(
+        {"align_knn_kl": round(kl, 4), "align_query_mean_cosine": round(metrics["query_mean_cosine"], 4)}
+    )
+    check_collapse(cfg, {"dev_query_mean_cosine": metrics["query_mean_cosine"]}, step)
+    if kl < state.align_best:
+        state.align_best, state.align_stalled = kl, 0
+    else:
+        state.align_stalled += 1
+    reason = None
+    if rc.align_kl is not None and kl < rc.align_kl:
+        reason = f"kNN KL {kl:.2f} < retriever.align_kl={rc.align_kl}"
+    elif state.align_stalled >= rc.align_patience:
+        reason = f"kNN KL has not fallen for {rc.align_patience} measurements (best {state.align_best:.2f})"
+    elif last:
+        reason = f"retriever.align_steps={rc.align_steps} reached (kNN KL {kl:.2f})"
+    if reason is not None:
+        state.align_end = step
+        run.strategy.start_step = step  # re-embedding schedules count from the first passage-tower update
+        record["align_end"] = step
+        run.accelerator.print(f"step {step}: alignment stage ends ({reason}); both towers train from here")
 
 
 def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | None = None) -> dict:
@@ -550,6 +623,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
                     f"state is saved in {path}. Lower the learning rates or use mixed_precision=no, then --resume."
                 )
             continue
+        check_alignment(run, record)
         steps_since_log += 1
         progress.update(1)
         if state.step % cfg.log_every == 0 or state.step == cfg.optim.max_steps:

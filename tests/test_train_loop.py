@@ -350,3 +350,71 @@ def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world):
         train(cfg)
     with pytest.raises(ValueError, match="collapse_cosine"):
         load_config(None, ["retriever.collapse_cosine=1.5"])
+
+
+def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
+    """retriever.align_steps: during the stage the passage tower (so the buffer stays exact) and the corrector
+    do not move, the light query tower does; the stage ends at its limit, then every component trains."""
+    from rlm.train import check_alignment
+
+    run = make_run(
+        world,
+        "retriever.query_path=layers:2",
+        "retriever.align_steps=3",
+        "retriever.align_every=1",
+        "retriever.align_patience=100",
+        "optim.max_steps=5",
+    )
+    raw = run.raw
+
+    def snapshot(module):
+        return [p.detach().clone() for p in module.parameters()]
+
+    def same(before, module):
+        return all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+    towers = {"query": raw.retriever.query_tower, "passage": raw.retriever.passage_tower}
+    start = {name: snapshot(m) for name, m in {**towers, "corrector": raw.corrector}.items()}
+    run.model.train()
+    records = []
+    for _ in range(5):
+        record = train_step(run)
+        check_alignment(run, record)
+        records.append(record)
+        if run.state.step == 3:
+            assert not same(start["query"], towers["query"])
+            assert same(start["passage"], towers["passage"]) and same(start["corrector"], raw.corrector)
+    assert [r.get("aligning", 0) for r in records] == [1, 1, 1, 0, 0]
+    assert [("align_knn_kl" in r) for r in records] == [True, True, True, False, False]
+    assert records[2]["align_end"] == 3 and run.state.align_end == 3 and run.strategy.start_step == 3
+    assert not same(start["passage"], towers["passage"]) and not same(start["corrector"], raw.corrector)
+    assert run.state.state_dict()["align_end"] == 3  # saved with checkpoints
+
+
+def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(world):
+    """The kNN KL falls below retriever.align_kl at the first measurement (step 2): the stage ends there, and
+    exhaustive re-embedding counts from it (one refresh, before step 3), not from step 10 or from step 1."""
+    from rlm.train import check_alignment
+
+    run = make_run(
+        world,
+        "retriever.query_path=layers:2",
+        "retriever.align_steps=10",
+        "retriever.align_every=2",
+        "retriever.align_kl=1e9",  # any measurement is below it
+        "strategy.name=exhaustive",
+        "strategy.refresh_every=1",
+        "optim.max_steps=4",
+    )
+    assert run.strategy.start_step == 10  # until the stage ends, at most align_steps
+    run.model.train()
+    records = []
+    for _ in range(4):
+        record = train_step(run)
+        check_alignment(run, record)
+        records.append(record)
+    assert [r.get("aligning", 0) for r in records] == [1, 1, 0, 0]
+    assert records[1]["align_end"] == 2 and run.strategy.start_step == 2
+    assert run.strategy.reembedded == 120
+    with pytest.raises(ValueError, match="shared_towers"):
+        load_config(None, ["retriever.align_steps=5", "retriever.shared_towers=true"])
