@@ -542,7 +542,7 @@ def train_step(run: TrainRun) -> dict | None:
     run.optimizer.zero_grad(set_to_none=True)
     state.nonfinite_in_a_row = 0
     state.step += 1
-    return {
+    record = {
         "step": state.step,
         **{k: round(v, 6) for k, v in sums.items()},
         **{k: round(v, 6) for k, v in norms.items()},
@@ -552,6 +552,9 @@ def train_step(run: TrainRun) -> dict | None:
         "reembedded": strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
     }
+    if align:
+        check_alignment(run, record)
+    return record
 
 
 def alignment_questions(run: TrainRun, limit: int = 256) -> list[str]:
@@ -561,13 +564,12 @@ def alignment_questions(run: TrainRun, limit: int = 256) -> list[str]:
 
 
 def check_alignment(run: TrainRun, record: dict) -> None:
-    """After a step of the alignment stage: every `align_every` steps (and at its last step) measure the kNN
-    KL between the towers; end the stage below `align_kl`, after `align_patience` measurements without a new
-    best, or at its last step. Every process measures the same questions, so they all decide alike."""
+    """After a step of the alignment stage (`train_step` calls it): every `align_every` steps (and at its last
+    step) measure the kNN KL between the towers; end the stage below `align_kl`, after `align_patience`
+    measurements without a new best, or at its last step. Every process measures the same questions, so they
+    all decide alike."""
     cfg, state, rc = run.cfg, run.state, run.cfg.retriever
     step, first = state.step, retriever_start(run.cfg)
-    if not aligning(cfg, state, step - 1):
-        return
     last = step >= first + rc.align_steps
     if (step - first) % rc.align_every and not last:
         return
@@ -623,7 +625,6 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
                     f"state is saved in {path}. Lower the learning rates or use mixed_precision=no, then --resume."
                 )
             continue
-        check_alignment(run, record)
         steps_since_log += 1
         progress.update(1)
         if state.step % cfg.log_every == 0 or state.step == cfg.optim.max_steps:

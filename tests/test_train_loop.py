@@ -355,8 +355,6 @@ def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world):
 def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
     """retriever.align_steps: during the stage the passage tower (so the buffer stays exact) and the corrector
     do not move, the light query tower does; the stage ends at its limit, then every component trains."""
-    from rlm.train import check_alignment
-
     run = make_run(
         world,
         "retriever.query_path=layers:2",
@@ -378,9 +376,7 @@ def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
     run.model.train()
     records = []
     for _ in range(5):
-        record = train_step(run)
-        check_alignment(run, record)
-        records.append(record)
+        records.append(train_step(run))
         if run.state.step == 3:
             assert not same(start["query"], towers["query"])
             assert same(start["passage"], towers["passage"]) and same(start["corrector"], raw.corrector)
@@ -394,8 +390,6 @@ def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
 def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(world):
     """The kNN KL falls below retriever.align_kl at the first measurement (step 2): the stage ends there, and
     exhaustive re-embedding counts from it (one refresh, before step 3), not from step 10 or from step 1."""
-    from rlm.train import check_alignment
-
     run = make_run(
         world,
         "retriever.query_path=layers:2",
@@ -408,11 +402,7 @@ def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(
     )
     assert run.strategy.start_step == 10  # until the stage ends, at most align_steps
     run.model.train()
-    records = []
-    for _ in range(4):
-        record = train_step(run)
-        check_alignment(run, record)
-        records.append(record)
+    records = [train_step(run) for _ in range(4)]
     assert [r.get("aligning", 0) for r in records] == [1, 1, 0, 0]
     assert records[1]["align_end"] == 2 and run.strategy.start_step == 2
     assert run.strategy.reembedded == 120
