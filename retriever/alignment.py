@@ -62,10 +62,15 @@ def mean_pairwise_cosine(embeddings: Tensor) -> float:
 
 
 @torch.no_grad()
-def alignment_metrics(retriever, questions: list[str], batch_size: int = 64) -> dict[str, float]:
+def alignment_metrics(
+    retriever, questions: list[str], batch_size: int = 64, queries: Tensor | None = None
+) -> dict[str, float]:
     """`query_mean_cosine` (collapse) and `query_passage_knn_kl` (alignment: KL(passage tower || query
-    tower) over the same questions, as DAFT measures it) for a dual encoder on these questions."""
-    queries = retriever.query_tower.encode(list(questions), batch_size=batch_size).float().cpu()
+    tower) over the same questions, as DAFT measures it) for a dual encoder on these questions; `queries`:
+    their query-tower embeddings when the caller has them already."""
+    if queries is None:
+        queries = retriever.query_tower.encode(list(questions), batch_size=batch_size)
+    queries = queries.float().cpu()
     metrics = {"query_mean_cosine": mean_pairwise_cosine(queries)}
     if len(questions) > 1:
         as_passages = retriever.passage_tower.encode(list(questions), batch_size=batch_size).float().cpu()

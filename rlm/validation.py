@@ -67,10 +67,11 @@ def sharded_retrieve(
     batch_size: int = 64,
     cache: PassageEmbeddingCache | None = None,
     corpus_key: str = "corpus",
+    queries: torch.Tensor | None = None,
 ) -> Retrieved:
     """Exact top-k passages per question, this process embedding and scanning only its share of the corpus
     (or taking it from `cache` when the passage tower is the one that embedded it; `corpus_key` names which
-    corpus or subcorpus `corpus` is)."""
+    corpus or subcorpus `corpus` is). `queries`: the questions' embeddings when the caller has them."""
     start, stop = procs.part(len(corpus))
     texts = corpus.retrieval_texts()
     tower = retriever.passage_tower
@@ -79,7 +80,8 @@ def sharded_retrieve(
         return tower.encode([texts[i] for i in range(start, stop)], batch_size=batch_size)
 
     passages = embed() if cache is None else cache.get(tower, corpus_key, start, stop, embed)
-    queries = retriever.query_tower.encode(list(questions), batch_size=batch_size)
+    if queries is None:
+        queries = retriever.query_tower.encode(list(questions), batch_size=batch_size)
     if device is not None:
         queries = queries.to(device)
     top = ShardedRows(passages, torch.arange(start, stop), procs).topk(queries, None, k, chunk_size=65536)
@@ -113,6 +115,7 @@ def validate(
     if strategy_class(cfg.strategy.name).uses_passages:
         ks = [k for k in RECALL_KS if k <= len(corpus)] or [len(corpus)]
         questions = [ex.question for ex in dev_examples]
+        queries = model.retriever.query_tower.encode(questions, batch_size=cfg.buffer.batch_size)
         retrieved = sharded_retrieve(
             model.retriever,
             corpus,
@@ -123,11 +126,12 @@ def validate(
             cfg.buffer.batch_size,
             cache=cache,
             corpus_key=f"{getattr(corpus, 'fingerprint', '')}:{path or 'all'}:{len(corpus)}",
+            queries=queries,
         )
         metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
         # DAFT's watch on the towers: query_mean_cosine (-> 1 when the query tower collapses) and the kNN KL
         # between the passage and query towers' embeddings of the dev questions (how aligned they are).
-        metrics.update(alignment_metrics(model.retriever, questions, cfg.buffer.batch_size))
+        metrics.update(alignment_metrics(model.retriever, questions, cfg.buffer.batch_size, queries=queries))
     if model.reader is not None:
         n = cfg.reader.num_passages or cfg.strategy.k
         first, last = procs.part(len(dev_examples))
