@@ -4,12 +4,13 @@ training benchmark's Table 2 selection costs measure two-stage against exact the
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
+
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,9 +56,7 @@ def test_bench_two_stage_end_to_end_equals_exact_when_it_searches_everything(tmp
 
 
 def test_training_benchmark_two_stage_selection_costs(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_training", ROOT / "scripts" / "bench_training.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_training")
     args = Namespace(batch_size=4, k=8, repeats=1, candidates=3000, nprobe=64)
     for precision in ("no", "bf16"):
         costs = bench.selection_costs(args, 3000, 32, precision)

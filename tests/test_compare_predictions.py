@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location(
-    "compare_predictions", ROOT / "scripts" / "compare_predictions.py"
-)
-compare_predictions = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compare_predictions)
+compare_predictions = load_script("compare_predictions")
 
 
 def write(path: Path, rows: list[tuple[str, list[str], str, float]]) -> Path:

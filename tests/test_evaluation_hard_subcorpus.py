@@ -1,12 +1,11 @@
 """Hard subcorpus H_k: construction, loading, and how its metrics track the full corpus across checkpoints."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from script_loader import load_script
 
 from rlm import evaluation
 from rlm.data.corpus import load_corpus
@@ -19,8 +18,6 @@ from rlm.hard_subcorpus import (
     save_subcorpus_ids,
     track_checkpoints,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +70,6 @@ def test_rank_correlation():
         rank_correlation([1], [1])
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "track_hard_subcorpus", ROOT / "scripts" / "track_hard_subcorpus.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_track_checkpoints_and_script(world, tmp_path, capsys):
     paths, corpus, dev, retriever, _ = world
@@ -106,7 +94,7 @@ def test_track_checkpoints_and_script(world, tmp_path, capsys):
     full = [r["full"]["gold_recall@1"] for r in report["checkpoints"]]
     assert full[0] > full[1]  # the noisy query tower retrieves worse
 
-    script = _load_script()
+    script = load_script("track_hard_subcorpus")
     out = tmp_path / "track"
     argv = ["--data-path", str(paths.root), "--subcorpus", str(ids_path), "--retrieval-only", "--k", "20"]
     assert script.main([*argv, "--checkpoints", *map(str, ckpts), "--out", str(out)]) == 0

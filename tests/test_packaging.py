@@ -12,18 +12,12 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tiny_run import TINY_QUICKSTART
 
 from rlm.config import SHIPPED_CONFIGS, load_config, resolve_config_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "data.toy_world.num_passages=150",
-    "optim.max_steps=2",
-    "optim.batch_size=4",
-    "optim.warmup_steps=1",
-    "data.max_dev_examples=8",
-    "save_every=0",
-]
+TINY = TINY_QUICKSTART
 
 
 def test_checkout_configs_folder_is_the_shipped_one():

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
+from script_loader import load_script
 
 import rlm.precision as precision
 import rlm.train as train
@@ -170,19 +169,10 @@ def test_force_cpu_bf16_without_bf16_is_refused():
     assert load_config(None, ["mixed_precision=bf16", "force_cpu_bf16=true"]).force_cpu_bf16
 
 
-def load_compare_strategies():
-    spec = importlib.util.spec_from_file_location(
-        "compare_strategies", Path(__file__).resolve().parents[1] / "scripts" / "compare_strategies.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_compare_strategies_measures_in_the_precision_the_runs_train_with(fake_cpu):
     # Its start row and dropout floor run outside training, under the runs' autocast: never bf16 where the
     # runs fell back to float32.
-    compare = load_compare_strategies()
+    compare = load_script("compare_strategies")
     fake_cpu(AVX2_FLAGS)
     cfg = load_config(None, ["mixed_precision=bf16", "cpu=true"])
     with compare.run_precision(cfg):

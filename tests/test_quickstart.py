@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_run import TINY_QUICKSTART
 
 from rlm.cli import main
 from rlm.quickstart import (
@@ -19,15 +20,7 @@ from rlm.quickstart import (
     settings_key,
 )
 
-# Small enough for a 2-core CPU shared with others: 150 passages, 2 steps of 4 questions, 8 dev questions.
-TINY = [
-    "data.toy_world.num_passages=150",
-    "optim.max_steps=2",
-    "optim.batch_size=4",
-    "optim.warmup_steps=1",
-    "data.max_dev_examples=8",
-    "save_every=0",
-]
+TINY = TINY_QUICKSTART
 
 
 def build_tiny_quickstart(base: Path) -> Path:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_loader import load_script
 
 from reader.fid import FiDReader
 from rlm.config import load_config
@@ -215,13 +216,7 @@ def test_exhaustive_re_embeds_only_after_the_retriever_has_moved(tmp_path, world
 
 
 def test_learning_curve_rebuilds_wall_time_and_plots(tmp_path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "learning_curve", CONFIGS.parent / "scripts" / "learning_curve.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("learning_curve")
     run = tmp_path / "run"
     run.mkdir()
     records = [

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from script_loader import load_script
 
 from rlm.benchmarking import corrector_moving, overlap
 
@@ -63,14 +64,9 @@ def test_overlap_is_the_fraction_of_the_reference_found_per_query():
 
 
 def test_bench_query_tower_times_the_full_and_a_light_tower_side_by_side(tmp_path):
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_query_tower", ROOT / "scripts" / "bench_query_tower.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("bench_query_tower")
     out = tmp_path / "bq"
     argv = ["--layers", "1", "--batch", "4", "--singles", "2", "--reps", "1", "--out", str(out)]
     assert script.main(argv) == 0

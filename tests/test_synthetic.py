@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from script_loader import load_script
 
 from rlm.synthetic import (
     CorrectorSpec,
@@ -20,8 +19,6 @@ from rlm.synthetic import (
     softmax_kl,
     train_corrector,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +125,7 @@ def test_bad_arguments_are_refused(world):
 
 
 def test_quick_script_writes_report_and_keeps_findings(tmp_path):
-    spec = importlib.util.spec_from_file_location(
-        "synthetic_corrector", ROOT / "scripts" / "synthetic_corrector.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("synthetic_corrector")
     out = tmp_path / "report"
     findings = f"{script.FINDINGS_START}\nhand-written notes\n{script.FINDINGS_END}"
     out.with_suffix(".md").write_text(f"# old\n\n{findings}\n\nold table\n")

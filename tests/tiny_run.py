@@ -24,6 +24,18 @@ TINY_RUN = [
 ]
 
 
+# The tiny `rlm quickstart`, small enough for a 2-core CPU shared with others: 150 passages, 2 steps of 4
+# questions, 8 dev questions.
+TINY_QUICKSTART = [
+    "data.toy_world.num_passages=150",
+    "optim.max_steps=2",
+    "optim.batch_size=4",
+    "optim.warmup_steps=1",
+    "data.max_dev_examples=8",
+    "save_every=0",
+]
+
+
 def tiny_overrides(root: Path, out: str, *extra: str) -> list[str]:
     """`--set` values of a tiny run writing to root/out; runs under one root share the toy world and buffer."""
     paths = [
