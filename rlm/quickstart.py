@@ -1,8 +1,10 @@
 """The one-command offline path: toy world -> buffer -> Algorithm 2 training (corrector) -> dev EM table.
 
 `run_quickstart` trains with `configs/quickstart.yaml` into `output_dir` (the checkpoint lands in
-`<output_dir>/final`), then puts its dev EM next to two baselines trained on the same budget and config with
-only `strategy.name` changed: `closed_book` (no passages) and `frozen` (retriever never trained). A baseline
+`<output_dir>/final`), then puts its dev EM next to four baselines trained on the same budget and config with
+only `strategy.name` changed: `exhaustive` (the buffer re-embedded on a schedule: the method's ceiling),
+`stale` (the trained query tower against the never-updated buffer, no corrector), `frozen` (retriever never
+trained) and `closed_book` (no passages). A baseline
 is trained when `<output_dir>/baselines.json` has no figure for these settings (or always / never, as asked)
 and cached there; cached figures are shown with the date they were measured, flagged when they came from
 other settings. Everything is recorded in `<output_dir>/metrics.json`.
@@ -21,7 +23,12 @@ from atomicio import atomic_write_text
 from rlm.config import SHIPPED_CONFIGS, TrainConfig, dump_config, load_config
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "quickstart.yaml"
-BASELINES = {"closed_book": "closed book (no passages)", "frozen": "frozen retriever (reader trained)"}
+BASELINES = {
+    "exhaustive": "exhaustive (buffer re-embedded)",
+    "stale": "stale buffer, no corrector",
+    "frozen": "frozen retriever (reader trained)",
+    "closed_book": "closed book (no passages)",
+}
 BASELINES_FILE = "baselines.json"
 METRICS_FILE = "metrics.json"
 
@@ -74,12 +81,18 @@ def settings_key(cfg: TrainConfig) -> str:
     return hashlib.sha256(dump_config(neutral).encode()).hexdigest()[:12]
 
 
-def dev_scores(summary: dict) -> dict:
-    """EM and F1 (fractions) from a `train()` summary's final dev validation."""
+def dev_scores(summary: dict, k: int) -> dict:
+    """EM, F1 and answer recall@k (fractions; recall None without passages) from a `train()` summary's final
+    dev validation, and the passages the run re-embedded."""
     missing = [key for key in ("dev_exact_match", "dev_f1") if key not in summary]
     if missing:
         raise ValueError(f"training summary has no {', '.join(missing)}: the quickstart needs data.dev set")
-    return {"exact_match": summary["dev_exact_match"], "f1": summary["dev_f1"]}
+    return {
+        "exact_match": summary["dev_exact_match"],
+        "f1": summary["dev_f1"],
+        "recall": summary.get(f"dev_recall@{k}"),
+        "reembedded": summary.get("reembedded", 0),
+    }
 
 
 def load_cached_baselines(path: Path) -> dict:
@@ -111,7 +124,13 @@ def baseline_rows(measured: dict, cached: dict, key: str) -> dict:
             other = "" if entry.get("settings") == key else ", other settings"
             rows[name] = {**entry, "source": f"cached from {day}{other}"}
         else:
-            rows[name] = {"exact_match": None, "f1": None, "source": "not measured (--no-baselines)"}
+            rows[name] = {
+                "exact_match": None,
+                "f1": None,
+                "recall": None,
+                "reembedded": None,
+                "source": "not measured (--no-baselines)",
+            }
     return rows
 
 
@@ -121,32 +140,37 @@ def format_results(metrics: dict) -> str:
     def pct(value) -> str:
         return "-" if value is None else f"{100 * value:.1f}"
 
-    lines = [
-        f"dev set: {metrics['dev_questions']} questions; {metrics['strategy']} run: {metrics['steps']} steps "
-        f"in {metrics['train_seconds'] / 60:.1f} min, {metrics['reembedded']} passages re-embedded",
-        "",
-        "| run | dev EM | dev F1 | source |",
-        "| --- | ---: | ---: | --- |",
-    ]
+    def count(value) -> str:
+        return "-" if value is None else f"{value:,}"
+
+    k = metrics.get("k", "K")
     dev = metrics["dev"]
-    lines.append(
-        f"| {metrics['strategy']} (this run) | {pct(dev['exact_match'])} | {pct(dev['f1'])} | measured now |"
-    )
+    lines = [
+        f"dev set: {metrics['dev_questions']} questions, the reader reads K = {k} passages; "
+        f"{metrics['strategy']} run: {metrics['steps']} steps in {metrics['train_seconds'] / 60:.1f} min",
+        "",
+        f"| run | dev EM | dev F1 | answer recall@{k} | passages re-embedded | source |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+        f"| {metrics['strategy']} (this run) | {pct(dev['exact_match'])} | {pct(dev['f1'])} "
+        f"| {pct(dev.get(f'recall@{k}'))} | {count(metrics['reembedded'])} | measured now |",
+    ]
     for name, row in metrics["baselines"].items():
         lines.append(
-            f"| {BASELINES[name]} | {pct(row['exact_match'])} | {pct(row['f1'])} | {row['source']} |"
+            f"| {BASELINES[name]} | {pct(row['exact_match'])} | {pct(row['f1'])} | {pct(row.get('recall'))} "
+            f"| {count(row.get('reembedded'))} | {row['source']} |"
         )
     majority = metrics.get("majority_answer")
     if majority:
         lines.append(
             f"| majority answer per question type (no model) | {pct(majority['exact_match'])} "
-            f"| {pct(majority['f1'])} | measured now |"
+            f"| {pct(majority['f1'])} | - | - | measured now |"
         )
-    closed = metrics["baselines"]["closed_book"]["exact_match"]
-    if closed is not None:
-        gain = 100 * (dev["exact_match"] - closed)
-        lines += ["", f"EM over closed book: {gain:+.1f} points"]
-    return "\n".join(lines)
+    lines.append("")
+    for name, label in (("frozen", "the frozen retriever"), ("closed_book", "closed book")):
+        other = metrics["baselines"].get(name, {}).get("exact_match")
+        if other is not None:
+            lines.append(f"EM over {label}: {100 * (dev['exact_match'] - other):+.1f} points")
+    return "\n".join(lines).rstrip()
 
 
 def _dev_reference(cfg: TrainConfig) -> tuple[int, dict]:
@@ -198,12 +222,13 @@ def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartRe
     started = time.perf_counter()
     summary = train(cfg)
     train_seconds = time.perf_counter() - started
-    dev_scores(summary)  # fail now, not after the baselines, when the summary has no dev figures
+    k = cfg.reader.num_passages or cfg.strategy.k
+    dev_scores(summary, k)  # fail now, not after the baselines, when the summary has no dev figures
 
     measured: dict = {}
     for offset, name in enumerate(to_measure):
         _stage(3 + offset, total, f"baseline: {BASELINES[name]}, same config and budget")
-        scores = dev_scores(train(baseline_config(cfg, name)))
+        scores = dev_scores(train(baseline_config(cfg, name)), k)
         measured[name] = {**scores, "measured_at": _now(), "settings": key}
 
     if measured:
@@ -218,6 +243,7 @@ def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartRe
         "reembedded": summary["reembedded"],
         "train_seconds": round(train_seconds, 1),
         "dev_questions": num_dev,
+        "k": k,
         "dev": {key[len("dev_") :]: value for key, value in summary.items() if key.startswith("dev_")},
         "baselines": baseline_rows(measured, cached, key),
         "majority_answer": majority,

@@ -174,6 +174,7 @@ class SelectionStrategy:
         seed: int = 0,
         chunk_size: int = 65536,
         start_step: int = 0,
+        stop_step: int | None = None,
     ):
         self.cfg = cfg
         self.buffer = buffer  # the fixed stale buffer B; the corrector always reads this one
@@ -181,6 +182,9 @@ class SelectionStrategy:
         # The first step that updates the retriever (Algorithm 2's reader-only warm-up keeps it frozen
         # before): re-embedding schedules count from here, since re-embedding an unchanged tower buys nothing.
         self.start_step = start_step
+        # The step after the retriever's last update (Algorithm 2's final reader-only phase comes after it):
+        # a refresh later than this would re-embed a tower that has not moved since.
+        self.stop_step = max_steps if stop_step is None else stop_step
         self.chunk_size = chunk_size
         self.reembedded = 0  # passages re-embedded so far, each counted once over all processes
         self.generator = torch.Generator().manual_seed(seed)  # uniform negatives, SNM subsets
@@ -512,8 +516,12 @@ class ExhaustiveStrategy(_RefreshingStrategy):
     name = "exhaustive"
 
     def due(self, step: int) -> bool:
+        # Every R retriever updates, and once more when the retriever stops training (before a final
+        # reader-only phase), so that phase reads the final tower's embeddings.
         trained = step - self.start_step
-        return trained > 0 and trained % self.cfg.refresh_every == 0
+        if trained <= 0 or step > self.stop_step:
+            return False
+        return trained % self.cfg.refresh_every == 0 or step == self.stop_step < self.max_steps
 
 
 class RegressionStrategy(ExhaustiveStrategy):
@@ -593,7 +601,7 @@ class TwoRoundStrategy(_RefreshingStrategy):
     name = "two_round"
 
     def due(self, step: int) -> bool:
-        half = self.start_step + (self.max_steps - self.start_step) // 2
+        half = self.start_step + (self.stop_step - self.start_step) // 2
         return step == half and step > self.start_step
 
 
@@ -616,7 +624,7 @@ class SNMStrategy(SelectionStrategy):
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
         trained = step - self.start_step
         # A subset is needed from step 0; it is resampled every R retriever updates after that.
-        if step > 0 and (trained <= 0 or trained % self.cfg.refresh_every):
+        if step > 0 and (trained <= 0 or trained % self.cfg.refresh_every or step > self.stop_step):
             return
         m = min(self.cfg.snm_size, len(self.buffer))
         self.rows = torch.randperm(len(self.buffer), generator=self.generator)[:m].sort().values
@@ -714,8 +722,10 @@ def make_strategy(
     seed: int = 0,
     chunk_size: int = 65536,
     start_step: int = 0,
+    stop_step: int | None = None,
 ) -> SelectionStrategy:
-    """The strategy named by `cfg.name`; `start_step` is the first step that updates the retriever."""
+    """The strategy named by `cfg.name`; `start_step` is the first step that updates the retriever and
+    `stop_step` the step after its last update (None: it trains until `max_steps`)."""
     return strategy_class(cfg.name)(
-        cfg, buffer, max_steps, seed=seed, chunk_size=chunk_size, start_step=start_step
+        cfg, buffer, max_steps, seed=seed, chunk_size=chunk_size, start_step=start_step, stop_step=stop_step
     )

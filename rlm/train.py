@@ -131,6 +131,12 @@ def retriever_start(cfg: TrainConfig) -> int:
     return cfg.reader.reader_only_steps if cfg.algorithm == 2 else 0
 
 
+def retriever_stop(cfg: TrainConfig) -> int:
+    """The step after the retriever's last update (Algorithm 2's final reader-only phase follows it)."""
+    final = cfg.reader.final_reader_only_steps if cfg.algorithm == 2 else 0
+    return cfg.optim.max_steps - final
+
+
 def aligning(cfg: TrainConfig, state: TrainState, step: int) -> bool:
     """Whether optimizer step `step` is in DAFT's alignment stage (the query tower trains alone)."""
     first = retriever_start(cfg)
@@ -364,6 +370,7 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         # Re-embedding counts from the first step that moves the passage tower: after the alignment stage
         # (lowered to where it ends when it ends early).
         start_step=retriever_start(cfg) + cfg.retriever.align_steps,
+        stop_step=retriever_stop(cfg),
     )
     distribute_strategy(strategy, cfg, accelerator)
     if cfg.retriever.align_steps and accelerator.distributed_type == DistributedType.DEEPSPEED:

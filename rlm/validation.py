@@ -113,7 +113,9 @@ def validate(
     metrics: dict[str, float] = {}
     retrieved = None
     if strategy_class(cfg.strategy.name).uses_passages:
-        ks = [k for k in RECALL_KS if k <= len(corpus)] or [len(corpus)]
+        # Recall at the reader's K too: the share of questions whose passages can answer them at all.
+        read_k = (cfg.reader.num_passages or cfg.strategy.k,) if model.reader is not None else ()
+        ks = sorted({k for k in (*RECALL_KS, *read_k) if k <= len(corpus)}) or [len(corpus)]
         questions = [ex.question for ex in dev_examples]
         queries = model.retriever.query_tower.encode(questions, batch_size=cfg.buffer.batch_size)
         retrieved = sharded_retrieve(

@@ -86,6 +86,92 @@ def test_manifest_and_options(world, tmp_path):
         build_toy_world(tmp_path / "bad", 50)
 
 
+KIN_VERBS = {
+    "born_in": "was born in",
+    "occupation": "works as",
+    "located_in": ("is located in", "is headquartered in"),
+}
+
+
+def _kin_passages(corpus, subject: str) -> list[str]:
+    """Texts that state a relative's fact about `subject` ("The mother of X ...", "X's uncle ...")."""
+    from rlm.data.toy_world import _ORG_KIN, _PERSON_KIN
+
+    starts = [f"The {kin} of {subject} " for kin in _PERSON_KIN + _ORG_KIN]
+    starts += [f"{subject}'s {kin} " for kin in _PERSON_KIN + _ORG_KIN]
+    return [p.text for p in corpus if p.title == subject and p.text.startswith(tuple(starts))]
+
+
+def test_kin_facts_restate_each_asked_relation_about_a_relative_never_with_the_answer(world, tmp_path):
+    assert not any(
+        _kin_passages(load_corpus(world.corpus), p.title) for p in list(load_corpus(world.corpus))[:300]
+    )
+    types = ("born_in", "occupation", "located_in")
+    kin = build_toy_world(
+        tmp_path / "kin",
+        1500,
+        seed=2,
+        question_types=types,
+        kin_facts=3,
+        twin_rate=0.0,
+        mentions_per_person=0,
+    )
+    corpus = load_corpus(kin.corpus)
+    assert len(corpus) == 1500
+    questions = load_qa_dataset("toy", "train", kin.root)
+    assert {q.meta["type"] for q in questions} == set(types)
+    for q in questions:
+        texts = _kin_passages(corpus, q.meta["subject"])
+        # Three per asked relation of the subject's kind (a person: born_in and occupation; an organisation:
+        # located_in), none about works_for, which no question asks.
+        assert len(texts) == (3 if q.meta["type"] == "located_in" else 6), (q, texts)
+        verbs = KIN_VERBS[q.meta["type"]]
+        same_relation = [
+            t for t in texts if any(v in t for v in (verbs if isinstance(verbs, tuple) else (verbs,)))
+        ]
+        assert len(same_relation) == 3, (q, texts)
+        assert not any(has_answer(t, q.answers) for t in same_relation), q
+        assert not any("works for" in t for t in texts)
+    # A tiny world with many passages per entity fits exactly (organisations round up per split).
+    tiny = build_toy_world(tmp_path / "tiny", 150, seed=0, question_types=types, kin_facts=5)
+    assert len(load_corpus(tiny.corpus)) == 150
+    with pytest.raises(ValueError, match="kin_facts"):
+        build_toy_world(tmp_path / "bad", 500, kin_facts=-1)
+
+
+def test_kin_facts_defeat_the_off_the_shelf_retriever(tmp_path):
+    """The premise of the quickstart's world: all-MiniLM-L6-v2 ranks a relative's fact, worded like the question,
+    above the subject's own paraphrased fact, so its top-4 misses the answer far more often with kin facts."""
+    import torch
+
+    from retriever.encoder import SentenceEncoder, default_retriever_path
+
+    encoder = SentenceEncoder.from_pretrained(default_retriever_path(), max_length=48)
+    recall = {}
+    for kin in (0, 5):
+        paths = build_toy_world(
+            tmp_path / str(kin),
+            1200,
+            seed=0,
+            num_cities=24,
+            question_types=("born_in", "occupation", "located_in"),
+            filler_rate=0.0,
+            twin_rate=0.0,
+            kin_facts=kin,
+            mentions_per_person=0,
+            max_questions={"dev": 60},
+        )
+        corpus = load_corpus(paths.corpus)
+        dev = load_qa_dataset("toy", "dev", paths.root)
+        with torch.no_grad():
+            passages = encoder.encode(list(corpus.retrieval_texts()), batch_size=128)
+            queries = encoder.encode([q.question for q in dev], batch_size=128)
+        top = (queries @ passages.T).topk(4, dim=-1).indices.tolist()
+        hits = [any(has_answer(corpus[r].text, q.answers) for r in rows) for q, rows in zip(dev, top)]
+        recall[kin] = sum(hits) / len(hits)
+    assert recall[0] >= 0.9 and recall[5] <= 0.7, recall
+
+
 def test_scales_to_100k_passages_quickly(tmp_path):
     import time
 

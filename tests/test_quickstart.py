@@ -45,6 +45,7 @@ def test_quickstart_writes_checkpoint_metrics_and_table(tiny_run, capsys):
     assert metrics["reembedded"] == 0  # the corrector never re-embeds the buffer
     assert metrics["dev_questions"] == 8
     assert 0.0 <= metrics["dev"]["exact_match"] <= 1.0 and "recall@5" in metrics["dev"]
+    assert "recall@4" in metrics["dev"]  # at the reader's K: how many questions its passages can answer
     # The dev figures are the saved checkpoint's: `rlm evaluate` on it over the same 8 questions agrees.
     out = tiny_run / "evaluate_check"
     argv = ["evaluate", "--checkpoint", str(tiny_run / "final"), "--data-path", str(tiny_run / "toy_world")]
@@ -81,8 +82,9 @@ def test_baselines_from_cache_are_labelled_with_their_date():
     rows = baseline_rows({}, cached, key)
     assert rows["closed_book"]["source"] == "cached from 2026-11-20"
     assert rows["frozen"]["source"] == "cached from 2026-11-21, other settings"
-    measured = {"frozen": {"exact_match": 0.5, "f1": 0.6}}
+    measured = {"frozen": {"exact_match": 0.5, "f1": 0.6, "recall": 0.55, "reembedded": 0}}
     assert baseline_rows(measured, {}, key)["frozen"]["source"] == "measured now"
+    rows["exhaustive"] = {"exact_match": 0.6, "f1": 0.65, "recall": 0.99, "reembedded": 16000, "source": "x"}
     assert baseline_rows({}, {}, key)["closed_book"]["source"].startswith("not measured")
 
     metrics = {
@@ -91,14 +93,18 @@ def test_baselines_from_cache_are_labelled_with_their_date():
         "train_seconds": 90.0,
         "reembedded": 0,
         "dev_questions": 8,
-        "dev": {"exact_match": 0.625, "f1": 0.7},
+        "k": 4,
+        "dev": {"exact_match": 0.625, "f1": 0.7, "recall@4": 0.875},
         "baselines": rows,
         "majority_answer": {"exact_match": 0.05, "f1": 0.05},
     }
     table = format_results(metrics)
-    assert table.startswith("dev set: 8 questions; corrector run: 2 steps in 1.5 min, 0 passages re-embedded")
-    assert "| corrector (this run) | 62.5 | 70.0 | measured now |" in table
-    assert "| closed book (no passages) | 10.0 | 20.0 | cached from 2026-11-20 |" in table
+    assert table.startswith("dev set: 8 questions, the reader reads K = 4 passages; corrector run: 2 steps")
+    assert "| run | dev EM | dev F1 | answer recall@4 | passages re-embedded | source |" in table
+    assert "| corrector (this run) | 62.5 | 70.0 | 87.5 | 0 | measured now |" in table
+    assert "| exhaustive (buffer re-embedded) | 60.0 | 65.0 | 99.0 | 16,000 | x |" in table
+    assert "| closed book (no passages) | 10.0 | 20.0 | - | - | cached from 2026-11-20 |" in table
+    assert "EM over the frozen retriever: +32.5 points" in table
     assert "EM over closed book: +52.5 points" in table
 
 

@@ -197,6 +197,32 @@ def test_reembedding_schedule_counts_from_the_first_retriever_update(world, name
     assert [step for step, c in enumerate(counts) if c] == refreshed_before
 
 
+@pytest.mark.parametrize(
+    "name, extra, refreshed_before",
+    [
+        # every 2 retriever updates from step 3, and once more at step 8 where the retriever stops
+        ("exhaustive", ["strategy.refresh_every=2"], [5, 7, 8]),
+        ("exhaustive", ["strategy.refresh_every=5"], [8]),
+        ("snm", ["strategy.refresh_every=2", "strategy.snm_size=20"], [0, 5, 7]),
+        ("two_round", [], [5]),  # halfway through the 5 steps that train the retriever
+    ],
+)
+def test_no_refresh_after_the_retriever_stops_training(world, name, extra, refreshed_before):
+    """Algorithm 2's final reader-only phase (steps 8-11 here) does not move the passage tower: a refresh
+    there would re-embed the same tower again and count passages that bought nothing."""
+    from rlm.model import embed_rows
+
+    cfg, parts, model, _ = make_parts(world, f"strategy.name={name}", *extra)
+    strategy = make_strategy(cfg.strategy, parts.buffer, max_steps=12, seed=0, start_step=3, stop_step=8)
+    texts = parts.corpus.retrieval_texts()
+    refreshed = []
+    for step in range(12):
+        before = strategy.reembedded
+        strategy.before_step(step, lambda rows: embed_rows(model.retriever.passage_tower, texts, rows))
+        refreshed += [step] if strategy.reembedded > before else []
+    assert refreshed == refreshed_before
+
+
 def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
     from rlm.model import embed_rows
 

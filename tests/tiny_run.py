@@ -28,6 +28,7 @@ TINY_RUN = [
 # questions, 8 dev questions.
 TINY_QUICKSTART = [
     "data.toy_world.num_passages=150",
+    "data.toy_world.options.kin_facts=0",  # 150 passages of people with 10 relatives' facts: too few questions
     "optim.max_steps=2",
     "optim.batch_size=4",
     "optim.warmup_steps=1",

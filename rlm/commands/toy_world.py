@@ -24,6 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mentions-per-person", type=int, default=1, help="distractor passages per person")
     parser.add_argument(
+        "--kin-facts",
+        type=int,
+        default=0,
+        help="relatives' facts per entity and asked relation, worded like the questions (off-the-shelf "
+        "retrievers rank them first; the quickstart's world uses 5)",
+    )
+    parser.add_argument(
         "--filler-rate", type=float, default=0.7, help="share of passages with a filler sentence"
     )
     parser.add_argument(
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         num_occupations=args.num_occupations,
         twin_rate=args.twin_rate,
         mentions_per_person=args.mentions_per_person,
+        kin_facts=args.kin_facts,
         filler_rate=args.filler_rate,
         question_types=tuple(t.strip() for t in args.question_types.split(",") if t.strip()),
         max_questions={

@@ -172,6 +172,21 @@ _ORG_MENTIONS = (
     "{name} bought a product made by {obj}.",
     "{name} read a report about {obj} in the news.",
 )
+# Kin distractors (`kin_facts`): for each relation the world asks about, facts about a relative of the subject
+# (a person's family, an organisation's partners) in the very words the questions use, naming the subject, and
+# never with the subject's own answer. An off-the-shelf sentence encoder ranks them above the subject's own
+# paraphrased facts; only a retriever trained on the task learns that "the mother of X" is not X.
+_PERSON_KIN = ("mother", "father", "brother", "sister", "aunt", "uncle", "grandmother", "grandfather")
+_ORG_KIN = ("parent company", "main rival", "largest client", "chief supplier", "sister company")
+_KIN_TEMPLATES = {
+    "born_in": ("The {kin} of {name} was born in {obj}.", "{name}'s {kin} was born in {obj}."),
+    "works_for": ("The {kin} of {name} works for {obj}.", "{name}'s {kin} works for {obj}."),
+    "occupation": ("The {kin} of {name} works as {a} {obj}.", "{name}'s {kin} works as {a} {obj}."),
+    "located_in": ("The {kin} of {name} is located in {obj}.", "{name}'s {kin} is headquartered in {obj}."),
+    "founded_by": ("The {kin} of {name} was founded by {obj}.", "{name}'s {kin} was founded by {obj}."),
+}
+_PERSON_RELATIONS = ("born_in", "works_for", "occupation")
+_ORG_RELATIONS = ("located_in", "founded_by")
 _PERSON_FILLERS = (
     "{P} is known for a quiet sense of humour.",
     "Friends describe {o} as patient and curious.",
@@ -238,6 +253,7 @@ class ToyWorldConfig:
     num_occupations: int = 16
     persons_per_org: int = 5
     mentions_per_person: int = 1
+    kin_facts: int = 0  # kin distractors per entity and asked relation (see _KIN_TEMPLATES)
     twin_rate: float = 0.5
     filler_rate: float = 0.7
     split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
@@ -255,8 +271,8 @@ class ToyWorldConfig:
             raise ValueError(
                 f"num_occupations must be in [2, {len(OCCUPATIONS)}], got {self.num_occupations}"
             )
-        if self.persons_per_org < 1 or self.mentions_per_person < 0:
-            raise ValueError("persons_per_org must be >= 1 and mentions_per_person >= 0")
+        if self.persons_per_org < 1 or self.mentions_per_person < 0 or self.kin_facts < 0:
+            raise ValueError("persons_per_org must be >= 1, mentions_per_person and kin_facts >= 0")
         if not 0 <= self.twin_rate <= 1 or not 0 <= self.filler_rate <= 1:
             raise ValueError("twin_rate and filler_rate must be in [0, 1]")
         if len(self.split_fractions) != 3 or abs(sum(self.split_fractions) - 1) > 1e-6:
@@ -359,10 +375,26 @@ class _CorpusWriter:
         return pid
 
 
+def _asked(config: ToyWorldConfig, relations: Sequence[str]) -> list[str]:
+    """The single-hop relations among `relations` that some question type of the world asks about."""
+    hops = {"employer_city": ("works_for",), "founder_birthplace": ("founded_by",)}
+    asked = {r for t in config.question_types for r in hops.get(t, (t,))}
+    return [r for r in relations if r in asked]
+
+
 def _persons_for(config: ToyWorldConfig) -> int:
-    per_person = 3 + config.mentions_per_person + 2 / config.persons_per_org
+    person_kin = config.kin_facts * len(_asked(config, _PERSON_RELATIONS))
+    org_passages = 2 + config.kin_facts * len(_asked(config, _ORG_RELATIONS))
+    per_person = 3 + config.mentions_per_person + person_kin + org_passages / config.persons_per_org
     # Organisations are rounded up in each split: leave room for one extra (2 passages) per split.
     return max(10, math.floor((config.num_passages - 2 * len(SPLITS)) / per_person))
+
+
+def _planned_passages(config: ToyWorldConfig, persons, orgs) -> int:
+    """How many passages `_write_passages` writes for these entities (before padding)."""
+    person_kin = config.kin_facts * len(_asked(config, _PERSON_RELATIONS))
+    org_kin = config.kin_facts * len(_asked(config, _ORG_RELATIONS))
+    return len(persons) * (3 + config.mentions_per_person + person_kin) + len(orgs) * (2 + org_kin)
 
 
 def build_toy_world(
@@ -388,15 +420,22 @@ def build_toy_world(
         test=root / "test.jsonl",
         manifest=root / "world.json",
     )
-    rng = random.Random(seed)
-    names = _Names(rng)
-    cities = [names.city() for _ in range(config.num_cities)]
-    occupations = list(OCCUPATIONS[: config.num_occupations])
-    persons, orgs = _make_entities(config, rng, names, cities, occupations)
+    num_persons = _persons_for(config)
+    while True:
+        rng = random.Random(seed)
+        names = _Names(rng)
+        cities = [names.city() for _ in range(config.num_cities)]
+        occupations = list(OCCUPATIONS[: config.num_occupations])
+        persons, orgs = _make_entities(config, rng, names, cities, occupations, num_persons)
+        # Organisations are rounded up per split, so a small world with many passages per entity can plan
+        # more than fits; it is drawn again with one person fewer (never the case at the default settings).
+        if _planned_passages(config, persons, orgs) <= config.num_passages or num_persons <= 3:
+            break
+        num_persons -= 1
 
     with atomic_open(paths.corpus) as f:
         writer = _CorpusWriter(f)
-        _write_passages(config, rng, writer, persons, orgs, cities)
+        _write_passages(config, rng, writer, persons, orgs, cities, occupations)
         if writer.count > config.num_passages:
             raise RuntimeError(f"toy world overshot: {writer.count} > {config.num_passages} passages")
         # Pad to the exact size with more mention distractors (harmless: they answer no question).
@@ -436,8 +475,7 @@ def build_toy_world(
     return paths
 
 
-def _make_entities(config, rng, names, cities, occupations) -> tuple[list[_Person], list[_Org]]:
-    num_persons = _persons_for(config)
+def _make_entities(config, rng, names, cities, occupations, num_persons) -> tuple[list[_Person], list[_Org]]:
     persons: list[_Person] = []
     while len(persons) < num_persons:
         split = rng.choices(SPLITS, weights=config.split_fractions)[0]
@@ -487,7 +525,19 @@ def _write_mention(rng, writer: _CorpusWriter, person: _Person, cities, orgs, fi
     writer.write(person.name, text)
 
 
-def _write_passages(config, rng, writer: _CorpusWriter, persons, orgs, cities) -> None:
+def _write_kin_fact(
+    rng, writer: _CorpusWriter, name: str, kin: Sequence[str], relation: str, truth: str, draw
+):
+    """One relative's fact: the question's own words, an object from `draw()` other than the subject's."""
+    obj = draw()
+    while obj == truth:
+        obj = draw()
+    article = "an" if obj[:1].lower() in "aeiou" else "a"
+    template = rng.choice(_KIN_TEMPLATES[relation])
+    writer.write(name, template.format(kin=rng.choice(kin), name=name, obj=obj, a=article))
+
+
+def _write_passages(config, rng, writer: _CorpusWriter, persons, orgs, cities, occupations) -> None:
     # Entities are written in a shuffled order so that row numbers say nothing about splits or twins.
     order = [("p", i) for i in range(len(persons))] + [("o", i) for i in range(len(orgs))]
     rng.shuffle(order)
@@ -505,11 +555,26 @@ def _write_passages(config, rng, writer: _CorpusWriter, persons, orgs, cities) -
                 person.passage_ids[relation] = writer.write(person.name, text)
             for _ in range(config.mentions_per_person):
                 _write_mention(rng, writer, person, cities, orgs, config.filler_rate)
+            truths = {
+                "born_in": (person.born_in, lambda: rng.choice(cities)),
+                "works_for": (orgs[person.works_for].name, lambda: orgs[rng.randrange(len(orgs))].name),
+                "occupation": (person.occupation, lambda: rng.choice(occupations)),
+            }
+            for relation in _asked(config, _PERSON_RELATIONS) if config.kin_facts else ():
+                for _ in range(config.kin_facts):
+                    _write_kin_fact(rng, writer, person.name, _PERSON_KIN, relation, *truths[relation])
         else:
             org = orgs[i]
             for relation, obj in (("located_in", org.located_in), ("founded_by", persons[org.founder].name)):
                 text = _fact_text(rng, relation, org.name, obj, None, config.filler_rate)
                 org.passage_ids[relation] = writer.write(org.name, text)
+            truths = {
+                "located_in": (org.located_in, lambda: rng.choice(cities)),
+                "founded_by": (persons[org.founder].name, lambda: persons[rng.randrange(len(persons))].name),
+            }
+            for relation in _asked(config, _ORG_RELATIONS) if config.kin_facts else ():
+                for _ in range(config.kin_facts):
+                    _write_kin_fact(rng, writer, org.name, _ORG_KIN, relation, *truths[relation])
 
 
 def _question(rng, qtype: str, subject: str, answer: str, gold: Sequence[str]) -> dict:
