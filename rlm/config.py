@@ -273,6 +273,11 @@ class TrainConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
+    @property
+    def reader_passages(self) -> int:
+        """K, the passages the reader reads: `reader.num_passages`, else all of the strategy's `k`."""
+        return self.reader.num_passages or self.strategy.k
+
     def validate(self) -> TrainConfig:
         if self.algorithm not in (1, 2):
             raise ValueError(f"algorithm must be 1 or 2, got {self.algorithm}")

@@ -222,7 +222,7 @@ def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartRe
     started = time.perf_counter()
     summary = train(cfg)
     train_seconds = time.perf_counter() - started
-    k = cfg.reader.num_passages or cfg.strategy.k
+    k = cfg.reader_passages
     dev_scores(summary, k)  # fail now, not after the baselines, when the summary has no dev figures
 
     measured: dict = {}

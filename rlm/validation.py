@@ -114,7 +114,7 @@ def validate(
     retrieved = None
     if strategy_class(cfg.strategy.name).uses_passages:
         # Recall at the reader's K too: the share of questions whose passages can answer them at all.
-        read_k = (cfg.reader.num_passages or cfg.strategy.k,) if model.reader is not None else ()
+        read_k = (cfg.reader_passages,) if model.reader is not None else ()
         ks = sorted({k for k in (*RECALL_KS, *read_k) if k <= len(corpus)}) or [len(corpus)]
         questions = [ex.question for ex in dev_examples]
         queries = model.retriever.query_tower.encode(questions, batch_size=cfg.buffer.batch_size)
@@ -135,7 +135,7 @@ def validate(
         # between the passage and query towers' embeddings of the dev questions (how aligned they are).
         metrics.update(alignment_metrics(model.retriever, questions, cfg.buffer.batch_size, queries=queries))
     if model.reader is not None:
-        n = cfg.reader.num_passages or cfg.strategy.k
+        n = cfg.reader_passages
         first, last = procs.part(len(dev_examples))
         mine = (
             None if retrieved is None else Retrieved(retrieved.ids[first:last], retrieved.scores[first:last])

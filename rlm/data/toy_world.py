@@ -382,19 +382,24 @@ def _asked(config: ToyWorldConfig, relations: Sequence[str]) -> list[str]:
     return [r for r in relations if r in asked]
 
 
-def _persons_for(config: ToyWorldConfig) -> int:
+def _passages_per_entity(config: ToyWorldConfig) -> tuple[int, int]:
+    """(passages of one person, of one organisation) that `_write_passages` writes."""
     person_kin = config.kin_facts * len(_asked(config, _PERSON_RELATIONS))
-    org_passages = 2 + config.kin_facts * len(_asked(config, _ORG_RELATIONS))
-    per_person = 3 + config.mentions_per_person + person_kin + org_passages / config.persons_per_org
+    org_kin = config.kin_facts * len(_asked(config, _ORG_RELATIONS))
+    return 3 + config.mentions_per_person + person_kin, 2 + org_kin
+
+
+def _persons_for(config: ToyWorldConfig) -> int:
+    person_passages, org_passages = _passages_per_entity(config)
+    per_person = person_passages + org_passages / config.persons_per_org
     # Organisations are rounded up in each split: leave room for one extra (2 passages) per split.
     return max(10, math.floor((config.num_passages - 2 * len(SPLITS)) / per_person))
 
 
 def _planned_passages(config: ToyWorldConfig, persons, orgs) -> int:
     """How many passages `_write_passages` writes for these entities (before padding)."""
-    person_kin = config.kin_facts * len(_asked(config, _PERSON_RELATIONS))
-    org_kin = config.kin_facts * len(_asked(config, _ORG_RELATIONS))
-    return len(persons) * (3 + config.mentions_per_person + person_kin) + len(orgs) * (2 + org_kin)
+    person_passages, org_passages = _passages_per_entity(config)
+    return len(persons) * person_passages + len(orgs) * org_passages
 
 
 def build_toy_world(
@@ -538,6 +543,8 @@ def _write_kin_fact(
 
 
 def _write_passages(config, rng, writer: _CorpusWriter, persons, orgs, cities, occupations) -> None:
+    person_kin = _asked(config, _PERSON_RELATIONS) if config.kin_facts else []
+    org_kin = _asked(config, _ORG_RELATIONS) if config.kin_facts else []
     # Entities are written in a shuffled order so that row numbers say nothing about splits or twins.
     order = [("p", i) for i in range(len(persons))] + [("o", i) for i in range(len(orgs))]
     rng.shuffle(order)
@@ -560,7 +567,7 @@ def _write_passages(config, rng, writer: _CorpusWriter, persons, orgs, cities, o
                 "works_for": (orgs[person.works_for].name, lambda: orgs[rng.randrange(len(orgs))].name),
                 "occupation": (person.occupation, lambda: rng.choice(occupations)),
             }
-            for relation in _asked(config, _PERSON_RELATIONS) if config.kin_facts else ():
+            for relation in person_kin:
                 for _ in range(config.kin_facts):
                     _write_kin_fact(rng, writer, person.name, _PERSON_KIN, relation, *truths[relation])
         else:
@@ -572,7 +579,7 @@ def _write_passages(config, rng, writer: _CorpusWriter, persons, orgs, cities, o
                 "located_in": (org.located_in, lambda: rng.choice(cities)),
                 "founded_by": (persons[org.founder].name, lambda: persons[rng.randrange(len(persons))].name),
             }
-            for relation in _asked(config, _ORG_RELATIONS) if config.kin_facts else ():
+            for relation in org_kin:
                 for _ in range(config.kin_facts):
                     _write_kin_fact(rng, writer, org.name, _ORG_KIN, relation, *truths[relation])
 
