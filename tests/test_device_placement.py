@@ -252,15 +252,15 @@ def test_run_evaluation_with_towers_and_reader_on_a_device(retriever, reader, wo
 
 
 def test_validate_with_towers_and_reader_on_a_device(retriever, reader, world):
+    from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
     from rlm.validation import validate
 
     corpus, dev = world
     model = SimpleNamespace(retriever=retriever, reader=reader)
-    cfg = SimpleNamespace(
-        data=SimpleNamespace(dev_subcorpus=None),
-        strategy=SimpleNamespace(name="corrector", k=3),
-        buffer=SimpleNamespace(batch_size=16),
-        reader=SimpleNamespace(num_passages=2),
+    cfg = TrainConfig(
+        strategy=StrategyConfig(name="corrector", k=3),
+        buffer=BufferConfig(batch_size=16),
+        reader=ReaderConfig(num_passages=2),
     )
     ref = validate(model, corpus, dev, cfg, batch_size=2)
     with simulated_accelerator(retriever, reader):
