@@ -95,12 +95,12 @@ def _before_corpus_module(commit: str):
     source = subprocess.run(
         ["git", "show", f"{commit}:rlm/data/corpus.py"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    folder = Path(tempfile.mkdtemp(prefix="bench_startup_"))
-    (folder / "corpus_before.py").write_text(source)
-    spec = importlib.util.spec_from_file_location("corpus_before", folder / "corpus_before.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["corpus_before"] = module
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="bench_startup_") as folder:
+        (Path(folder) / "corpus_before.py").write_text(source)
+        spec = importlib.util.spec_from_file_location("corpus_before", Path(folder) / "corpus_before.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["corpus_before"] = module
+        spec.loader.exec_module(module)
     return module
 
 

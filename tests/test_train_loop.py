@@ -157,7 +157,7 @@ class _Fixed:
         ("regression", ["strategy.regression.samples=30", "strategy.regression.landmarks=16"], 30),
     ],
 )
-def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, name, options, per_refresh):
+def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, name, options, per_refresh):
     """Refreshed rows are fp16 files under <output_dir>/refresh that checkpoints reference (not pickle); the
     ones no kept checkpoint needs are deleted; a run resumed from step 2 repeats steps 3-4's losses."""
     import json
@@ -169,7 +169,7 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, name, option
         return load_config(
             None,
             [
-                f"output_dir={world}/{out}",
+                f"output_dir={tmp_path}/{out}",
                 f"buffer.dir={world}/buffer",
                 f"data.toy_world.dir={world}/toy",
                 *TINY,
@@ -184,7 +184,7 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, name, option
         )
 
     train(config(f"full_{name}"))
-    full = world / f"full_{name}"
+    full = tmp_path / f"full_{name}"
     log = {r["step"]: r for r in map(json.loads, (full / "log.jsonl").read_text().splitlines())}
     # Refreshes before steps 1, 2 and 3; checkpoints after 2 and 4 steps need those before 1 and 3.
     assert sorted(p.name for p in (full / "refresh").iterdir()) == ["step_0000001", "step_0000003"]
@@ -195,8 +195,12 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, name, option
     assert pickled < 20_000, "the refreshed rows were pickled into the checkpoint"
 
     # The same run folder as after a kill at step 3: checkpoint 2 and the refresh it references.
-    resumed = world / f"resumed_{name}"
-    shutil.copytree(full / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
+    resumed = tmp_path / f"resumed_{name}"
+    # Moved, not copied, and the full run's other weights deleted: checkpoints are ~0.5 GB each.
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.move(full / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
+    shutil.rmtree(full / "checkpoints")
+    shutil.rmtree(full / "final")
     shutil.copytree(full / "refresh" / "step_0000001", resumed / "refresh" / "step_0000001")
     shutil.copytree(full / "tokenizer", resumed / "tokenizer")
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -258,7 +262,7 @@ def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
         load_config(None, ["strategy.first_stage=flat"])
 
 
-def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(world):
+def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(world, tmp_path):
     """Validations after steps 1 and 2 fall in the reader-only warm-up (the tower has not moved: the second
     reuses the first's embeddings); after step 3 the retriever has trained (embedded again); the final one
     follows it with no step between (reused)."""
@@ -270,7 +274,7 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
     cfg = load_config(
         None,
         [
-            f"output_dir={world}/cached_validation",
+            f"output_dir={tmp_path}/cached_validation",
             f"buffer.dir={world}/buffer",
             f"data.toy_world.dir={world}/toy",
             *TINY,
@@ -285,12 +289,14 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
     )
     summary = train(cfg)
     assert summary["validation_embeddings_reused"] == 2
-    log = [json.loads(line) for line in (world / "cached_validation" / "log.jsonl").read_text().splitlines()]
+    log = [
+        json.loads(line) for line in (tmp_path / "cached_validation" / "log.jsonl").read_text().splitlines()
+    ]
     assert [("dev_exact_match" in r) for r in log] == [True, True, True]
     assert log[0]["dev_gold_recall@5"] == log[1]["dev_gold_recall@5"]
 
 
-def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(world, capsys):
+def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(world, tmp_path, capsys):
     """`retriever.query_path=layers:2`: training keeps the 2-layer query tower against the 6-layer passage
     tower (whose buffer stays the starting MiniLM's), and `rlm evaluate` and the demo's service read the
     checkpoint with the light tower."""
@@ -303,7 +309,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
     cfg = load_config(
         None,
         [
-            f"output_dir={world}/light",
+            f"output_dir={tmp_path}/light",
             f"buffer.dir={world}/buffer",
             f"data.toy_world.dir={world}/toy",
             *TINY,
@@ -312,22 +318,22 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
         ],
     )
     train(cfg)
-    final = world / "light" / "final"
+    final = tmp_path / "light" / "final"
     layers = {
         tower: json.loads((final / "retriever" / tower / "config.json").read_text())["num_hidden_layers"]
         for tower in ("query_tower", "passage_tower")
     }
     assert layers == {"query_tower": 2, "passage_tower": 6}
     argv = ["evaluate", "--checkpoint", str(final), "--data-path", str(world / "toy"), "--retrieval-only"]
-    assert main([*argv, "--out", str(world / "light_eval"), "--max-examples", "4"]) == 0
-    metrics = json.loads((world / "light_eval" / "metrics.json").read_text())
+    assert main([*argv, "--out", str(tmp_path / "light_eval"), "--max-examples", "4"]) == 0
+    metrics = json.loads((tmp_path / "light_eval" / "metrics.json").read_text())
     assert metrics["num_questions"] == 4 and 0 <= metrics["recall@5"] <= 1
     service = QAService.from_checkpoint(final)
     assert service.retriever.query_tower.num_layers == 2
     assert len(service.answer(service.examples[0], 3)["passages"]) == 3
 
 
-def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world):
+def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_path):
     """retriever.collapse_cosine: validation logs the dev questions' mean pairwise query cosine, and a run
     whose value passes the limit stops (here the limit is set below what MiniLM gives to force it)."""
     from rlm.train import RepresentationCollapseError, train
@@ -335,7 +341,7 @@ def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world):
     cfg = load_config(
         None,
         [
-            f"output_dir={world}/collapse",
+            f"output_dir={tmp_path}/collapse",
             f"buffer.dir={world}/buffer",
             f"data.toy_world.dir={world}/toy",
             *TINY,

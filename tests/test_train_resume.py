@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 
 
-def tiny_run_args(root: Path, out: str, *extra: str) -> list[str]:
+def tiny_run_args(root: Path, out: Path, *extra: str) -> list[str]:
     schedule = [
         f"optim.max_steps={STEPS}",
         "optim.warmup_steps=2",
@@ -35,7 +36,7 @@ def env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
 
-def run_train(root: Path, out: str, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
+def run_train(root: Path, out: Path, *extra: str, resume: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rlm.train", *tiny_run_args(root, out, *extra)] + (
         ["--resume"] if resume else []
     )
@@ -52,19 +53,22 @@ LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
+    """The toy world and buffer the runs share; each run writes under its test's tmp_path (checkpoints are
+    ~0.5 GB each, and pytest deletes a passed test's tmp_path)."""
     return tmp_path_factory.mktemp("resume")
 
 
-def test_sigkill_then_resume_gives_the_same_losses(root):
-    full = run_train(root, "full")
+def test_sigkill_then_resume_gives_the_same_losses(root, tmp_path):
+    full = run_train(root, tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
-    reference = read_log(root / "full" / "log.jsonl")
+    reference = read_log(tmp_path / "full" / "log.jsonl")
     assert sorted(reference) == list(range(1, STEPS + 1))
+    shutil.rmtree(tmp_path / "full")  # only its log is needed: keep the test's disk peak at one run
 
     # Start the same run, kill it hard after step 5 (checkpoint at step 4), then resume.
-    cmd = [sys.executable, "-m", "rlm.train", *tiny_run_args(root, "killed")]
+    cmd = [sys.executable, "-m", "rlm.train", *tiny_run_args(root, tmp_path / "killed")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
-    log = root / "killed" / "log.jsonl"
+    log = tmp_path / "killed" / "log.jsonl"
     deadline = time.time() + 600
     try:
         while time.time() < deadline:
@@ -78,30 +82,32 @@ def test_sigkill_then_resume_gives_the_same_losses(root):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    checkpoints = sorted(p.name for p in (root / "killed" / "checkpoints").iterdir())
+    checkpoints = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir())
     assert checkpoints[-1] in ("step_0000004", "step_0000006") and not any(
         c.startswith(".tmp") for c in checkpoints
     )
 
-    resumed = run_train(root, "killed", resume=True)
+    resumed = run_train(root, tmp_path / "killed", resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got = read_log(log)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         for key in LOSS_KEYS:
             assert got[step][key] == pytest.approx(reference[step][key], rel=1e-5, abs=1e-6), (step, key)
-    assert (root / "killed" / "final" / "reader" / "model.safetensors").exists()
+    assert (tmp_path / "killed" / "final" / "reader" / "model.safetensors").exists()
 
 
-def test_non_finite_losses_stop_the_run_with_a_checkpoint(root):
+def test_non_finite_losses_stop_the_run_with_a_checkpoint(root, tmp_path):
     # A learning rate this large sends the reader's weights to inf after the first update.
-    out = run_train(root, "nan", "optim.lr_reader=1e30", "optim.warmup_steps=0", "max_nonfinite_in_a_row=3")
+    out = run_train(
+        root, tmp_path / "nan", "optim.lr_reader=1e30", "optim.warmup_steps=0", "max_nonfinite_in_a_row=3"
+    )
     assert out.returncode != 0
     assert "non-finite losses in a row" in out.stderr
-    assert (root / "nan" / "checkpoints").is_dir()
+    assert (tmp_path / "nan" / "checkpoints").is_dir()
 
 
-def test_bf16_mixed_precision_trains_on_cpu_and_validates_close_to_fp32(root):
+def test_bf16_mixed_precision_trains_on_cpu_and_validates_close_to_fp32(root, tmp_path):
     """mixed_precision=bf16 on CPU: the step, refreshes and validation run under autocast (faster only on CPUs
     with native bf16, docs/training.md), and the losses and dev recall stay close to the float32 run's."""
     extra = ("optim.max_steps=2", "data.dev=toy", "data.max_dev_examples=16", "strategy.name=exhaustive")
@@ -110,10 +116,12 @@ def test_bf16_mixed_precision_trains_on_cpu_and_validates_close_to_fp32(root):
     # force_cpu_bf16: what is tested is bf16's numerics, which a CPU without native bf16 would otherwise skip
     # by falling back to float32 (rlm.precision).
     for precision, force in (("no", ()), ("bf16", ("force_cpu_bf16=true",))):
-        done = run_train(root, f"precision_{precision}", *extra, f"mixed_precision={precision}", *force)
+        done = run_train(
+            root, tmp_path / f"precision_{precision}", *extra, f"mixed_precision={precision}", *force
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-        summary = json.loads((root / f"precision_{precision}" / "summary.json").read_text())
-        runs[precision] = (read_log(root / f"precision_{precision}" / "log.jsonl"), summary)
+        summary = json.loads((tmp_path / f"precision_{precision}" / "summary.json").read_text())
+        runs[precision] = (read_log(tmp_path / f"precision_{precision}" / "log.jsonl"), summary)
     (log32, sum32), (log16, sum16) = runs["no"], runs["bf16"]
     assert sum16["reembedded"] == sum32["reembedded"] > 0
     for key in ("loss", "reader_loss", "retriever_loss"):

@@ -37,8 +37,9 @@ TINY_QUICKSTART = [
 ]
 
 
-def tiny_overrides(root: Path, out: str, *extra: str) -> list[str]:
-    """`--set` values of a tiny run writing to root/out; runs under one root share the toy world and buffer."""
+def tiny_overrides(root: Path, out: str | Path, *extra: str) -> list[str]:
+    """`--set` values of a tiny run writing to root/out (`out` may be a folder elsewhere: an absolute path);
+    runs under one root share the toy world and buffer."""
     paths = [
         f"output_dir={root / out}",
         f"buffer.dir={root / 'buffer'}",
