@@ -187,6 +187,21 @@ def corrected_topk(
     )
 
 
+def correct_buffer(
+    buffer: PassageBuffer | Tensor, corrector: nn.Module, chunk_size: int = 65536, device=None
+) -> PassageBuffer:
+    """h(B) in float32 on `device`, cut into the very chunks `corrected_topk` scores: searching the result with
+    no corrector gives `corrected_topk(queries, buffer, corrector, ...)` bit for bit (same rows through h, same
+    matmuls), so a caller may keep it while h does not change."""
+    buf = _as_buffer(buffer)
+    with torch.no_grad():
+        shards = [
+            _correct(corrector, chunk.to(device=device, dtype=torch.float32, non_blocking=True)).float()
+            for _, chunk in buf.iter_chunks(chunk_size)
+        ]
+    return PassageBuffer(range(len(buf)), shards)
+
+
 def complete_selection(
     queries: Tensor,
     buffer: PassageBuffer | Tensor,

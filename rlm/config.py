@@ -205,6 +205,10 @@ class StrategyConfig:
     index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),SQfp16
     nprobe: int = 64
     overlap_every: int = 100
+    # h(B) is kept between steps while no corrector weight changes (the reader-only phases, where selection
+    # would otherwise run every row through h again for the same result), when it fits this many MiB per
+    # process (float32); 0: h runs over every row at every step.
+    cache_corrected_mb: int = 1024
     regression: RegressionConfig = field(default_factory=RegressionConfig)
 
 

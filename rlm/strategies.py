@@ -36,6 +36,7 @@ from retriever.reencode import NystromRegression, residual
 from retriever.search import (
     TopK,
     complete_selection,
+    correct_buffer,
     corrected_topk,
     sort_desc_then_row,
     two_stage_corrected_topk,
@@ -198,6 +199,7 @@ class SelectionStrategy:
             None  # two-stage search: a faiss index over this process's rows of B, built on first use
         )
         self._measure_overlap = False
+        self._h_cache: tuple | None = None  # (key, h's weights, h(rows)): `_corrected_rows`
         self.metrics: dict[str, float] = {}  # logged with the step, then cleared (`pop_metrics`)
 
     def distribute(
@@ -273,11 +275,44 @@ class SelectionStrategy:
         if self.cfg.search == "two_stage":
             return self._two_stage_topk(queries, corrector, k)
         if not self.sharded and self.device is None:  # stream everything from host memory
+            scanned, corrector = self._corrected_rows(scanned, corrector, queries.device)
             top = corrected_topk(queries, scanned, corrector, k, chunk_size=self.chunk_size)
             return top if row_ids is None else TopK(top.scores, row_ids.to(top.indices.device)[top.indices])
         if self._resident is None:
             self._resident = self._make_resident()
-        return self._resident.topk(queries, corrector, k, self.chunk_size)
+        rows, corrector = self._corrected_rows(self._resident.vectors, corrector, queries.device)
+        resident = self._resident
+        if rows is not resident.vectors:
+            resident = ShardedRows(rows, resident.row_ids, resident.procs)
+        return resident.topk(queries, corrector, k, self.chunk_size)
+
+    def _corrected_rows(
+        self, rows, corrector, device
+    ) -> tuple[PassageBuffer | Tensor, torch.nn.Module | None]:
+        """(rows to scan, corrector to apply while scanning): h(rows) computed once and reused while neither
+        the rows nor any weight of h changed, so the reader-only steps do not run every row through h again
+        for the same result. The weights are compared with a copy (h is small next to the rows; version
+        counters would miss DeepSpeed's updates through `.data`). Rows too large for
+        `strategy.cache_corrected_mb` are corrected chunk by chunk at every scan instead."""
+        limit = self.cfg.cache_corrected_mb * 2**20
+        width = rows.dim if isinstance(rows, PassageBuffer) else rows.shape[-1]
+        weights = [p.detach() for p in corrector.parameters()] if corrector is not None else []
+        # ZeRO-3 leaves empty placeholders in place of partitioned weights: nothing to compare.
+        if not weights or any(w.numel() == 0 for w in weights) or len(rows) * width * 4 > limit:
+            return rows, corrector
+        key = (id(rows), len(rows), self.refresh_step, str(device), torch.is_autocast_enabled(device.type))
+        if self._h_cache is not None:
+            cached_key, cached_weights, corrected = self._h_cache
+            same = len(cached_weights) == len(weights) and all(
+                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                for a, b in zip(cached_weights, weights)
+            )
+            if cached_key == key and same:
+                return corrected, None
+        self._h_cache = None  # the stale copy goes before the new one is built
+        corrected = correct_buffer(rows, corrector, self.chunk_size, device)
+        self._h_cache = (key, [w.clone() for w in weights], corrected)
+        return corrected, None
 
     def _two_stage_topk(self, queries: Tensor, corrector, k: int) -> TopK:
         if self._resident is None:

@@ -8,7 +8,7 @@ import torch
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from retriever.index import PassageIndex
-from retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
+from retriever.search import correct_buffer, corrected_topk, score_rows, two_stage_corrected_topk
 
 
 def brute_force(queries, embeddings, corrector, k):
@@ -188,3 +188,21 @@ def test_two_stage_scan_takes_the_exact_stale_candidates_without_an_index():
     stale = corrected_topk(queries, buffer, None, 10)
     few = two_stage_corrected_topk(queries, buffer, corrector, 10, None, num_candidates=10)
     assert [set(r.tolist()) for r in few.indices] == [set(r.tolist()) for r in stale.indices]
+
+
+def test_a_corrected_buffer_searched_without_h_gives_the_corrected_top_k_bit_for_bit():
+    """`correct_buffer` (what selection keeps between steps while h does not move): h applied once, chunked
+    as `corrected_topk` chunks, then searched without h: the same scores and rows, on a float16 buffer of
+    two shards cut into uneven chunks."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.nn.functional.normalize(torch.randn(530, 16, generator=g), dim=-1).half()
+    buffer = PassageBuffer(range(530), [rows[:300], rows[300:]])
+    corrector = CorrectorNetwork(16, 64)
+    torch.nn.init.normal_(corrector.output.weight, std=0.3, generator=g)
+    queries = torch.randn(7, 16, generator=g)
+    corrected = correct_buffer(buffer, corrector, chunk_size=128)
+    assert len(corrected) == 530 and corrected.dim == 16
+    want = corrected_topk(queries, buffer, corrector, 9, chunk_size=128)
+    got = corrected_topk(queries, corrected, None, 9, chunk_size=128)
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.scores, want.scores)
+    assert not torch.equal(want.indices, corrected_topk(queries, buffer, None, 9).indices)  # h mattered

@@ -414,3 +414,26 @@ def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(
     assert run.strategy.reembedded == 120
     with pytest.raises(ValueError, match="shared_towers"):
         load_config(None, ["retriever.align_steps=5", "retriever.shared_towers=true"])
+
+
+def test_h_of_b_is_computed_once_while_the_corrector_does_not_move_and_selects_the_same(world):
+    """Selection keeps h(B) while no corrector weight changed (strategy.cache_corrected_mb): over 3
+    reader-only steps and the first joint step (the corrector moves only in its update) h runs over the
+    buffer once, then again after each update; the losses equal those of a run that recomputes h every step."""
+    overrides = ("reader.reader_only_steps=3", "optim.max_steps=6")
+
+    def run_counting(*extra):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        run = make_run(world, *overrides, *extra)
+        calls = []
+        run.raw.corrector.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+        run.model.train()
+        records = [train_step(run) for _ in range(6)]
+        return records, sum(1 for rows in calls if rows == len(run.strategy.buffer))
+
+    cached, cached_scans = run_counting()
+    fresh, fresh_scans = run_counting("strategy.cache_corrected_mb=0")
+    assert fresh_scans == 6 and cached_scans == 3  # before steps 1 (kept to 4), 5 and 6
+    for key in ("loss", "reader_loss", "retriever_loss", "corrector_loss"):
+        got = [r.get(key) for r in cached]
+        assert got == [r.get(key) for r in fresh], key  # bit for bit: the same rows through h
