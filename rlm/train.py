@@ -121,9 +121,8 @@ def make_batch(examples, indices, corpus, algorithm: int, gold_passages: bool = 
 
 def reader_only_step(cfg: TrainConfig, step: int) -> bool:
     """Whether optimizer step `step` (0-based) trains the reader alone: the first `reader.reader_only_steps`
-    and the last `reader.final_reader_only_steps` of the run."""
-    rc = cfg.reader
-    return step < rc.reader_only_steps or step >= cfg.optim.max_steps - rc.final_reader_only_steps
+    and the last `reader.final_reader_only_steps` of the run, outside [retriever_start, retriever_stop)."""
+    return not retriever_start(cfg) <= step < retriever_stop(cfg)
 
 
 def retriever_start(cfg: TrainConfig) -> int:

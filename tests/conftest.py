@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -46,10 +47,10 @@ def tree_bytes(folder: Path) -> int:
     for parent, _, files in os.walk(folder):
         for name in files:
             try:
-                stat = os.lstat(os.path.join(parent, name))
+                info = os.lstat(os.path.join(parent, name))
             except FileNotFoundError:  # removed while walking
                 continue
-            total += stat.st_size if not os.path.islink(os.path.join(parent, name)) else 0
+            total += info.st_size if stat.S_ISREG(info.st_mode) else 0
     return total
 
 
