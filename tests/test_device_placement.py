@@ -388,3 +388,39 @@ def test_regression_refresh_with_the_passage_tower_on_a_device(training_parts, p
         assert_same_topk(got, ref)
     else:
         assert torch.equal(got.indices, ref.indices)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_corrector_selection_keeps_h_of_b_on_the_queries_device(placement):
+    """The corrector strategy's kept h(B) (`strategy.cache_corrected_mb`) with h and the queries on the
+    accelerator: built there from host rows (streamed) or from rows resident on the device, reused by the next
+    selection, rebuilt after h's weights change in place, and always the top-k of a host run without it."""
+    from rlm.config import StrategyConfig
+    from rlm.strategies import Processes, make_strategy
+
+    buffer, queries, corrector = search_inputs()
+    update = 0.5 * torch.randn(corrector.output.weight.shape, generator=torch.Generator().manual_seed(1))
+
+    def selections(rows_device, queries_device, cache_mb):
+        cfg = StrategyConfig(name="corrector", k=5, cache_corrected_mb=cache_mb)
+        strategy = make_strategy(cfg, buffer, 10)
+        strategy.distribute(Processes(), False, device=rows_device)
+        q = queries.to(queries_device)
+        picked = [strategy.select(q, corrector), strategy.select(q, corrector)]
+        weight = corrector.output.weight
+        with torch.no_grad():  # an optimizer step, in place
+            weight.add_(update.to(weight.device))
+        picked.append(strategy.select(q, corrector))
+        with torch.no_grad():
+            weight.sub_(update.to(weight.device))
+        return picked, strategy._h_cache
+
+    ref, none = selections(None, "cpu", 0)
+    assert none is None
+    with simulated_accelerator(corrector):
+        rows_device = ACCELERATOR if placement == "device" else None
+        got, kept = selections(rows_device, ACCELERATOR, 1024)
+        assert kept is not None and all(on_accelerator(shard) for _, shard in kept[2].iter_chunks(1 << 20))
+    for g, r in zip(got, ref, strict=True):
+        assert_same_topk(g, r)
+    assert not torch.equal(ref[0].indices, ref[2].indices)  # the update changed the selection
