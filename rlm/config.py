@@ -266,6 +266,10 @@ class TrainConfig:
     cpu: bool = False  # force CPU even when a GPU is visible
     log_every: int = 10
     eval_every: int = 0  # 0: only at the end
+    # The final validation also answers from the strategy's own selection (`dev_selection_*`: top-k over h(B)
+    # for the corrector, over the buffer as last refreshed for the others), what the reader read in its final
+    # reader-only phase; `dev_*` stay on the corpus re-embedded with the trained passage tower (the paper).
+    eval_selection: bool = False
     save_every: int = 100
     keep_last: int = 2
     max_nonfinite_in_a_row: int = 10

@@ -23,6 +23,44 @@ def null_timer(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+class QueryEmbeddingCache:
+    """f(x) for selection at the steps that do not train the retriever, each question embedded once.
+
+    At such a step (Algorithm 2's reader-only phases, a frozen retriever) q only picks S_x; no gradient flows
+    through it. It is computed as at prediction time, the query tower in eval mode (no dropout), so the reader
+    trains on the selection it will be evaluated on, and kept per question while f does not move: the
+    training step calls `clear` whenever it trains the retriever. `max_entries` bounds the memory (the cache
+    starts over when full).
+    """
+
+    def __init__(self, max_entries: int = 200_000):
+        self.max_entries = max_entries
+        self.vectors: dict[str, torch.Tensor] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def clear(self) -> None:
+        self.vectors = {}
+
+    @torch.no_grad()
+    def encode(self, tower, questions: list[str]) -> torch.Tensor:
+        """[B, D] embeddings of `questions` on the tower's device, the tower in eval mode for the new ones."""
+        missing = list(dict.fromkeys(q for q in questions if q not in self.vectors))
+        self.hits += len(questions) - len(missing)
+        self.misses += len(missing)
+        if missing:
+            if len(self.vectors) + len(missing) > self.max_entries:
+                self.clear()
+            was_training = tower.training
+            tower.eval()
+            try:
+                fresh = tower.embed_texts(missing)
+            finally:
+                tower.train(was_training)
+            self.vectors.update(zip(missing, fresh))
+        return torch.stack([self.vectors[q] for q in questions])
+
+
 class RetrievalAugmentedModel(nn.Module):
     def __init__(
         self,
@@ -39,6 +77,7 @@ class RetrievalAugmentedModel(nn.Module):
         self.collator = collator  # not a module: tokenisation only
         self.cfg = cfg
         self.timer = null_timer  # replaced by a PhaseTimer when profiling (scripts/bench_training.py)
+        self.query_cache = QueryEmbeddingCache()  # f(x) at the steps that leave the retriever as it is
 
     def forward(self, batch: Batch, strategy, corpus, reader_only: bool = False) -> StepOutput:
         if self.cfg.algorithm == 1:

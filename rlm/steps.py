@@ -102,9 +102,14 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
     phase = model.timer  # per-phase wall time for the training benchmark; a no-op otherwise
     trains_retriever = strategy.trains_retriever and not reader_only
 
-    # 1. q = f(x), with gradient (frozen retriever: no gradient anywhere in it).
-    with phase("retriever"), torch.set_grad_enabled(trains_retriever):
-        queries = model.retriever.encode_queries(batch.questions)
+    # 1. q = f(x), with gradient. A step that leaves the retriever as it is (reader-only, frozen) needs q only
+    # to select S_x: as at prediction time (eval mode), each question embedded once while f does not move.
+    with phase("retriever"):
+        if trains_retriever:
+            model.query_cache.clear()  # f moves at this step
+            queries = model.retriever.encode_queries(batch.questions)
+        else:
+            queries = model.query_cache.encode(model.retriever.query_tower, batch.questions)
 
     # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient.
     with phase("select"):

@@ -269,6 +269,12 @@ class SelectionStrategy:
             generator=self.generator,
         )
 
+    def top(self, queries: Tensor, corrector, k: int) -> TopK:
+        """The top `k` rows by this strategy's own scoring as it stands (k may exceed `strategy.k`): what its
+        selection reads, without the additions of Algorithm 1. Collective when sharded: every process calls it,
+        with the same number of queries."""
+        return self._topk(queries, self._corrector_for_selection(corrector), min(k, len(self.buffer)))
+
     def _topk(self, queries: Tensor, corrector, k: int) -> TopK:
         scanned, row_ids, _ = self._scanned()
         k = min(k, len(scanned))

@@ -242,8 +242,9 @@ class TrainRun:
             texts = self.corpus.retrieval_texts()
             return embed_rows(tower, texts, rows, batch_size=self.cfg.buffer.batch_size)
 
-    def validate(self, subcorpus: bool = True) -> dict[str, float]:
-        """Dev metrics, the work sharded across the processes (every process must call it)."""
+    def validate(self, subcorpus: bool = True, selection: bool = False) -> dict[str, float]:
+        """Dev metrics, the work sharded across the processes (every process must call it); `selection`:
+        answering from the strategy's own selection (`dev_selection_*`) instead of the re-embedded corpus."""
         acc = self.accelerator
         with acc.autocast():
             return validate(
@@ -255,6 +256,7 @@ class TrainRun:
                 device=acc.device,
                 subcorpus=subcorpus,
                 cache=self.validation_cache,
+                strategy=self.strategy if selection else None,
             )
 
     def batch(self, step: int, micro: int) -> Batch:
@@ -663,6 +665,8 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     if run.dev_examples:
         summary.update(run.validate(subcorpus=False))  # the whole corpus, sharded
         check_collapse(cfg, summary, state.step)
+        if cfg.eval_selection and run.strategy.uses_passages and not run.strategy.shares_batch:
+            summary.update(run.validate(selection=True))  # what the final reader-only phase read
         # Validations whose passage embeddings were reused (the tower had not moved since the last one).
         summary["validation_embeddings_reused"] = run.validation_cache.hits
     if acc.is_main_process:

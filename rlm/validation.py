@@ -90,6 +90,15 @@ def sharded_retrieve(
     return Retrieved(ids=ids, scores=scores)
 
 
+def selection_retrieve(strategy, corrector, corpus, queries: torch.Tensor, k: int) -> Retrieved:
+    """Top-k passages per query by the training strategy's own scoring (h(B) for the corrector, the buffer as
+    last refreshed for the others): nothing re-embedded. Every process passes every dev question's query."""
+    top = strategy.top(queries, corrector, k)
+    ids = [[corpus.ids[r] for r in row if r >= 0] for row in top.indices.tolist()]
+    scores = [row[: len(i)] for row, i in zip(top.scores.tolist(), ids)]
+    return Retrieved(ids=ids, scores=scores)
+
+
 @torch.no_grad()
 def validate(
     model,
@@ -101,11 +110,14 @@ def validate(
     device: torch.device | None = None,
     subcorpus: bool = True,
     cache: PassageEmbeddingCache | None = None,
+    strategy=None,
 ) -> dict[str, float]:
     """Dev metrics (`dev_` + EM, F1, answer and gold recall@k); `subcorpus=False` ignores the hard subcorpus;
-    `cache` reuses the last validation's passage embeddings while the passage tower is unchanged."""
+    `cache` reuses the last validation's passage embeddings while the passage tower is unchanged. With the
+    training `strategy`: the passages come from its selection over the whole corpus (`dev_selection_` +
+    EM, F1, recall@k; `selection_retrieve`) instead of the re-embedded corpus."""
     procs = procs or Processes()
-    path = subcorpus_path(cfg) if subcorpus else None
+    path = subcorpus_path(cfg) if subcorpus and strategy is None else None
     if path is not None:
         from rlm.hard_subcorpus import load_subcorpus
 
@@ -118,6 +130,14 @@ def validate(
         ks = sorted({k for k in (*RECALL_KS, *read_k) if k <= len(corpus)}) or [len(corpus)]
         questions = [ex.question for ex in dev_examples]
         queries = model.retriever.query_tower.encode(questions, batch_size=cfg.buffer.batch_size)
+        if strategy is not None:
+            queries = queries.to(device) if device is not None else queries
+            retrieved = selection_retrieve(strategy, model.corrector, corpus, queries, max(ks))
+            metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
+            return _prefixed(
+                _read(model, corpus, dev_examples, cfg, retrieved, procs, batch_size, metrics),
+                "dev_selection_",
+            )
         retrieved = sharded_retrieve(
             model.retriever,
             corpus,
@@ -134,6 +154,11 @@ def validate(
         # DAFT's watch on the towers: query_mean_cosine (-> 1 when the query tower collapses) and the kNN KL
         # between the passage and query towers' embeddings of the dev questions (how aligned they are).
         metrics.update(alignment_metrics(model.retriever, questions, cfg.buffer.batch_size, queries=queries))
+    return _prefixed(_read(model, corpus, dev_examples, cfg, retrieved, procs, batch_size, metrics), "dev_")
+
+
+def _read(model, corpus, dev_examples, cfg, retrieved, procs, batch_size, metrics) -> dict[str, float]:
+    """`metrics` plus EM/F1 of the reader (when there is one) on `retrieved`, each process reading 1/W."""
     if model.reader is not None:
         n = cfg.reader_passages
         first, last = procs.part(len(dev_examples))
@@ -144,4 +169,8 @@ def validate(
             model.reader, dev_examples[first:last], corpus, mine, num_passages=n, batch_size=batch_size
         )
         metrics.update(evaluate_reader(procs.gather_object(answers), dev_examples))
-    return {f"dev_{key}": round(value, 4) for key, value in metrics.items()}
+    return metrics
+
+
+def _prefixed(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {f"{prefix}{key}": round(value, 4) for key, value in metrics.items()}
