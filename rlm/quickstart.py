@@ -154,8 +154,8 @@ def format_results(metrics: dict) -> str:
     def count(value) -> str:
         return "-" if value is None else f"{value:,}"
 
-    def cells(row: dict, reembedded) -> str:
-        closed = row.get("recall") is None and row.get("exact_match") is not None  # no passages at all
+    def cells(row: dict, reembedded, closed: bool = False) -> str:
+        """`closed`: a closed-book run reads nothing, so its EM is the same either way."""
         own = row.get("exact_match") if closed else row.get("selection_exact_match")
         own_recall = row.get("recall") if closed else row.get("selection_recall")
         return (
@@ -184,7 +184,8 @@ def format_results(metrics: dict) -> str:
         f"| {metrics['strategy']} (this run) | {cells(main, metrics['reembedded'])} | measured now |",
     ]
     for name, row in metrics["baselines"].items():
-        lines.append(f"| {BASELINES[name]} | {cells(row, row.get('reembedded'))} | {row['source']} |")
+        closed = name == "closed_book"
+        lines.append(f"| {BASELINES[name]} | {cells(row, row.get('reembedded'), closed)} | {row['source']} |")
     majority = metrics.get("majority_answer")
     if majority:
         lines.append(

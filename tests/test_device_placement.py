@@ -268,6 +268,38 @@ def test_validate_with_towers_and_reader_on_a_device(retriever, reader, world):
     assert got == pytest.approx(ref) and "dev_exact_match" in got and "dev_recall@5" in got
 
 
+def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retriever, reader, world):
+    """`eval_selection`: dev questions answered from the corrector's <q, h(B)> with h, the towers and the reader
+    on the accelerator and B on the host: the figures of a host run."""
+    from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
+    from rlm.strategies import make_strategy
+    from rlm.validation import validate
+
+    corpus, dev = world
+    buffer = PassageBuffer.from_embeddings(
+        corpus.ids, retriever.passage_tower.encode(corpus.retrieval_texts()).half()
+    )
+    torch.manual_seed(0)
+    corrector = CorrectorNetwork(buffer.dim, 32, linear=True)
+    with torch.no_grad():
+        corrector.output.weight.normal_(std=0.05)
+    model = SimpleNamespace(retriever=retriever, reader=reader, corrector=corrector)
+    cfg = TrainConfig(
+        strategy=StrategyConfig(name="corrector", k=3),
+        buffer=BufferConfig(batch_size=16),
+        reader=ReaderConfig(num_passages=2),
+    )
+
+    def run(device):
+        strategy = make_strategy(cfg.strategy, buffer, 10)
+        return validate(model, corpus, dev, cfg, batch_size=2, device=device, strategy=strategy)
+
+    ref = run(None)
+    with simulated_accelerator(retriever, reader, corrector):
+        got = run(ACCELERATOR)
+    assert got == pytest.approx(ref) and "dev_selection_exact_match" in got and "dev_selection_recall@5" in got
+
+
 def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, world):
     from app.qa import QAService
     from rlm.evaluation import build_index, embed_corpus
@@ -316,6 +348,7 @@ def training_parts(tmp_path_factory):
     [
         (2, ["strategy.name=corrector"]),
         (2, ["strategy.name=snm", "strategy.snm_size=20"]),
+        (2, ["strategy.name=frozen"]),  # q from the kept eval-mode queries, built on the device
         (1, ["strategy.name=corrector", "strategy.num_random=3"]),
         (1, ["strategy.name=corrector", "strategy.num_random=3", "strategy.share_across_batch=true"]),
         (1, ["strategy.name=in_batch"]),
@@ -343,6 +376,7 @@ def test_algorithm_steps_with_the_model_on_a_device_and_the_buffer_on_the_host(
 
     def step():
         torch.manual_seed(0)
+        model.query_cache.clear()  # the host run's kept queries are not the device run's
         strategy = make_strategy(cfg.strategy, parts.buffer, 10, seed=0)
         strategy.before_step(0, lambda rows: embed_rows(parts.retriever.passage_tower, texts, rows))
         batch = make_batch(examples, [0, 1, 2], parts.corpus, algorithm)

@@ -84,7 +84,15 @@ def test_baselines_from_cache_are_labelled_with_their_date():
     assert rows["frozen"]["source"] == "cached from 2026-11-21, other settings"
     measured = {"frozen": {"exact_match": 0.5, "f1": 0.6, "recall": 0.55, "reembedded": 0}}
     assert baseline_rows(measured, {}, key)["frozen"]["source"] == "measured now"
-    rows["exhaustive"] = {"exact_match": 0.6, "f1": 0.65, "recall": 0.99, "reembedded": 16000, "source": "x"}
+    rows["exhaustive"] = {
+        "exact_match": 0.6,
+        "f1": 0.65,
+        "recall": 0.99,
+        "selection_exact_match": 0.55,
+        "selection_recall": 0.98,
+        "reembedded": 16000,
+        "source": "x",
+    }
     assert baseline_rows({}, {}, key)["closed_book"]["source"].startswith("not measured")
 
     metrics = {
@@ -94,18 +102,31 @@ def test_baselines_from_cache_are_labelled_with_their_date():
         "reembedded": 0,
         "dev_questions": 8,
         "k": 4,
-        "dev": {"exact_match": 0.625, "f1": 0.7, "recall@4": 0.875},
+        "dev": {
+            "exact_match": 0.625,
+            "f1": 0.7,
+            "recall@4": 0.875,
+            "selection_exact_match": 0.75,
+            "selection_recall@4": 0.9,
+        },
         "baselines": rows,
         "majority_answer": {"exact_match": 0.05, "f1": 0.05},
     }
     table = format_results(metrics)
     assert table.startswith("dev set: 8 questions, the reader reads K = 4 passages; corrector run: 2 steps")
-    assert "| run | dev EM | dev F1 | answer recall@4 | passages re-embedded | source |" in table
-    assert "| corrector (this run) | 62.5 | 70.0 | 87.5 | 0 | measured now |" in table
-    assert "| exhaustive (buffer re-embedded) | 60.0 | 65.0 | 99.0 | 16,000 | x |" in table
-    assert "| closed book (no passages) | 10.0 | 20.0 | - | - | cached from 2026-11-20 |" in table
-    assert "EM over the frozen retriever: +32.5 points" in table
-    assert "EM over closed book: +52.5 points" in table
+    assert (
+        "| run | EM from its selection | EM re-embedded | answer recall@4 re-embedded | answer recall@4 selection "
+        "| passages re-embedded in training | source |"
+    ) in table
+    assert "| corrector (this run) | 75.0 | 62.5 | 87.5 | 90.0 | 0 | measured now |" in table
+    assert "| exhaustive (buffer re-embedded) | 55.0 | 60.0 | 99.0 | 98.0 | 16,000 | x |" in table
+    # Closed book reads nothing: the same EM either way; a figure cached before eval_selection shows "-".
+    assert "| closed book (no passages) | 10.0 | 10.0 | - | - | - | cached from 2026-11-20 |" in table
+    assert "| frozen retriever (reader trained) | - | 30.0 | - | - | - | cached from 2026-11-21" in table
+    # Compared on each run's own selection where measured (else re-embedded / closed book).
+    assert "EM over the frozen retriever: +45.0 points" in table
+    assert "EM over exhaustive re-embedding: +20.0 points" in table
+    assert "EM over closed book: +65.0 points" in table
 
 
 def test_baseline_config_changes_only_strategy_and_folders():

@@ -285,14 +285,18 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
             "eval_every=1",
             "save_every=0",
             "log_every=1",
+            "eval_selection=true",
         ],
     )
     summary = train(cfg)
     assert summary["validation_embeddings_reused"] == 2
+    # eval_selection: the final validation also answers from the run's own selection (h(B) here).
+    assert {"dev_selection_exact_match", "dev_selection_recall@4", "dev_exact_match"} <= set(summary)
     log = [
         json.loads(line) for line in (tmp_path / "cached_validation" / "log.jsonl").read_text().splitlines()
     ]
     assert [("dev_exact_match" in r) for r in log] == [True, True, True]
+    assert not any("dev_selection_exact_match" in r for r in log)  # at the end only
     assert log[0]["dev_gold_recall@5"] == log[1]["dev_gold_recall@5"]
 
 

@@ -396,3 +396,71 @@ def test_a_questions_other_gold_passages_are_not_its_negatives(world):
         as_negative = algorithm1_step(model, batch, Fixed([3, 7, 11, 12]), parts.corpus, cfg)
     torch.testing.assert_close(with_other.terms["retriever"], without.terms["retriever"])
     assert as_negative.terms["retriever"] > with_other.terms["retriever"]
+
+
+@pytest.mark.parametrize("name", ["corrector", "frozen"])
+def test_steps_that_leave_the_retriever_as_it_is_select_with_eval_mode_queries_embedded_once(world, name):
+    """A reader-only step (or any step of a frozen retriever) selects S_x with q = f(x) as at prediction time
+    (the query tower in eval mode: no dropout), each question embedded once while f does not move; a step that
+    trains the retriever embeds with gradient in train mode and forgets the kept queries."""
+    cfg, parts, model, strategy = make_parts(world, f"strategy.name={name}", "retriever.dropout=0.5")
+    model.parameter_groups(strategy, cfg.optim)
+    model.train()
+    batch = make_batch(parts.train_examples, list(range(4)), parts.corpus, 2)
+    tower = model.retriever.query_tower
+    expected = tower.encode(batch.questions)  # eval mode, as validation and `rlm evaluate` embed them
+    forwards, selected = [], []
+    tower.register_forward_hook(lambda module, args, out: forwards.append(out.shape[0]))
+    select = strategy.select
+
+    def recording(queries, *args, **kw):
+        selected.append(queries.detach().clone())
+        return select(queries, *args, **kw)
+
+    strategy.select = recording
+    model(batch, strategy, parts.corpus, reader_only=True)
+    model(batch, strategy, parts.corpus, reader_only=True)
+    assert forwards == [4] and model.query_cache.hits == 4  # the second step embeds nothing
+    assert tower.training  # the tower goes back to train mode
+    for queries in selected:
+        torch.testing.assert_close(queries.float().cpu(), expected, atol=1e-5, rtol=0)
+    model(batch, strategy, parts.corpus, reader_only=False)
+    if name == "frozen":  # a frozen retriever never moves: every step selects from the kept queries
+        assert forwards == [4] and len(selected) == 3
+        return
+    assert forwards == [4, 4] and model.query_cache.vectors == {}  # f moves at this step
+    noisy = selected[-1].float().cpu()
+    assert (noisy - expected).norm(dim=-1).max() > 0.05  # with gradient, under the tower's dropout
+    model(batch, strategy, parts.corpus, reader_only=True)
+    assert forwards == [4, 4, 4]  # embedded again after the retriever's step
+
+
+def test_validation_answers_from_the_strategys_own_selection(world):
+    """`validate(..., strategy=...)` reads the top passages of the training selection (here <q, h(B)> with a
+    trained-looking h): the same ids as a top-k over h(B) by hand, reported as `dev_selection_*`, and nothing
+    re-embedded (moving the passage tower changes the re-embedded figures only)."""
+    from rlm.evaluation import retrieval_metrics
+    from rlm.validation import selection_retrieve, validate
+
+    cfg, parts, model, strategy = make_parts(world)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.corrector.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    dev = parts.dev_examples[:6]
+    queries = model.retriever.query_tower.encode([ex.question for ex in dev])
+    got = selection_retrieve(strategy, model.corrector, parts.corpus, queries, 5)
+    buffer = torch.cat([block.float() for _, block in parts.buffer.iter_chunks(len(parts.buffer))])
+    with torch.no_grad():
+        scores = queries @ model.corrector(buffer).T
+    by_hand = [[parts.corpus.ids[r] for r in row] for row in scores.topk(5).indices.tolist()]
+    assert got.ids == by_hand
+    chosen = validate(model, parts.corpus, dev, cfg, strategy=strategy)
+    assert {"dev_selection_exact_match", "dev_selection_f1", "dev_selection_recall@5"} <= set(chosen)
+    assert all(key.startswith("dev_selection_") for key in chosen)
+    recall = retrieval_metrics(parts.corpus, dev, got, [5])["recall@5"]
+    assert chosen["dev_selection_recall@5"] == pytest.approx(recall, abs=1e-4)
+    with torch.no_grad():
+        for p in model.retriever.passage_tower.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert validate(model, parts.corpus, dev, cfg, strategy=strategy) == chosen
