@@ -1,4 +1,4 @@
-"""In-training validation with the live towers (the corrector plays no part at prediction time).
+"""In-training validation with the live towers, and (`eval_selection`) from the training strategy's own selection.
 
 The corpus (or the hard subcorpus H_k, Kim et al., when `data.dev_subcorpus` names its ids file or is `build`)
 is embedded with the current passage tower, each dev question retrieves its top passages by exact inner
@@ -6,6 +6,8 @@ product, and the reader answers from the top `reader.num_passages` (Algorithm 2)
 work is sharded: each embeds and searches 1/W of the passages (the top-k lists are merged across processes,
 as in training's selection) and reads 1/W of the questions, so no process waits for another's whole corpus.
 Every process returns the same figures. The metrics are those of `rlm evaluate`, so the figures agree.
+With the training strategy, the passages come from its top-k instead (h(B) for the corrector, as `rlm
+evaluate --index corrected` reads them), reported as `dev_selection_*`.
 
 A `PassageEmbeddingCache` keeps this process's passage embeddings from the last validation, keyed by the
 passage tower's fingerprint: while the tower has not moved (Algorithm 2's reader-only warm-up, a frozen

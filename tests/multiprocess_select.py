@@ -116,6 +116,13 @@ def main() -> None:
             for mode, p in (("sharded", procs), ("whole", Processes()))
         }
         results.append({"validation": name, **figures})
+    # Answering from the training selection (eval_selection): <q, h(B)> with h(B)'s rows sharded, as whole.
+    figures = {}
+    for mode, p in (("sharded", procs), ("whole", Processes())):
+        strategy = make_strategy(cfg.strategy, run.strategy.buffer, max_steps=4, seed=cfg.seed)
+        strategy.distribute(p, True, None)
+        figures[mode] = validate(model, run.corpus, run.dev_examples, cfg, procs=p, strategy=strategy)
+    results.append({"validation": "selection", **figures})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"select_rank{acc.process_index}.json").write_text(json.dumps(results, indent=2))
     acc.end_training()

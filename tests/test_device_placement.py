@@ -297,7 +297,9 @@ def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retrie
     ref = run(None)
     with simulated_accelerator(retriever, reader, corrector):
         got = run(ACCELERATOR)
-    assert got == pytest.approx(ref) and "dev_selection_exact_match" in got and "dev_selection_recall@5" in got
+    assert (
+        got == pytest.approx(ref) and "dev_selection_exact_match" in got and "dev_selection_recall@5" in got
+    )
 
 
 def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, world):

@@ -75,3 +75,32 @@ def test_bench_query_tower_times_the_full_and_a_light_tower_side_by_side(tmp_pat
     assert rows[0]["single_speedup"] == 1.0 and rows[1]["params_m"] < rows[0]["params_m"]
     assert all(r["single_ms"] > 0 and r["batch_ms_per_query"] > 0 for r in rows)
     assert "| layers:1 | 1 |" in out.with_suffix(".md").read_text()
+
+
+def test_selection_distractors_sorts_each_selected_passage_by_what_it_is(tmp_path):
+    """The analysis behind docs/results/quickstart.md: gold, a relative's fact about the subject, another fact
+    of the subject, another entity's passage."""
+    import json
+
+    from rlm.data.corpus import load_corpus
+    from rlm.data.qa import QAExample
+
+    passages = [
+        ("p0", "Ada Vel", "Ada Vel was born in Lyon."),
+        ("p1", "Ada Vel", "Ada Vel's sister was born in Oslo."),
+        ("p2", "Ada Vel", "Ada Vel works as a baker."),
+        ("p3", "Bo Ren", "Bo Ren was born in Rome."),
+    ]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "title": t, "text": x}) + "\n" for i, t, x in passages))
+    corpus = load_corpus(path)
+    ex = QAExample("q0", "Where was Ada Vel born?", ["Lyon"], ["p0"], {"subject": "Ada Vel"})
+    script = load_script("selection_distractors")
+    got = script.composition(corpus, [ex, ex], [[0, 1, 2, 3], [1, 3, 2, 0]])
+    assert got == {
+        "gold@1": 0.5,
+        "gold in top-K": 1.0,
+        "relatives' facts": 1.0,
+        "subject's other facts": 1.0,
+        "other entities": 1.0,
+    }

@@ -145,13 +145,14 @@ def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_proces
         validations = {r["validation"]: r for r in results if "validation" in r}
         results = [r for r in results if "validation" not in r]
         # Sharded validation gives the one-process figures, on every process.
-        for name in ("full", "hard"):
+        for name in ("full", "hard", "selection"):
             assert validations[name]["sharded"] == validations[name]["whole"], name
             assert (
                 validations[name]["sharded"]
                 == [r for r in ranks[0] if r.get("validation") == name][0]["sharded"]
             )
         assert "dev_exact_match" in validations["full"]["sharded"]
+        assert "dev_selection_exact_match" in validations["selection"]["sharded"]
         assert len(results) == 12 and [r["strategy"] for r in results[-2:]] == [
             "corrector/two_stage",
             "corrector/two_stage/scan",

@@ -1,0 +1,107 @@
+"""What fills each quickstart run's top-K besides the gold passage, on the selection it answers from.
+
+For a `rlm quickstart` output folder: the corrector run over h(B) and over the re-embedded corpus, the stale
+run over B and over the re-embedded corpus, exhaustive over the re-embedded corpus (its last refresh), frozen
+over B. Per dev question: gold@1, gold in the top-K, and the other K-1 passages split into the subject's
+relatives' facts (the toy world's kin facts, worded like the question), the subject's other own facts, and
+passages about other entities. Prints a markdown table, writes `<out>.json` and `<out>.md`.
+
+    python scripts/selection_distractors.py runs/quickstart --out docs/results/selection_distractors
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from atomicio import atomic_write_json, atomic_write_text
+from retriever.buffer import PassageBuffer
+from retriever.corrector import CorrectorNetwork
+from retriever.encoder import DualEncoder
+from rlm.data.corpus import load_corpus
+from rlm.data.qa import load_qa_dataset
+
+KIN = re.compile(
+    r"\b(sister|brother|mother|father|aunt|uncle|grand\w+|cousin|son|daughter|wife|husband|niece|nephew)\b",
+    re.I,
+)
+COLUMNS = ("gold@1", "gold in top-K", "relatives' facts", "subject's other facts", "other entities")
+RUNS = (  # (row name, checkpoint under the quickstart folder, index it answers from)
+    ("corrector", "final", "h(B)"),
+    ("corrector", "final", "re-embedded"),
+    ("stale", "baselines/stale/final", "B"),
+    ("stale", "baselines/stale/final", "re-embedded"),
+    ("exhaustive", "baselines/exhaustive/final", "re-embedded"),
+    ("frozen", "baselines/frozen/final", "B"),
+)
+
+
+def composition(corpus, dev, top: list[list[int]]) -> dict[str, float]:
+    """Per-question means of what the selected rows are."""
+    counts = dict.fromkeys(COLUMNS, 0.0)
+    for ex, row in zip(dev, top, strict=True):
+        gold = {corpus.index_of(g) for g in ex.gold_passage_ids}
+        counts["gold@1"] += row[0] in gold
+        counts["gold in top-K"] += any(r in gold for r in row)
+        subject = ex.meta["subject"]
+        for r in row:
+            if r in gold:
+                continue
+            passage = corpus[r]
+            if subject in passage.text and KIN.search(passage.text):
+                counts["relatives' facts"] += 1
+            elif passage.title == subject:
+                counts["subject's other facts"] += 1
+            else:
+                counts["other entities"] += 1
+    return {key: round(value / len(dev), 3) for key, value in counts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("quickstart", type=Path, help="a `rlm quickstart --output-dir` folder")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--max-questions", type=int, default=200)
+    parser.add_argument("--out", default="docs/results/selection_distractors")
+    args = parser.parse_args()
+    root = args.quickstart
+    corpus = load_corpus(root / "toy_world" / "corpus.jsonl")
+    dev = load_qa_dataset("toy", "dev", root / "toy_world")[: args.max_questions]
+    buffer = PassageBuffer.load(root / "buffer", corpus_fingerprint=corpus.fingerprint)
+    stale = torch.cat([block.float() for _, block in buffer.iter_chunks(len(buffer))])
+    rows = []
+    for name, folder, index in RUNS:
+        checkpoint = root / folder
+        retriever = DualEncoder.from_pretrained(str(checkpoint / "retriever")).eval()
+        queries = retriever.query_tower.encode([ex.question for ex in dev])
+        if index == "B":
+            passages = stale
+        elif index == "h(B)":
+            corrector = CorrectorNetwork.from_pretrained(checkpoint / "corrector").eval()
+            with torch.no_grad():
+                passages = corrector(stale)
+        else:
+            passages = retriever.passage_tower.encode(corpus.retrieval_texts())
+        top = (queries @ passages.T).topk(args.k).indices.tolist()
+        rows.append({"run": name, "index": index, **composition(corpus, dev, top)})
+    header = ["run", "index", *(c.replace("K", str(args.k)) for c in COLUMNS)]
+    lines = [
+        f"{len(dev)} dev questions of {root}; passages per question among the top {args.k} (besides the gold)",
+        "",
+        "| " + " | ".join(header) + " |",
+        "| --- | --- |" + " ---: |" * len(COLUMNS),
+    ]
+    lines += [
+        f"| {r['run']} | {r['index']} | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS) + " |" for r in rows
+    ]
+    table = "\n".join(lines)
+    print(table)
+    atomic_write_json(Path(f"{args.out}.json"), {"quickstart": str(root), "k": args.k, "rows": rows})
+    atomic_write_text(Path(f"{args.out}.md"), table + "\n")
+
+
+if __name__ == "__main__":
+    main()
