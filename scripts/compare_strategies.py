@@ -15,6 +15,10 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
         --jobs 2 --out docs/results/compare_alg1_multihop200_minilm_bf16
     # Algorithm 2 on the toy world (the quickstart recipe), Table 3's strategies
     python scripts/compare_strategies.py --algorithm 2 --data toy
+    # ... from the tiny random GTR (the paper's T5-init rows): 7 min with --jobs 2
+    python scripts/compare_strategies.py --algorithm 2 --data toy --start random_gtr --steps 750 \
+        --num-passages 4000 --set optim.lr_retriever=1e-4 --set reader.final_reader_only_steps=150 \
+        --set eval_selection=true --jobs 2
 
 Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (data, start), built first;
 `--jobs N` trains N runs at once (on a small CPU two 1-thread runs beat one 2-thread run by 1.5x). Output:
@@ -330,7 +334,12 @@ def summarise(runs: list[dict], metrics: list[str]) -> list[dict]:
 
 def header(metric: str) -> str:
     """Column name of a metric: dev_gold_recall@5 -> gold R@5, dev_exact_match -> EM."""
-    names = {"dev_exact_match": "EM", "dev_gold_passage_exact_match": "EM with gold passages"}
+    names = {
+        "dev_exact_match": "EM",
+        "dev_gold_passage_exact_match": "EM with gold passages",
+        "dev_selection_exact_match": "EM own selection",
+        "dev_selection_gold_recall@1": "gold R@1 own selection",
+    }
     return names.get(metric, metric.replace("dev_gold_recall@", "gold R@").replace("dev_recall@", "R@"))
 
 
@@ -475,6 +484,8 @@ def main() -> None:
             "dev_gold_recall@1",
             "dev_gold_recall@5",
         ]
+        if any("dev_selection_exact_match" in r for r in runs):  # `--set eval_selection=true`
+            metrics[1:1] = ["dev_selection_exact_match", "dev_selection_gold_recall@1"]
     rows = summarise(runs, metrics)
     title = (
         f"Algorithm {args.algorithm}, {args.data}, start {args.start}: {args.steps} steps, seeds {args.seeds} "
@@ -492,9 +503,9 @@ def main() -> None:
         table += f" Trained with mixed_precision={precision}: this CPU has no native bf16 (`rlm.precision`)."
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(
-        json.dumps({"args": vars(args), "runs": runs, "rows": rows, "dropout_floor": floor}, indent=2)
+    atomic_write_text(out.with_suffix(".md"), table + "\n")
+    atomic_write_json(
+        out.with_suffix(".json"), {"args": vars(args), "runs": runs, "rows": rows, "dropout_floor": floor}
     )
     plot(rows, metrics[0], out.with_suffix(".png"), title.split(":")[0])
     plot_drift(work, runs, out.with_name(out.name + "_drift.png"), title.split(":")[0])
