@@ -51,13 +51,8 @@ class QueryEmbeddingCache:
         if missing:
             if len(self.vectors) + len(missing) > self.max_entries:
                 self.clear()
-            was_training = tower.training
-            tower.eval()
-            try:
-                fresh = tower.embed_texts(missing)
-            finally:
-                tower.train(was_training)
-            self.vectors.update(zip(missing, fresh))
+            # `encode` runs the tower in eval mode and restores its mode; it returns CPU float32.
+            self.vectors.update(zip(missing, tower.encode(missing).to(tower.device)))
         return torch.stack([self.vectors[q] for q in questions])
 
 

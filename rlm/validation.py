@@ -87,15 +87,17 @@ def sharded_retrieve(
     if device is not None:
         queries = queries.to(device)
     top = ShardedRows(passages, torch.arange(start, stop), procs).topk(queries, None, k, chunk_size=65536)
-    ids = [[corpus.ids[r] for r in row if r >= 0] for row in top.indices.tolist()]
-    scores = [row[: len(i)] for row, i in zip(top.scores.tolist(), ids)]
-    return Retrieved(ids=ids, scores=scores)
+    return _as_retrieved(top, corpus)
 
 
 def selection_retrieve(strategy, corrector, corpus, queries: torch.Tensor, k: int) -> Retrieved:
     """Top-k passages per query by the training strategy's own scoring (h(B) for the corrector, the buffer as
     last refreshed for the others): nothing re-embedded. Every process passes every dev question's query."""
-    top = strategy.top(queries, corrector, k)
+    return _as_retrieved(strategy.top(queries, corrector, k), corpus)
+
+
+def _as_retrieved(top, corpus) -> Retrieved:
+    """Corpus ids and scores of a top-k over corpus rows (-1 padding dropped)."""
     ids = [[corpus.ids[r] for r in row if r >= 0] for row in top.indices.tolist()]
     scores = [row[: len(i)] for row, i in zip(top.scores.tolist(), ids)]
     return Retrieved(ids=ids, scores=scores)
