@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlm.errors import UserError
 from rlm.metrics import has_answer
 
 MAX_QUESTION_CHARS = 300
@@ -178,7 +179,7 @@ def corpus_from_config(config: dict, checkpoint: Path) -> Path:
     elif (data.get("toy_world") or {}).get("dir"):
         raw = Path(data["toy_world"]["dir"]) / "corpus.jsonl"
     else:
-        raise ValueError(
+        raise UserError(
             f"{checkpoint / 'config.yaml'} names no corpus (data.corpus or data.toy_world.dir); pass --corpus PATH"
         )
     if raw.is_absolute() or raw.exists():

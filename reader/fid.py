@@ -21,6 +21,7 @@ from transformers import AutoModelForSeq2SeqLM, PreTrainedModel, PreTrainedToken
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from atomicio import atomic_directory, atomic_write_json
+from reader.errors import InputError
 from reader.formatting import DEFAULT_QUESTION_TEMPLATE, DEFAULT_TEMPLATE, FiDCollator, Passages
 from reader.small_t5 import SmallT5Config, build_small_t5
 from reader.tokenizer import load_tokenizer
@@ -43,7 +44,7 @@ class FiDConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(known)}")
+            raise InputError(f"{source}: unknown key(s) {unknown}; known keys are {sorted(known)}")
         return cls(**data)
 
 
@@ -64,7 +65,7 @@ class FiDReader(torch.nn.Module):
     ):
         super().__init__()
         if not model.config.is_encoder_decoder:
-            raise ValueError(f"FiD needs an encoder-decoder model, got {type(model).__name__}")
+            raise InputError(f"FiD needs an encoder-decoder model, got {type(model).__name__}")
         self.model = model
         self.tokenizer = tokenizer
         self.config = config or FiDConfig()
@@ -102,7 +103,7 @@ class FiDReader(torch.nn.Module):
             try:
                 settings = json.loads(cfg_file.read_text(encoding="utf-8"))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{cfg_file}: not valid JSON ({e})") from e
+                raise InputError(f"{cfg_file}: not valid JSON ({e})") from e
             settings.pop("format_version", None)
             config = FiDConfig.from_dict(settings, source=str(cfg_file))
         if config_overrides:

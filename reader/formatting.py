@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from reader.errors import InputError
+
 DEFAULT_TEMPLATE = "question: {question} title: {title} context: {text}"
 # What the encoder reads for a question with no passage (closed book, or fewer passages than the batch's K).
 DEFAULT_QUESTION_TEMPLATE = "question: {question}"
@@ -41,13 +43,13 @@ class FiDCollator:
         ):
             missing = [f for f in fields if f not in tpl]
             if missing:
-                raise ValueError(f"{name} {tpl!r} lacks the field(s) {', '.join(missing)}")
+                raise InputError(f"{name} {tpl!r} lacks the field(s) {', '.join(missing)}")
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError(
                 "the tokenizer needs pad and eos tokens; load it with reader.tokenizer.load_tokenizer"
             )
         if max_passage_length < 2 or max_answer_length < 1:
-            raise ValueError(
+            raise InputError(
                 f"max_passage_length={max_passage_length} and max_answer_length={max_answer_length} are too small"
             )
         self.tokenizer = tokenizer

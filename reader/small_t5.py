@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase, T5Config, T5ForConditionalGeneration
 
+from reader.errors import InputError
+
 
 @dataclass
 class SmallT5Config:
@@ -30,7 +32,7 @@ class SmallT5Config:
     def to_t5_config(self, tokenizer: PreTrainedTokenizerBase) -> T5Config:
         """The transformers `T5Config`, with vocabulary size and pad/eos/decoder-start ids from `tokenizer`."""
         if self.d_kv is None and self.d_model % self.num_heads:
-            raise ValueError(
+            raise InputError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; set d_kv"
             )
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from reader.errors import InputError
+
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "</s>"
 UNK_TOKEN = "<unk>"
@@ -31,7 +33,7 @@ def train_tokenizer(
     a passage (the reader learns to copy it). Saved with `save_pretrained` to `save_dir` when given.
     """
     if vocab_size < 300:
-        raise ValueError(
+        raise InputError(
             f"vocab_size={vocab_size} is too small: byte-level BPE needs at least 256 + specials"
         )
     tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
@@ -67,7 +69,7 @@ def load_tokenizer(path_or_name: str | os.PathLike) -> PreTrainedTokenizerBase:
     tok = AutoTokenizer.from_pretrained(str(path_or_name))
     if tok.eos_token is None:
         if tok.sep_token is None:
-            raise ValueError(f"tokenizer at {path_or_name} has neither an eos nor a sep token to end answers")
+            raise InputError(f"tokenizer at {path_or_name} has neither an eos nor a sep token to end answers")
         tok.eos_token = tok.sep_token
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

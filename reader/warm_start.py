@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModel, BertConfig, BertLMHeadModel, EncoderDecoderModel, PreTrainedTokenizerBase
 
+from reader.errors import InputError
 from reader.tokenizer import load_tokenizer
 
 
@@ -55,7 +56,7 @@ def build_warm_started_encoder_decoder(
     if config.encoder_layers is not None:
         total = len(encoder.encoder.layer)
         if not 1 <= config.encoder_layers <= total:
-            raise ValueError(f"encoder_layers={config.encoder_layers}; {encoder_path} has {total} layers")
+            raise InputError(f"encoder_layers={config.encoder_layers}; {encoder_path} has {total} layers")
         encoder.encoder.layer = encoder.encoder.layer[: config.encoder_layers]
         enc_cfg.num_hidden_layers = config.encoder_layers
 

@@ -35,6 +35,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from atomicio import atomic_file, atomic_write_bytes, atomic_write_text
+from retriever.errors import InputError
 from retriever.ids import IdSequence, id_lines
 
 META_NAME = "meta.json"
@@ -94,7 +95,7 @@ def upgrade_legacy_fingerprint(
         return record
     old = _pairs_fingerprint(*legacy_corpus)  # the slow pass, once per buffer
     if old != recorded:
-        raise ValueError(
+        raise InputError(
             f"buffer {folder} was built with corpus fingerprint {recorded}, but the corpus given has "
             f"fingerprint {old} (old-style; {fingerprint} new-style); rebuild it with `rlm embed` "
             "or point to the buffer of this corpus"
@@ -146,10 +147,10 @@ class PassageBuffer:
         self._offsets = [0]
         for shard in shards:
             if shard.dim() != 2 or shard.shape[1] != shards[0].shape[1]:
-                raise ValueError(f"buffer shards must be [rows, D] with one D; got {tuple(shard.shape)}")
+                raise InputError(f"buffer shards must be [rows, D] with one D; got {tuple(shard.shape)}")
             self._offsets.append(self._offsets[-1] + shard.shape[0])
         if self._offsets[-1] != len(self.ids):
-            raise ValueError(f"buffer has {len(self.ids)} ids but {self._offsets[-1]} embedding rows")
+            raise InputError(f"buffer has {len(self.ids)} ids but {self._offsets[-1]} embedding rows")
         self.meta = dict(meta or {})
         self._row_of_id: dict[str, int] | None = None
         self._full: Tensor | None = shards[0] if len(shards) == 1 else None
@@ -199,7 +200,7 @@ class PassageBuffer:
                 else meta[f"{kind}_fingerprint"] == expected
             )
             if expected is not None and not matches:
-                raise ValueError(
+                raise InputError(
                     f"buffer {folder} was built with {kind} fingerprint {meta[f'{kind}_fingerprint']}, "
                     f"but the {kind} given has fingerprint {expected}; rebuild it with `rlm embed` "
                     f"or point to the buffer of this {kind}"
@@ -208,7 +209,7 @@ class PassageBuffer:
             # One blob for all ids, not a list of str (21M ids: ~0.35 GB instead of ~1.5 GB).
             ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
         except ValueError as err:
-            raise ValueError(f"{folder / IDS_NAME} has {err}, meta.json says {meta['count']}") from None
+            raise InputError(f"{folder / IDS_NAME} has {err}, meta.json says {meta['count']}") from None
         shards = []
         for name in meta["shards"]:
             # Copy-on-write map: read-only on disk like mode "r", but writable in memory, which torch wants.
@@ -346,7 +347,7 @@ def _check_or_write_build(
         diff = {k: (previous.get(k), v) for k, v in settings.items() if previous.get(k) != v}
         if diff:
             details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
-            raise ValueError(
+            raise InputError(
                 f"{folder} holds an unfinished build with other settings ({details}); "
                 "use another --out folder or delete this one"
             )
@@ -415,7 +416,7 @@ def finalize_buffer(out_dir: str | os.PathLike, ids: Sequence[str], settings: di
         )
     ]
     if missing:
-        raise ValueError(f"{folder}: shards {missing} are missing or corrupt; rerun the build to embed them")
+        raise InputError(f"{folder}: shards {missing} are missing or corrupt; rerun the build to embed them")
     if len(ids) != count:
         raise ValueError(f"{len(ids)} ids for a buffer of {count} rows")
     atomic_write_bytes(folder / IDS_NAME, id_lines(ids))
@@ -447,11 +448,11 @@ def build_passage_buffer(
     recorded with an old-style fingerprint is verified against `ids`/`texts` once and upgraded.
     """
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if shard_size < 1 or batch_size < 1:
-        raise ValueError(f"shard_size and batch_size must be >= 1, got {shard_size} and {batch_size}")
+        raise InputError(f"shard_size and batch_size must be >= 1, got {shard_size} and {batch_size}")
     if len(ids) == 0:
-        raise ValueError("cannot build a passage buffer from an empty corpus")
+        raise InputError("cannot build a passage buffer from an empty corpus")
     folder = Path(out_dir)
     settings = build_settings(ids, texts, encoder, dtype, shard_size, corpus_fingerprint=corpus_fingerprint)
     rank, world = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
@@ -473,7 +474,7 @@ def build_passage_buffer(
             for k, v in settings.items()
         )
         if not same:
-            raise ValueError(
+            raise InputError(
                 f"{folder} already holds a complete buffer with other settings (encoder "
                 f"{meta.get('encoder_fingerprint')} vs {settings['encoder_fingerprint']}, corpus "
                 f"{meta.get('corpus_fingerprint')} vs {settings['corpus_fingerprint']}); use another --out folder"

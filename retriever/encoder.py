@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from atomicio import atomic_directory, atomic_write_text
+from retriever.errors import InputError
 
 # Encoder-decoder configs whose encoder alone is the sentence encoder (what sentence-transformers does for GTR).
 _ENCODER_ONLY_CLASSES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
@@ -67,7 +68,7 @@ def _pooling_mode(config: dict, where: Path) -> str:
         modes = [k[len("pooling_mode_") :] for k, v in config.items() if k.startswith("pooling_mode_") and v]
         mode = modes[0] if len(modes) == 1 else modes
     if mode not in ("mean_tokens", "mean"):
-        raise ValueError(f"{where}: pooling mode {mode!r} is not supported; this retriever uses mean pooling")
+        raise InputError(f"{where}: pooling mode {mode!r} is not supported; this retriever uses mean pooling")
     return "mean"
 
 
@@ -79,7 +80,7 @@ def _load_hf_encoder(folder: Path) -> nn.Module:
 
         return getattr(transformers, class_name).from_pretrained(folder)
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
+        raise InputError(
             f"{folder}: encoder-decoder model type {config.model_type!r} is not supported as a sentence encoder"
         )
     return AutoModel.from_pretrained(folder)
@@ -101,7 +102,7 @@ class SentenceEncoder(nn.Module):
         self.tokenizer = tokenizer
         self.dense = dense
         if dense_activation not in _ACTIVATIONS:
-            raise ValueError(
+            raise InputError(
                 f"unsupported Dense activation {dense_activation!r}; one of {sorted(_ACTIVATIONS)}"
             )
         self.dense_activation_name = dense_activation
@@ -123,10 +124,10 @@ class SentenceEncoder(nn.Module):
                 _pooling_mode(json.loads((folder / module["path"] / "config.json").read_text()), folder)
             elif kind == "Dense":
                 if dense_path is not None:
-                    raise ValueError(f"{modules_file}: more than one Dense module is not supported")
+                    raise InputError(f"{modules_file}: more than one Dense module is not supported")
                 dense_path = folder / module["path"]
             elif kind not in ("Normalize",):
-                raise ValueError(f"{modules_file}: module type {module['type']!r} is not supported")
+                raise InputError(f"{modules_file}: module type {module['type']!r} is not supported")
         model_folder = folder / transformer_path
         model = _load_hf_encoder(model_folder)
         tokenizer = AutoTokenizer.from_pretrained(model_folder)
@@ -185,7 +186,7 @@ class SentenceEncoder(nn.Module):
 
         layers, config_key = _layer_list(self.model)
         if not 1 <= num_layers <= len(layers):
-            raise ValueError(
+            raise InputError(
                 f"layers:{num_layers}: this tower has {len(layers)} layers (keep 1 to {len(layers)})"
             )
         tower = copy.deepcopy(self)
@@ -316,7 +317,7 @@ def _load_dense(folder: Path) -> tuple[nn.Linear, str]:
     config = json.loads((folder / "config.json").read_text())
     activation = str(config.get("activation_function", "torch.nn.modules.activation.Tanh")).rsplit(".", 1)[-1]
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"{folder / 'config.json'}: Dense activation {activation!r} is not supported")
+        raise InputError(f"{folder / 'config.json'}: Dense activation {activation!r} is not supported")
     if (folder / "model.safetensors").exists():
         weights = load_file(str(folder / "model.safetensors"))
     elif (folder / "pytorch_model.bin").exists():
@@ -338,7 +339,7 @@ def _layer_list(model: nn.Module) -> tuple[nn.ModuleList, str]:
         layers = getattr(encoder, attr, None)
         if isinstance(layers, nn.ModuleList):
             return layers, key
-    raise ValueError(f"cannot truncate a {type(model).__name__}: no encoder.layer or encoder.block list")
+    raise InputError(f"cannot truncate a {type(model).__name__}: no encoder.layer or encoder.block list")
 
 
 QUERY_LAYERS_PREFIX = "layers:"
@@ -388,19 +389,19 @@ class DualEncoder(nn.Module):
         if query_path is None:
             return retriever
         if shared:
-            raise ValueError(
+            raise InputError(
                 "retriever.query_path gives the query tower its own model: not with shared_towers"
             )
         passage = retriever.passage_tower
         if query_path.startswith(QUERY_LAYERS_PREFIX):
             count = query_path[len(QUERY_LAYERS_PREFIX) :]
             if not count.isdigit():
-                raise ValueError(f"retriever.query_path {query_path!r}: expected layers:N with N a number")
+                raise InputError(f"retriever.query_path {query_path!r}: expected layers:N with N a number")
             query = passage.truncated(int(count))
         else:
             query = SentenceEncoder.from_pretrained(query_path, max_length=max_length)
         if query.dim != passage.dim:
-            raise ValueError(
+            raise InputError(
                 f"query tower {query_path} gives {query.dim}-dim embeddings, the passage tower {passage.dim}"
             )
         return cls(query, passage)

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from retriever.errors import InputError
+
 _CHUNK = 65_536
 
 
@@ -41,7 +43,7 @@ class IdSequence(Sequence[str]):
         ends = np.flatnonzero(np.frombuffer(blob, dtype=np.uint8) == 0x0A) + 1
         if count is not None:
             if len(ends) < count:
-                raise ValueError(f"{len(ends)} ids, expected {count}")
+                raise InputError(f"{len(ends)} ids, expected {count}")
             ends = ends[:count]
             blob = blob[: int(ends[-1])] if count else b""
         offsets = np.zeros(len(ends) + 1, dtype=np.int64)
@@ -102,7 +104,7 @@ def id_lines(ids: Sequence[str]) -> bytes:
             return data[:-1]
     bad = next((i for i, pid in enumerate(ids) if "\n" in str(pid) or "\r" in str(pid)), None)
     if bad is not None:
-        raise ValueError(f"passage id at row {bad} contains a line break: {ids[bad]!r}")
+        raise InputError(f"passage id at row {bad} contains a line break: {ids[bad]!r}")
     return "\n".join(str(pid) for pid in ids).encode("utf-8")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
+from retriever.errors import InputError
 from retriever.ids import IdSequence, id_lines
 
 INDEX_NAME = "index.faiss"
@@ -68,7 +69,7 @@ def _to_gpu(index, use_gpu: bool | None):
     if not (ngpu > 0 if use_gpu is None else use_gpu):
         return index, False
     if ngpu == 0:
-        raise ValueError("use_gpu=True but faiss sees no GPU (install rlm-corrector[gpu] on a CUDA machine)")
+        raise InputError("use_gpu=True but faiss sees no GPU (install rlm-corrector[gpu] on a CUDA machine)")
     device = _rank_device(ngpu)
     try:
         if device is None:
@@ -165,7 +166,7 @@ class PassageIndex:
         try:
             index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
         except RuntimeError as err:
-            raise ValueError(f"faiss cannot build index type {factory!r} for dim {dim}: {err}") from err
+            raise InputError(f"faiss cannot build index type {factory!r} for dim {dim}: {err}") from err
         return _to_gpu(index, use_gpu)
 
     def search_rows(
@@ -219,5 +220,5 @@ class PassageIndex:
         try:
             ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
         except ValueError as err:
-            raise ValueError(f"{folder / IDS_NAME} has {err}, index.json says {meta['count']}") from None
+            raise InputError(f"{folder / IDS_NAME} has {err}, index.json says {meta['count']}") from None
         return cls(index, ids, meta["factory"], on_gpu)

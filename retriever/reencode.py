@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from retriever.errors import InputError
+
 KERNELS = ("rbf", "linear")
 
 
@@ -47,7 +49,7 @@ def kernel_matrix(x: Tensor, landmarks: Tensor, kernel: str, gamma: float) -> Te
     if kernel == "rbf":
         squared = (x * x).sum(-1, keepdim=True) + (landmarks * landmarks).sum(-1) - 2 * dots
         return torch.exp(-gamma * squared.clamp_min(0))
-    raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    raise InputError(f"kernel must be one of {KERNELS}, got {kernel!r}")
 
 
 def median_gamma(x: Tensor, landmarks: Tensor) -> float:

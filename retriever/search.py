@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from retriever.buffer import PassageBuffer
+from retriever.errors import InputError
 
 
 class TopK(NamedTuple):
@@ -297,7 +298,7 @@ def two_stage_corrected_topk(
         scores, rows = sort_desc_then_row(scores, rows)
         return TopK(scores[:, :k], rows[:, :k])
     if index.ntotal != len(buf):
-        raise ValueError(
+        raise InputError(
             f"index holds {index.ntotal} vectors but the buffer has {len(buf)} rows; rebuild the index"
         )
     _, rows = index.search_rows(queries.detach().float().cpu().numpy(), candidates, nprobe=nprobe)

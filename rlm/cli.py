@@ -1,8 +1,9 @@
 """The `rlm` command line: `rlm <command> [options]`.
 
-Commands are registered by module name and imported lazily; a user-facing error (bad input, missing
-checkpoint, mismatched buffer, a hub model requested offline) prints one readable line and exits 2. Set
-RLM_DEBUG=1 to see the full traceback instead.
+Commands are registered by module name and imported lazily; a user-facing error (`rlm.errors`: bad input,
+missing checkpoint, mismatched buffer, a hub model requested offline) prints one readable line and exits 2.
+Any other exception is a bug in our code and keeps its traceback. Set RLM_DEBUG=1 to see the traceback of
+user errors too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import argparse
 import importlib
 import os
 import sys
+
+from rlm.errors import user_errors
 
 # name -> (module, one-line help). Order is the order `rlm --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,14 +29,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("rlm.commands.demo", "Serve the Gradio QA demo over a trained checkpoint."),
     "bench": ("rlm.commands.bench", "Run a benchmark script: retrieval, reader or training."),
 }
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """What the CLI reports as one line: bad values and files, and an unknown passage id in the user's data.
-    Any other KeyError is a bug in our code and keeps its traceback."""
-    from rlm.data.corpus import UnknownPassageError
-
-    return (ValueError, FileNotFoundError, PermissionError, UnknownPassageError)
 
 
 def _top_level_help() -> str:
@@ -68,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except Exception as err:
-        if os.environ.get("RLM_DEBUG") or not isinstance(err, _user_errors()):
+        if os.environ.get("RLM_DEBUG") or not isinstance(err, user_errors()):
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from rlm.errors import UserError
+
 
 class _Yaml12BoolLoader(yaml.SafeLoader):
     """SafeLoader with YAML 1.2 booleans (true/false only): YAML 1.1 reads `mixed_precision: no` as False."""
@@ -135,17 +137,17 @@ class ReaderConfig:
 
     def __post_init__(self):
         if self.arch not in READER_ARCHS:
-            raise ValueError(f"reader.arch must be one of {READER_ARCHS}, got {self.arch!r}")
+            raise UserError(f"reader.arch must be one of {READER_ARCHS}, got {self.arch!r}")
         if self.warm_start_layers < 1:
-            raise ValueError(f"reader.warm_start_layers must be >= 1, got {self.warm_start_layers}")
+            raise UserError(f"reader.warm_start_layers must be >= 1, got {self.warm_start_layers}")
         if self.reader_only_steps < 0:
-            raise ValueError(f"reader.reader_only_steps must be >= 0, got {self.reader_only_steps}")
+            raise UserError(f"reader.reader_only_steps must be >= 0, got {self.reader_only_steps}")
         if self.final_reader_only_steps < 0:
-            raise ValueError(
+            raise UserError(
                 f"reader.final_reader_only_steps must be >= 0, got {self.final_reader_only_steps}"
             )
         if self.gold_passage_steps < 0:
-            raise ValueError(f"reader.gold_passage_steps must be >= 0, got {self.gold_passage_steps}")
+            raise UserError(f"reader.gold_passage_steps must be >= 0, got {self.gold_passage_steps}")
 
 
 @dataclass
@@ -235,12 +237,12 @@ class OptimConfig:
         per_micro_step = self.batch_size * num_processes
         accum, rest = divmod(self.questions_per_step, per_micro_step)
         if rest or accum < 1:
-            raise ValueError(
+            raise UserError(
                 f"optim.questions_per_step={self.questions_per_step} is not a multiple of optim.batch_size x "
                 f"processes = {self.batch_size} x {num_processes} = {per_micro_step}; change one of them"
             )
         if self.gradient_accumulation_steps not in (1, accum):
-            raise ValueError(
+            raise UserError(
                 f"optim.gradient_accumulation_steps={self.gradient_accumulation_steps} contradicts "
                 f"optim.questions_per_step={self.questions_per_step} with {num_processes} process(es) and "
                 f"batch_size {self.batch_size} (which need {accum}); set only one of them"
@@ -288,49 +290,49 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         if self.algorithm not in (1, 2):
-            raise ValueError(f"algorithm must be 1 or 2, got {self.algorithm}")
+            raise UserError(f"algorithm must be 1 or 2, got {self.algorithm}")
         from rlm.strategies import strategy_class  # the registry says what each strategy takes part in
 
         strategy = strategy_class(self.strategy.name)
         if self.algorithm not in strategy.algorithms:
             only = " and ".join(str(a) for a in strategy.algorithms)
             why = " (its S_x are the batch's gold passages)" if strategy.shares_batch else ""
-            raise ValueError(
+            raise UserError(
                 f"strategy {self.strategy.name!r} only makes sense for algorithm {only}{why}; "
                 f"this config has algorithm {self.algorithm}"
             )
         if self.corrector.loss not in ("ce", "mse"):
-            raise ValueError(f"corrector.loss must be 'ce' or 'mse', got {self.corrector.loss!r}")
+            raise UserError(f"corrector.loss must be 'ce' or 'mse', got {self.corrector.loss!r}")
         if self.reader.score_reduction not in ("sum", "mean"):
-            raise ValueError(
+            raise UserError(
                 f"reader.score_reduction must be 'sum' or 'mean', got {self.reader.score_reduction!r}"
             )
         if self.buffer.placement not in ("auto", "host", "device"):
-            raise ValueError(f"buffer.placement must be auto, host or device, got {self.buffer.placement!r}")
+            raise UserError(f"buffer.placement must be auto, host or device, got {self.buffer.placement!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
+            raise UserError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.force_cpu_bf16 and self.mixed_precision != "bf16":
-            raise ValueError(
+            raise UserError(
                 f"force_cpu_bf16=true only applies to mixed_precision=bf16 (got {self.mixed_precision!r}); "
                 "set mixed_precision=bf16 or drop force_cpu_bf16"
             )
         if self.strategy.search not in ("exact", "two_stage"):
-            raise ValueError(f"strategy.search must be exact or two_stage, got {self.strategy.search!r}")
+            raise UserError(f"strategy.search must be exact or two_stage, got {self.strategy.search!r}")
         if self.strategy.first_stage not in ("index", "scan"):
-            raise ValueError(f"strategy.first_stage must be index or scan, got {self.strategy.first_stage!r}")
+            raise UserError(f"strategy.first_stage must be index or scan, got {self.strategy.first_stage!r}")
         if self.strategy.search == "two_stage" and not strategy.scans_fixed_buffer:
             from rlm.strategies import STRATEGY_CLASSES
 
             fixed = [name for name, cls in STRATEGY_CLASSES.items() if cls.scans_fixed_buffer]
-            raise ValueError(
+            raise UserError(
                 "strategy.search=two_stage searches an index over the fixed buffer: use it with a strategy that "
                 f"scans it ({', '.join(fixed)}), not {self.strategy.name!r}"
             )
         for name in ("k", "refresh_every", "snm_size", "candidates", "nprobe", "overlap_every"):
             if getattr(self.strategy, name) < 1:
-                raise ValueError(f"strategy.{name} must be >= 1")
+                raise UserError(f"strategy.{name} must be >= 1")
         if self.retriever.collapse_cosine is not None and not -1 < self.retriever.collapse_cosine <= 1:
-            raise ValueError(
+            raise UserError(
                 f"retriever.collapse_cosine must be in (-1, 1] or null, got {self.retriever.collapse_cosine}"
             )
         if (
@@ -338,28 +340,26 @@ class TrainConfig:
             or self.retriever.align_every < 1
             or self.retriever.align_patience < 1
         ):
-            raise ValueError("retriever.align_steps must be >= 0, align_every and align_patience >= 1")
+            raise UserError("retriever.align_steps must be >= 0, align_every and align_patience >= 1")
         if self.retriever.align_steps and self.retriever.shared_towers:
-            raise ValueError("retriever.align_steps trains the query tower alone: not with shared_towers")
+            raise UserError("retriever.align_steps trains the query tower alone: not with shared_towers")
         regression = self.strategy.regression
         from retriever.reencode import KERNELS
 
         if regression.kernel not in KERNELS:
-            raise ValueError(
-                f"strategy.regression.kernel must be one of {KERNELS}, got {regression.kernel!r}"
-            )
+            raise UserError(f"strategy.regression.kernel must be one of {KERNELS}, got {regression.kernel!r}")
         if regression.samples < 1 or regression.landmarks < 1:
-            raise ValueError("strategy.regression.samples and strategy.regression.landmarks must be >= 1")
+            raise UserError("strategy.regression.samples and strategy.regression.landmarks must be >= 1")
         if (regression.ridge is not None and regression.ridge <= 0) or (
             regression.gamma is not None and regression.gamma <= 0
         ):
-            raise ValueError("strategy.regression.ridge and strategy.regression.gamma (when set) must be > 0")
+            raise UserError("strategy.regression.ridge and strategy.regression.gamma (when set) must be > 0")
         if self.optim.max_steps < 1 or self.optim.batch_size < 1:
-            raise ValueError("optim.max_steps and optim.batch_size must be >= 1")
+            raise UserError("optim.max_steps and optim.batch_size must be >= 1")
         if self.optim.gradient_accumulation_steps < 1:
-            raise ValueError("optim.gradient_accumulation_steps must be >= 1")
+            raise UserError("optim.gradient_accumulation_steps must be >= 1")
         if self.optim.questions_per_step is not None and self.optim.questions_per_step < 1:
-            raise ValueError("optim.questions_per_step must be >= 1 (or null)")
+            raise UserError("optim.questions_per_step must be >= 1 (or null)")
         return self
 
 
@@ -382,10 +382,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except (TypeError, ValueError) as err:
                 errors.append(str(err))
-        raise ValueError(f"{where}: {value!r} does not fit {tp}")
+        raise UserError(f"{where}: {value!r} does not fit {tp}")
     if _is_dataclass_type(tp):
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected a mapping, got {value!r}")
+            raise UserError(f"{where}: expected a mapping, got {value!r}")
         return from_dict(tp, value, where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -394,13 +394,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         try:
             return float(value)
         except ValueError:
-            raise ValueError(f"{where}: expected float, got {value!r}") from None
+            raise UserError(f"{where}: expected float, got {value!r}") from None
     if typing.get_origin(tp) is dict and not isinstance(value, dict):
-        raise ValueError(f"{where}: expected a mapping, got {value!r}")
+        raise UserError(f"{where}: expected a mapping, got {value!r}")
     if tp is bool and not isinstance(value, bool):
-        raise ValueError(f"{where}: expected true/false, got {value!r}")
+        raise UserError(f"{where}: expected true/false, got {value!r}")
     if tp in (int, float, str) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
-        raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}")
+        raise UserError(f"{where}: expected {tp.__name__}, got {value!r}")
     return value
 
 
@@ -413,7 +413,7 @@ def from_dict(cls: type, data: dict, where: str = "config") -> Any:
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (valid: {', '.join(names)})"
-            raise ValueError(f"unknown config key {where}.{key}{hint}")
+            raise UserError(f"unknown config key {where}.{key}{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
     return cls(**kwargs)
 
@@ -421,15 +421,18 @@ def from_dict(cls: type, data: dict, where: str = "config") -> Any:
 def apply_override(data: dict, assignment: str) -> None:
     """Apply one `a.b.c=value` to a nested dict (value parsed as a YAML scalar)."""
     if "=" not in assignment:
-        raise ValueError(f"--set expects key=value, got {assignment!r}")
+        raise UserError(f"--set expects key=value, got {assignment!r}")
     dotted, raw = assignment.split("=", 1)
     keys = dotted.strip().split(".")
     node = data
     for key in keys[:-1]:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ValueError(f"--set {dotted}: {key} is not a section")
-    node[keys[-1]] = parse_yaml(raw) if raw.strip() else None
+            raise UserError(f"--set {dotted}: {key} is not a section")
+    try:
+        node[keys[-1]] = parse_yaml(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise UserError(f"--set {assignment}: the value is not valid YAML ({' '.join(str(err).split())})") from None
 
 
 def add_override_argument(parser, example: str = "strategy.name=exhaustive") -> None:
@@ -482,9 +485,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     data: dict = {}
     if path is not None:
         path = resolve_config_path(path)
-        data = parse_yaml(path.read_text()) or {}
+        try:
+            data = parse_yaml(path.read_text()) or {}
+        except yaml.YAMLError as err:  # names the line and column: one line for the user, not a traceback
+            raise UserError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: a config must be a YAML mapping at the top level")
+            raise UserError(f"{path}: a config must be a YAML mapping at the top level")
     for assignment in overrides:
         apply_override(data, assignment)
     return from_dict(TrainConfig, data).validate()

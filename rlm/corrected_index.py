@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlm.errors import UserError
+
 CORRECTED_INDEX_CACHE = "corrected_index"
 
 
@@ -94,10 +96,10 @@ def corrected_index(
             f"{err}; answering from h(B) reads the run's fixed buffer: pass its folder (--buffer DIR)"
         ) from None
     if len(buffer) != len(corpus):
-        raise ValueError(f"buffer {folder} has {len(buffer)} rows but the corpus has {len(corpus)}")
+        raise UserError(f"buffer {folder} has {len(buffer)} rows but the corpus has {len(corpus)}")
     corrector = CorrectorNetwork.from_pretrained(root / "corrector").eval()
     if corrector.dim != buffer.dim:
-        raise ValueError(f"corrector of dimension {corrector.dim} does not fit buffer rows of {buffer.dim}")
+        raise UserError(f"corrector of dimension {corrector.dim} does not fit buffer rows of {buffer.dim}")
     start = time.perf_counter()
     vectors = corrected_rows(corrector, buffer)
     correct_s = time.perf_counter() - start

@@ -23,6 +23,7 @@ import numpy as np
 
 from atomicio import atomic_write_text
 from rlm.data.qa import QAExample
+from rlm.errors import UserError
 from rlm.metrics import gold_recall_at_k, qa_scores, recall_at_k
 
 RECALL_KS = (1, 5, 20, 100)
@@ -123,14 +124,14 @@ def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str]):
 
     index = PassageIndex.load(index_dir)
     if index.ntotal != len(corpus_ids):
-        raise ValueError(
+        raise UserError(
             f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
             "rebuild it for this corpus (omit --index)"
         )
     # One bytes comparison when both are IdSequences (a loaded index and a Corpus), not a 21M-string loop.
     mismatch = first_mismatch(index.ids, corpus_ids)
     if mismatch is not None:
-        raise ValueError(
+        raise UserError(
             f"index {index_dir} row {mismatch} is passage {index.ids[mismatch]!r} but the corpus has "
             f"{corpus_ids[mismatch]!r}; it was built for another corpus"
         )
@@ -167,7 +168,7 @@ def with_gold_passages(
     out = []
     for i, ex in enumerate(examples):
         if not ex.gold_passage_ids:
-            raise ValueError(f"question {ex.id} has no gold passage ids; oracle reading needs them")
+            raise UserError(f"question {ex.id} has no gold passage ids; oracle reading needs them")
         gold = list(dict.fromkeys(ex.gold_passage_ids))
         if retrieved is None or num_passages <= len(gold):
             out.append(gold[:num_passages] if retrieved is not None else gold)

@@ -17,6 +17,7 @@ from pathlib import Path
 from atomicio import atomic_write_text
 from rlm.data.corpus import CorpusSubset
 from rlm.data.qa import QAExample
+from rlm.errors import UserError
 
 
 def build_hard_subcorpus(
@@ -35,7 +36,7 @@ def build_hard_subcorpus(
             try:
                 rows.add(corpus.index_of(pid))
             except KeyError:
-                raise ValueError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
+                raise UserError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
     if index is None:
         embeddings = embed_corpus(retriever.passage_tower, corpus.retrieval_texts(), batch_size)
         index = build_index(embeddings, corpus.ids)
@@ -62,7 +63,7 @@ def hard_subcorpus_from_buffer(
             try:
                 rows.add(corpus.index_of(pid))
             except KeyError:
-                raise ValueError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
+                raise UserError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
     queries = query_tower.encode([ex.question for ex in examples])
     if device is not None:
         queries = queries.to(device)
@@ -89,14 +90,14 @@ def load_subcorpus(corpus, ids_path: str | os.PathLike) -> CorpusSubset:
         if not pid:
             continue
         if pid in seen:
-            raise ValueError(f"{ids_path}:{line_no}: passage id {pid!r} repeats line {seen[pid]}")
+            raise UserError(f"{ids_path}:{line_no}: passage id {pid!r} repeats line {seen[pid]}")
         seen[pid] = line_no
         try:
             rows.append(corpus.index_of(pid))
         except KeyError:
-            raise ValueError(f"{ids_path}:{line_no}: passage id {pid!r} is not in {corpus.path}") from None
+            raise UserError(f"{ids_path}:{line_no}: passage id {pid!r} is not in {corpus.path}") from None
     if not rows:
-        raise ValueError(f"{ids_path}: no passage ids")
+        raise UserError(f"{ids_path}: no passage ids")
     return CorpusSubset(corpus, rows)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from atomicio import atomic_write_text
 from rlm.config import SHIPPED_CONFIGS, TrainConfig, dump_config, load_config
+from rlm.errors import UserError
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "quickstart.yaml"
 BASELINES = {
@@ -52,7 +53,7 @@ def quickstart_config(
         pre = [f"output_dir={output_dir}", f"data.toy_world.dir={Path(output_dir) / 'toy_world'}"]
     cfg = load_config(config_path or DEFAULT_CONFIG, [*pre, *overrides])
     if cfg.algorithm != 2:
-        raise ValueError(
+        raise UserError(
             "the quickstart trains reader + retriever (algorithm: 2); drop the algorithm override"
         )
     return cfg
@@ -87,7 +88,7 @@ def dev_scores(summary: dict, k: int) -> dict:
     None unless `eval_selection`), and the passages the run re-embedded."""
     missing = [key for key in ("dev_exact_match", "dev_f1") if key not in summary]
     if missing:
-        raise ValueError(f"training summary has no {', '.join(missing)}: the quickstart needs data.dev set")
+        raise UserError(f"training summary has no {', '.join(missing)}: the quickstart needs data.dev set")
     return {
         "exact_match": summary["dev_exact_match"],
         "f1": summary["dev_f1"],
@@ -113,11 +114,11 @@ def load_cached_baselines(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(
+        raise UserError(
             f"{path}:{err.lineno}: not valid JSON ({err.msg}); delete it or rerun with --baselines"
         ) from None
     if not isinstance(data, dict):
-        raise ValueError(
+        raise UserError(
             f"{path}: expected a JSON object of baseline figures; delete it or rerun with --baselines"
         )
     return data
@@ -233,9 +234,9 @@ def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartRe
     from rlm.train import train
 
     if baselines not in BASELINE_MODES:
-        raise ValueError(f"baselines must be one of {BASELINE_MODES}, got {baselines!r}")
+        raise UserError(f"baselines must be one of {BASELINE_MODES}, got {baselines!r}")
     if not cfg.data.dev:
-        raise ValueError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
+        raise UserError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
     root = Path(cfg.output_dir)
     key = settings_key(cfg)
     cache_path = root / BASELINES_FILE

@@ -19,6 +19,7 @@ from retriever.encoder import DualEncoder, default_retriever_path
 from rlm.config import ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.qa import QAExample, load_qa_dataset
+from rlm.errors import UserError
 from rlm.strategies import strategy_class
 
 
@@ -152,7 +153,7 @@ def load_or_build_buffer(
             corpus_fingerprint=corpus.fingerprint,
         )
     if len(buffer) != len(corpus):
-        raise ValueError(f"buffer {buffer_dir} has {len(buffer)} rows but the corpus has {len(corpus)}")
+        raise UserError(f"buffer {buffer_dir} has {len(buffer)} rows but the corpus has {len(corpus)}")
     return buffer
 
 
@@ -192,7 +193,7 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
             for gid in golds
         ]
         if not train_examples:
-            raise ValueError(
+            raise UserError(
                 "algorithm 1 needs training questions with gold passage ids that are in the corpus"
             )
 

@@ -42,6 +42,7 @@ from retriever.search import (
     two_stage_corrected_topk,
 )
 from rlm.config import StrategyConfig
+from rlm.errors import UserError
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
 EmbedRows = Callable[[Sequence[int]], torch.Tensor]
@@ -752,7 +753,7 @@ STRATEGY_CLASSES: dict[str, type[SelectionStrategy]] = {
 def strategy_class(name: str) -> type[SelectionStrategy]:
     """The strategy registered under `name`; an unknown name is an error listing the known ones."""
     if name not in STRATEGY_CLASSES:
-        raise ValueError(f"strategy.name must be one of {', '.join(STRATEGY_CLASSES)}; got {name!r}")
+        raise UserError(f"strategy.name must be one of {', '.join(STRATEGY_CLASSES)}; got {name!r}")
     return STRATEGY_CLASSES[name]
 
 

@@ -41,6 +41,7 @@ from atomicio import atomic_write_json, atomic_write_text
 from retriever.alignment import alignment_metrics
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.data.corpus import Corpus
+from rlm.errors import UserError
 from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
@@ -86,7 +87,7 @@ def batch_indices(micro_step: int, num_examples: int, batch_size: int, rank: int
     global_batch = batch_size * world
     per_epoch = num_examples // global_batch
     if per_epoch == 0:
-        raise ValueError(
+        raise UserError(
             f"{num_examples} training examples cannot fill one global batch of {global_batch}; "
             "lower optim.batch_size or use more data"
         )
@@ -146,7 +147,7 @@ def check_gold_passages(examples, corpus) -> None:
     """The gold-passage curriculum needs every training question's gold passages in the corpus."""
     for ex in examples:
         if not ex.gold_passage_ids:
-            raise ValueError(
+            raise UserError(
                 f"reader.gold_passage_steps needs gold_passage_ids on every training question; {ex.id} has "
                 "none (set reader.gold_passage_steps=0 for data without gold passages)"
             )
@@ -154,7 +155,7 @@ def check_gold_passages(examples, corpus) -> None:
             try:
                 corpus.index_of(gid)
             except KeyError:
-                raise ValueError(
+                raise UserError(
                     f"reader.gold_passage_steps: gold passage {gid!r} of {ex.id} is not in the corpus "
                     "(set reader.gold_passage_steps=0)"
                 ) from None
@@ -310,7 +311,7 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
             # differently); a DDP/DeepSpeed run whose ranks train in different precisions must not start.
             chosen = gather_object([mixed_precision])
             if len(set(chosen)) > 1:
-                raise ValueError(
+                raise UserError(
                     f"the processes disagree on bf16 support of their CPUs ({chosen}): set mixed_precision=no, "
                     "or mixed_precision=bf16 with force_cpu_bf16=true"
                 )
@@ -338,7 +339,7 @@ def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps:
         if have in ("auto", None):
             ds[key] = value
         elif float(have) != value:
-            raise ValueError(
+            raise UserError(
                 f"the DeepSpeed config sets {key}={have} but the run config needs {value} (optim.batch_size, "
                 "optim.questions_per_step / gradient_accumulation_steps and the process count); set it to "
                 "'auto' in the accelerate config"
@@ -375,7 +376,7 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
     )
     distribute_strategy(strategy, cfg, accelerator)
     if cfg.retriever.align_steps and accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ValueError(
+        raise UserError(
             "retriever.align_steps is not supported under DeepSpeed (it freezes a tower per step)"
         )
     if cfg.gradient_checkpointing and model.reader is not None:

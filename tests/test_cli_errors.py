@@ -161,3 +161,44 @@ def test_a_bug_keeps_its_traceback_and_an_unknown_passage_id_is_one_line(tmp_pat
     monkeypatch.setattr(evaluate_command, "run", users_data)
     assert main(["evaluate", "--checkpoint", str(tmp_path)]) == 2
     assert one_error_line(capsys) == f"error: passage id 'nope' not in {tmp_path / 'c.jsonl'}"
+
+
+def test_a_valueerror_from_our_code_is_a_bug_and_user_errors_of_each_package_are_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    """Only the packages' user-error types (`rlm.errors.user_errors()`) become one line; a plain ValueError, such
+    as a helper called with mismatched lists by our own code, is a bug and keeps its traceback."""
+    import rlm.commands.evaluate as evaluate_command
+    from reader.errors import InputError as ReaderInputError
+    from retriever.errors import InputError as RetrieverInputError
+    from rlm.errors import UserError
+    from rlm.metrics import qa_scores
+
+    def bug(args):
+        return qa_scores(["a"], [["a"], ["b"]])
+
+    monkeypatch.setattr(evaluate_command, "run", bug)
+    with pytest.raises(ValueError, match="1 predictions but 2 answer lists") as caught:
+        main(["evaluate", "--checkpoint", str(tmp_path)])
+    assert type(caught.value) is ValueError
+    assert capsys.readouterr().err == ""
+
+    for error in (UserError, ReaderInputError, RetrieverInputError):
+        assert issubclass(error, ValueError)  # callers that catch ValueError keep working
+
+        def users_mistake(args, error=error):
+            raise error(f"{error.__module__}: what to change")
+
+        monkeypatch.setattr(evaluate_command, "run", users_mistake)
+        assert main(["evaluate", "--checkpoint", str(tmp_path)]) == 2
+        assert one_error_line(capsys) == f"error: {error.__module__}: what to change"
+
+
+def test_a_config_that_is_not_yaml_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  max_steps: [1, 2\nseed: 0\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: {bad}: not valid YAML") and "line" in line
+    assert main(["train", "--set", "optim.max_steps=[1,"]) == 2
+    assert one_error_line(capsys).startswith("error: --set optim.max_steps=[1,: the value is not valid YAML")

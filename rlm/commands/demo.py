@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rlm.errors import UserError
+
 HELP = "Serve the Gradio QA demo over a trained checkpoint (reader + retriever + faiss index)."
 
 
@@ -52,14 +54,14 @@ def serve_checkpoint(
     from app.qa import QAService
 
     if concurrency < 1:
-        raise ValueError(f"--concurrency must be >= 1, got {concurrency}")
+        raise UserError(f"--concurrency must be >= 1, got {concurrency}")
     # One request is a few small forward passes: intra-op threads only add synchronisation on a busy CPU,
     # so requests run single-threaded and the queue runs `concurrency` of them side by side.
     torch.set_num_threads(1)
     if (index is not None) + corrected_buffer > 1:
-        raise ValueError("--index and --corrected-buffer exclude each other: pick one index")
+        raise UserError("--index and --corrected-buffer exclude each other: pick one index")
     if buffer is not None and not corrected_buffer:
-        raise ValueError("--buffer only goes with --corrected-buffer")
+        raise UserError("--buffer only goes with --corrected-buffer")
     service = QAService.from_checkpoint(
         checkpoint,
         corpus,

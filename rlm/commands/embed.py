@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from rlm.config import RetrieverConfig
+from rlm.errors import UserError
 
 HELP = "Embed a corpus once into a fixed passage buffer (memory-mapped shards)."
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         # Without cpu=True accelerate treats a CPU-only torchrun as one process per rank, each doing it all.
         accelerator = PartialState(cpu=not torch.cuda.is_available())
         if accelerator.num_processes != world_size:
-            raise ValueError(
+            raise UserError(
                 f"WORLD_SIZE={world_size} but accelerate set up {accelerator.num_processes} process(es); "
                 "launch with `accelerate launch` or `torchrun --nproc_per_node N`"
             )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlm.errors import UserError
+
 HELP = "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."
 
 
@@ -69,14 +71,14 @@ def run(args: argparse.Namespace) -> int:
     from rlm.data.qa import load_qa_dataset
 
     if not args.checkpoint and not args.retriever:
-        raise ValueError(
+        raise UserError(
             "pass --checkpoint DIR (retriever/ + reader/) or --retriever PATH with --retrieval-only"
         )
     if args.closed_book and args.retriever:
-        raise ValueError("--closed-book uses no retriever; drop --retriever")
+        raise UserError("--closed-book uses no retriever; drop --retriever")
     need_reader = not args.retrieval_only
     if need_reader and not args.checkpoint:
-        raise ValueError("reading needs --checkpoint with a reader/ folder; or pass --retrieval-only")
+        raise UserError("reading needs --checkpoint with a reader/ folder; or pass --retrieval-only")
     examples = load_qa_dataset(args.dataset, args.split, args.data_path)
     if args.max_examples is not None:
         examples = examples[: args.max_examples]
@@ -84,14 +86,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.closed_book:
         corpus_path = _default_corpus(args)
         if corpus_path is None:
-            raise ValueError("no corpus: pass --corpus FILE (or a --data-path folder holding corpus.jsonl)")
+            raise UserError("no corpus: pass --corpus FILE (or a --data-path folder holding corpus.jsonl)")
         corpus = load_corpus(corpus_path, args.corpus_format)
         if args.subcorpus:
             from rlm.hard_subcorpus import load_subcorpus
 
             corpus = load_subcorpus(corpus, args.subcorpus)
     if args.no_retriever and not args.gold_passages:
-        raise ValueError("--no-retriever only goes with --gold-passages")
+        raise UserError("--no-retriever only goes with --gold-passages")
     without_retriever = args.closed_book or args.no_retriever
     retriever, reader, config = evaluation.load_checkpoint(
         args.checkpoint,
@@ -101,12 +103,12 @@ def run(args: argparse.Namespace) -> int:
     )
     index = None
     if args.buffer and args.index != "corrected":
-        raise ValueError("--buffer only goes with --index corrected")
+        raise UserError("--buffer only goes with --index corrected")
     if args.index == "corrected" and retriever is not None:
         from rlm.corrected_index import corrected_index
 
         if not args.checkpoint:
-            raise ValueError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
+            raise UserError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
         built = corrected_index(args.checkpoint, corpus, args.buffer)
         index = built.index
         print(

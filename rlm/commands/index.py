@@ -6,6 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
+from rlm.errors import UserError
+
 HELP = "Build a faiss index over passage embeddings for inference."
 
 
@@ -41,14 +43,14 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         if not args.ids:
-            raise ValueError("--embeddings needs --ids (a text file with one passage id per line)")
+            raise UserError("--embeddings needs --ids (a text file with one passage id per line)")
         for path in (args.embeddings, args.ids):
             if not Path(path).exists():
                 raise FileNotFoundError(f"{path} does not exist")
         embeddings = np.load(args.embeddings, mmap_mode="r")
         ids = Path(args.ids).read_text(encoding="utf-8").splitlines()
         if len(ids) != embeddings.shape[0]:
-            raise ValueError(
+            raise UserError(
                 f"{args.ids} has {len(ids)} ids but {args.embeddings} has {embeddings.shape[0]} rows"
             )
         index = PassageIndex.build(

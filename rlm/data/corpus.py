@@ -26,6 +26,7 @@ import numpy as np
 
 from atomicio import atomic_write_json
 from retriever.ids import IdSequence
+from rlm.errors import UserError
 
 FORMATS = ("jsonl", "dpr_tsv", "pyserini")
 _DPR_HEADER = b"id\ttext\ttitle"
@@ -63,13 +64,13 @@ def detect_format(path: str | os.PathLike) -> str:
             if line.strip():
                 break
         else:
-            raise ValueError(f"{path}: the corpus file is empty")
+            raise UserError(f"{path}: the corpus file is empty")
     if line.startswith(_DPR_HEADER):
         return "dpr_tsv"
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(
+        raise UserError(
             f"{path}:1: cannot tell the corpus format (not JSON: {err.msg}; a DPR TSV needs the header "
             "'id<TAB>text<TAB>title'); pass fmt= one of " + ", ".join(FORMATS)
         ) from None
@@ -77,7 +78,7 @@ def detect_format(path: str | os.PathLike) -> str:
         return "pyserini"
     if isinstance(record, dict) and "text" in record:
         return "jsonl"
-    raise ValueError(
+    raise UserError(
         f"{path}:1: cannot tell the corpus format: expected keys {{id, title, text}} (jsonl) or {{id, contents}} "
         f"(pyserini), got {sorted(record) if isinstance(record, dict) else type(record).__name__}"
     )
@@ -87,12 +88,12 @@ def _parse_jsonl(path: Path, line_no: int, line: bytes) -> Passage:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+        raise UserError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
+        raise UserError(f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}")
     if "id" not in record or "text" not in record:
         missing = [k for k in ("id", "text") if k not in record]
-        raise ValueError(
+        raise UserError(
             f"{path}:{line_no}: missing key(s) {missing}; a jsonl corpus line is {{id, title, text}}"
         )
     return Passage(str(record["id"]), str(record.get("title") or ""), str(record["text"]))
@@ -102,9 +103,9 @@ def _parse_pyserini(path: Path, line_no: int, line: bytes) -> Passage:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+        raise UserError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict) or "id" not in record or "contents" not in record:
-        raise ValueError(f"{path}:{line_no}: a pyserini corpus line is {{id, contents}}")
+        raise UserError(f"{path}:{line_no}: a pyserini corpus line is {{id, contents}}")
     contents = str(record["contents"])
     # FlashRAG/pyserini Wikipedia: 'contents' is '"Title"\ntext'; the title keeps DPR's surrounding quotes.
     title, sep, text = contents.partition("\n")
@@ -130,7 +131,7 @@ def _parse_dpr(path: Path, line_no: int, line: bytes) -> Passage:
         # A tab inside a quoted field: fall back to a real csv parse of this one line (slower, rare).
         fields = next(csv.reader([raw.decode("utf-8")], delimiter="\t"))
     if len(fields) != 3 or not fields[0]:
-        raise ValueError(
+        raise UserError(
             f"{path}:{line_no}: a DPR TSV line is 'id<TAB>text<TAB>title', got {len(fields)} field(s)"
         )
     pid, text, title = fields
@@ -209,7 +210,7 @@ class Corpus(Sequence[Passage]):
             raise FileNotFoundError(f"corpus file not found: {self.path}")
         self.fmt = fmt or detect_format(self.path)
         if self.fmt not in _PARSERS:
-            raise ValueError(f"unknown corpus format {self.fmt!r}; choose one of {', '.join(FORMATS)}")
+            raise UserError(f"unknown corpus format {self.fmt!r}; choose one of {', '.join(FORMATS)}")
         self._parse = _PARSERS[self.fmt]
         digest = None if fingerprint is not None else hashlib.sha256()
         self._offsets, self._line_numbers, id_blob, id_offsets, hashes = self._scan(digest)
@@ -248,7 +249,7 @@ class Corpus(Sequence[Passage]):
                 id_ends.append(len(ids))
                 id_hashes.append(_id_hash(pid))
         if not offsets:
-            raise ValueError(f"{self.path}: no passages found")
+            raise UserError(f"{self.path}: no passages found")
         offsets.append(position)
         id_offsets = np.zeros(len(id_ends) + 1, dtype=np.int64)
         id_offsets[1:] = np.frombuffer(id_ends, dtype=np.int64)
@@ -265,7 +266,7 @@ class Corpus(Sequence[Passage]):
         for j in same.tolist():
             a, b = sorted(int(r) for r in self._order[j : j + 2])
             if self.ids[a] == self.ids[b]:
-                raise ValueError(
+                raise UserError(
                     f"{self.path}: duplicate passage id {self.ids[a]!r} on lines "
                     f"{self._line_numbers[a]} and {self._line_numbers[b]}"
                 )

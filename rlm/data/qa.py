@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlm.errors import UserError
+
 
 @dataclass
 class QAExample:
@@ -43,7 +45,7 @@ def _as_answer_list(value, path: Path, line_no: int) -> list[str]:
         return [value]
     if isinstance(value, list) and all(isinstance(a, str) for a in value):
         return list(value)
-    raise ValueError(f"{path}:{line_no}: answers must be a string or a list of strings, got {value!r}")
+    raise UserError(f"{path}:{line_no}: answers must be a string or a list of strings, got {value!r}")
 
 
 def read_qa_jsonl(path: str | os.PathLike) -> list[QAExample]:
@@ -62,25 +64,25 @@ def read_qa_jsonl(path: str | os.PathLike) -> list[QAExample]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(
+                raise UserError(
                     f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})"
                 ) from None
             if not isinstance(record, dict) or "question" not in record:
-                raise ValueError(f"{path}:{line_no}: expected a JSON object with a 'question' key")
+                raise UserError(f"{path}:{line_no}: expected a JSON object with a 'question' key")
             if "answers" in record:
                 answers = _as_answer_list(record.pop("answers"), path, line_no)
             elif "answer" in record:
                 answers = _as_answer_list(record.pop("answer"), path, line_no)
             else:
-                raise ValueError(f"{path}:{line_no}: no 'answers' (or NQ-open 'answer') key")
+                raise UserError(f"{path}:{line_no}: no 'answers' (or NQ-open 'answer') key")
             question = str(record.pop("question"))
             qid = str(record.pop("id", None) or _question_id(question, line_no))
             if qid in seen:
-                raise ValueError(f"{path}: duplicate question id {qid!r} on lines {seen[qid]} and {line_no}")
+                raise UserError(f"{path}: duplicate question id {qid!r} on lines {seen[qid]} and {line_no}")
             seen[qid] = line_no
             gold = record.pop("gold_passage_ids", None) or []
             if not isinstance(gold, list):
-                raise ValueError(f"{path}:{line_no}: gold_passage_ids must be a list")
+                raise UserError(f"{path}:{line_no}: gold_passage_ids must be a list")
             meta = record.pop("meta", None) or {}
             meta.update(record)
             examples.append(QAExample(qid, question, answers, [str(g) for g in gold], meta))
@@ -93,7 +95,7 @@ def _hub(name: str, config: str | None, split: str, local_hint: str):
 
         return datasets.load_dataset(name, config, split=split)
     except Exception as err:  # offline: ConnectionError, HF_HUB_OFFLINE errors, missing cache, ...
-        raise ValueError(
+        raise UserError(
             f"could not load the hub dataset {name!r}"
             + (f" ({config})" if config else "")
             + f" split {split!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
@@ -146,25 +148,25 @@ def _hotpot_qa(split: str, path: str | None) -> list[QAExample]:
 
 def _multihop200(split: str, path: str | None) -> list[QAExample]:
     if path is None:
-        raise ValueError("multihop200 is a local dataset: pass path= its folder (qa.jsonl + corpus.jsonl)")
+        raise UserError("multihop200 is a local dataset: pass path= its folder (qa.jsonl + corpus.jsonl)")
     p = Path(path)
     return read_qa_jsonl(p / "qa.jsonl" if p.is_dir() else p)
 
 
 def _jsonl(split: str, path: str | None) -> list[QAExample]:
     if path is None:
-        raise ValueError("the jsonl dataset needs path= a JSONL file (or a folder holding <split>.jsonl)")
+        raise UserError("the jsonl dataset needs path= a JSONL file (or a folder holding <split>.jsonl)")
     p = Path(path)
     return read_qa_jsonl(p / f"{split}.jsonl" if p.is_dir() else p)
 
 
 def _toy(split: str, path: str | None) -> list[QAExample]:
     if path is None:
-        raise ValueError(
+        raise UserError(
             "the toy dataset needs path= a toy-world folder; make one with `rlm toy-world --out DIR`"
         )
     if split not in ("train", "dev", "test"):
-        raise ValueError(f"toy world splits are train, dev and test, not {split!r}")
+        raise UserError(f"toy world splits are train, dev and test, not {split!r}")
     return read_qa_jsonl(Path(path) / f"{split}.jsonl")
 
 
@@ -181,5 +183,5 @@ DATASETS: dict[str, Callable[[str, str | None], list[QAExample]]] = {
 def load_qa_dataset(name: str, split: str, path: str | None = None) -> list[QAExample]:
     """Load a QA dataset from the registry (`DATASETS`): the hub under its real name, or a local layout."""
     if name not in DATASETS:
-        raise ValueError(f"unknown QA dataset {name!r}; choose one of {', '.join(DATASETS)}")
+        raise UserError(f"unknown QA dataset {name!r}; choose one of {', '.join(DATASETS)}")
     return DATASETS[name](split, None if path is None else str(path))

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from atomicio import atomic_open
+from rlm.errors import UserError
 
 SPLITS = ("train", "dev", "test")
 QUESTION_TYPES = (
@@ -239,7 +240,7 @@ class ToyWorldPaths:
     def split(self, name: str) -> Path:
         """Path of the `train`, `dev` or `test` QA file."""
         if name not in SPLITS:
-            raise ValueError(f"toy world splits are {', '.join(SPLITS)}, not {name!r}")
+            raise UserError(f"toy world splits are {', '.join(SPLITS)}, not {name!r}")
         return getattr(self, name)
 
 
@@ -264,24 +265,20 @@ class ToyWorldConfig:
 
     def validate(self) -> None:
         if self.num_passages < 100:
-            raise ValueError(f"num_passages must be at least 100, got {self.num_passages}")
+            raise UserError(f"num_passages must be at least 100, got {self.num_passages}")
         if not 2 <= self.num_cities <= 2000:
-            raise ValueError(f"num_cities must be in [2, 2000], got {self.num_cities}")
+            raise UserError(f"num_cities must be in [2, 2000], got {self.num_cities}")
         if not 2 <= self.num_occupations <= len(OCCUPATIONS):
-            raise ValueError(
-                f"num_occupations must be in [2, {len(OCCUPATIONS)}], got {self.num_occupations}"
-            )
+            raise UserError(f"num_occupations must be in [2, {len(OCCUPATIONS)}], got {self.num_occupations}")
         if self.persons_per_org < 1 or self.mentions_per_person < 0 or self.kin_facts < 0:
-            raise ValueError("persons_per_org must be >= 1, mentions_per_person and kin_facts >= 0")
+            raise UserError("persons_per_org must be >= 1, mentions_per_person and kin_facts >= 0")
         if not 0 <= self.twin_rate <= 1 or not 0 <= self.filler_rate <= 1:
-            raise ValueError("twin_rate and filler_rate must be in [0, 1]")
+            raise UserError("twin_rate and filler_rate must be in [0, 1]")
         if len(self.split_fractions) != 3 or abs(sum(self.split_fractions) - 1) > 1e-6:
-            raise ValueError(
-                f"split_fractions must be three numbers summing to 1, got {self.split_fractions}"
-            )
+            raise UserError(f"split_fractions must be three numbers summing to 1, got {self.split_fractions}")
         unknown = set(self.question_types) - set(QUESTION_TYPES)
         if unknown or not self.question_types:
-            raise ValueError(
+            raise UserError(
                 f"unknown question types {sorted(unknown)}; choose from {', '.join(QUESTION_TYPES)}"
             )
 

@@ -1,0 +1,32 @@
+"""User mistakes, told apart from bugs.
+
+`UserError` is what `rlm`'s own code raises when the user's config, data, files or command-line options are
+wrong; `reader` and `retriever` each raise their own `InputError` (they do not import `rlm`). The command line
+(`rlm.cli`) prints any of `USER_ERRORS` as one `error: ...` line and exits 2; every other exception is a bug in
+our code and keeps its traceback (RLM_DEBUG=1 shows the traceback of user errors too). All of them are
+`ValueError`s (or, for an unknown passage id, a `KeyError`), so callers that catch those keep working.
+"""
+
+from __future__ import annotations
+
+from reader.errors import InputError as ReaderInputError
+from retriever.errors import InputError as RetrieverInputError
+
+
+class UserError(ValueError):
+    """Bad config, data, file or option; the message names it and says what to change."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What the command line reports as one line: our user errors, missing or unreadable files, and an
+    unknown passage id in the user's data (`UnknownPassageError`). Any other exception is a bug."""
+    from rlm.data.corpus import UnknownPassageError
+
+    return (
+        UserError,
+        ReaderInputError,
+        RetrieverInputError,
+        UnknownPassageError,
+        FileNotFoundError,
+        PermissionError,
+    )
