@@ -432,7 +432,9 @@ def apply_override(data: dict, assignment: str) -> None:
     try:
         node[keys[-1]] = parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as err:
-        raise UserError(f"--set {assignment}: the value is not valid YAML ({' '.join(str(err).split())})") from None
+        raise UserError(
+            f"--set {assignment}: the value is not valid YAML ({' '.join(str(err).split())})"
+        ) from None
 
 
 def add_override_argument(parser, example: str = "strategy.name=exhaustive") -> None:

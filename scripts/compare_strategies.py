@@ -6,7 +6,8 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
     # Algorithm 1 on the toy world, from the packaged MiniLM (small drift) and from a tiny random GTR (large drift)
     python scripts/compare_strategies.py --algorithm 1 --data toy --start minilm
     python scripts/compare_strategies.py --algorithm 1 --data toy --start random_gtr --lr 1e-3
-    # Algorithm 1 on ../shared/data/multihop200 (150 train / 50 held-out questions): 27 min on 2 CPU cores with
+    # Algorithm 1 on multihop200 (150 train / 50 held-out questions; from ../shared/data beside the checkout, or
+    # --data-dir / $RLM_SHARED_DATA): 27 min on 2 CPU cores with
     # native bf16 (AVX512-BF16/AMX). Elsewhere bf16 is emulated (~18x slower) and training falls back to float32
     # with a warning (`--set force_cpu_bf16=true` keeps bf16): bf16 made a step 2.1x faster here, so expect
     # about twice the time
@@ -22,7 +23,9 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
 
 Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (data, start), built first;
 `--jobs N` trains N runs at once (on a small CPU two 1-thread runs beat one 2-thread run by 1.5x). Output:
-`<out>.md` (mean and spread over seeds), `<out>.json` (every run), `<out>.png` (quality vs re-embedded).
+`<out>.json` (every run, its drift log, the table's settings), then, made from that JSON by `rlm.comparison`,
+`<out>.md` (mean and spread over seeds), `<out>.png` (quality vs re-embedded) and `<out>_drift.png`: re-render
+them without training with `python scripts/comparison_table.py <out>.json`.
 The drift columns explain the table: mean ||g(y) - B_y|| and KL(P~ || P_stale) on the selected passages,
 averaged over the last quarter of training. For Algorithm 1 the `start` row is the starting retriever
 before any update (`--strategies start` evaluates it alone).
@@ -39,9 +42,11 @@ import time
 from pathlib import Path
 
 from atomicio import atomic_write_json, atomic_write_text
+from rlm.comparison import drift_log, render, summarise, table_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+# The real third-party data (multihop200) sits beside a checkout in ../shared/data; elsewhere say where.
+DEFAULT_DATA_DIR = os.environ.get("RLM_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
 DEFAULT_STRATEGIES = {
     # "start" is the starting retriever evaluated before any update: the row every strategy must beat.
     1: ["start", "in_batch", "stale", "corrector", "exhaustive", "snm", "two_round", "regression"],
@@ -68,11 +73,11 @@ def make_random_gtr(out_dir: Path, seed: int = 0) -> str:
     return str(out_dir)
 
 
-def split_multihop(work: Path, held_out: int = 50) -> tuple[str, str]:
-    """Deterministic train / held-out split of multihop200 by a hash of the question id."""
+def split_multihop(work: Path, folder: Path, held_out: int = 50) -> tuple[str, str]:
+    """Deterministic train / held-out split of multihop200 (`folder`) by a hash of the question id."""
     from rlm.data.qa import load_qa_dataset
 
-    examples = load_qa_dataset("multihop200", "all", str(SHARED / "multihop200"))
+    examples = load_qa_dataset("multihop200", "all", str(folder))
     ranked = sorted(examples, key=lambda ex: hashlib.sha256(ex.id.encode()).hexdigest())
     work.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -104,9 +109,10 @@ def base_overrides(args, work: Path) -> list[str]:
     if args.data == "toy":
         out += [f"data.toy_world.dir={work / 'toy'}", f"data.toy_world.num_passages={args.num_passages}"]
     else:
-        train, dev = split_multihop(work)
+        folder = Path(args.data_dir) / "multihop200"
+        train, dev = split_multihop(work, folder)
         out += [
-            f"data.corpus={SHARED / 'multihop200' / 'corpus.jsonl'}",
+            f"data.corpus={folder / 'corpus.jsonl'}",
             f"data.train={train}",
             f"data.dev={dev}",
         ]
@@ -318,118 +324,6 @@ def dropout_floor(args, work: Path, num: int = 256) -> float:
     return float((noisy - clean).norm(dim=-1).mean())
 
 
-def summarise(runs: list[dict], metrics: list[str]) -> list[dict]:
-    rows = []
-    for strategy in dict.fromkeys(r["strategy"] for r in runs):
-        mine = [r for r in runs if r["strategy"] == strategy]
-        row = {"strategy": strategy, "seeds": len(mine)}
-        for key in metrics + ["reembedded", "wall_s", "drift", "kl_fresh_stale", "kl_fresh_corrected"]:
-            values = [r[key] for r in mine if r.get(key) is not None]
-            if values:
-                row[key] = statistics.fmean(values)
-                row[key + "_std"] = statistics.pstdev(values) if len(values) > 1 else 0.0
-        rows.append(row)
-    return rows
-
-
-def header(metric: str) -> str:
-    """Column name of a metric: dev_gold_recall@5 -> gold R@5, dev_exact_match -> EM."""
-    names = {
-        "dev_exact_match": "EM",
-        "dev_gold_passage_exact_match": "EM with gold passages",
-        "dev_selection_exact_match": "EM own selection",
-        "dev_selection_gold_recall@1": "gold R@1 own selection",
-    }
-    return names.get(metric, metric.replace("dev_gold_recall@", "gold R@").replace("dev_recall@", "R@"))
-
-
-def to_markdown(rows: list[dict], metrics: list[str], title: str) -> str:
-    def cell(row, key, scale=100.0, digits=1):
-        if key not in row:
-            return "-"
-        value, spread = row[key] * scale, row.get(key + "_std", 0.0) * scale
-        return f"{value:.{digits}f} ± {spread:.{digits}f}" if row["seeds"] > 1 else f"{value:.{digits}f}"
-
-    head = ["strategy", *(header(m) for m in metrics), "re-embedded", "drift", "KL(P~‖P_stale)", "KL(P~‖P_h)"]
-    head.append("wall (s)")
-    lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for row in rows:
-        cells = [row["strategy"], *(cell(row, m) for m in metrics)]
-        cells += [
-            f"{row.get('reembedded', 0):.0f}",
-            cell(row, "drift", 1, 3),
-            cell(row, "kl_fresh_stale", 1, 3),
-        ]
-        cells += [cell(row, "kl_fresh_corrected", 1, 3), f"{row.get('wall_s', 0):.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], metric: str, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for row in rows:
-        if metric not in row:
-            continue
-        x = row.get("reembedded", 0) + 1  # log axis: 0 re-embedded plots at 1
-        ax.errorbar(x, row[metric] * 100, yerr=row.get(metric + "_std", 0) * 100, fmt="o", capsize=3)
-        ax.annotate(row["strategy"], (x, row[metric] * 100), textcoords="offset points", xytext=(5, 5))
-    ax.set_xscale("log")
-    ax.set_xlabel("passages re-embedded during training (+1, log scale)")
-    ax.set_ylabel(metric.replace("dev_", "") + " (%)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_drift(work: Path, runs: list[dict], path: Path, title: str) -> None:
-    """Drift over training, per strategy (first seed): ||g(y) - B_y|| and KL(P~ || P_stale / P_h) on S_x."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_norm, ax_kl) = plt.subplots(1, 2, figsize=(11, 4))
-    runs = [r for r in runs if r["seed"] is not None]  # the "start" row did not train
-    if not runs:
-        return
-    first_seed = min(r["seed"] for r in runs)
-    for run in runs:
-        log_file = work / f"{run['strategy']}_seed{run['seed']}" / "log.jsonl"
-        if run["seed"] != first_seed or not log_file.exists():
-            continue
-        log = [json.loads(line) for line in log_file.read_text().splitlines()]
-        log = [r for r in log if "drift" in r]
-        if not log:
-            continue
-        steps = [r["step"] for r in log]
-        (line,) = ax_norm.plot(steps, _smooth([r["drift"] for r in log]), label=run["strategy"])
-        ax_kl.plot(steps, _smooth([r["kl_fresh_stale"] for r in log]), color=line.get_color())
-        if "kl_fresh_corrected" in log[0]:
-            corrected = _smooth([r["kl_fresh_corrected"] for r in log])
-            ax_kl.plot(steps, corrected, "--", color=line.get_color(), label=f"{run['strategy']}: P_h")
-    ax_norm.set_ylabel("mean ||g(y) - B_y|| on S_x")
-    ax_kl.set_ylabel("KL(P~ || P_stale) (solid), KL(P~ || P_h) (dashed)")
-    for ax in (ax_norm, ax_kl):
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{title}: drift of the fixed buffer over training (seed {first_seed}, 10-step mean)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _smooth(values: list[float], window: int = 10) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -437,6 +331,11 @@ def main() -> None:
     parser.add_argument("--algorithm", type=int, choices=(1, 2), default=1)
     parser.add_argument("--data", choices=("toy", "multihop200"), default="toy")
     parser.add_argument("--start", choices=("minilm", "random_gtr"), default="minilm")
+    parser.add_argument(
+        "--data-dir",
+        default=DEFAULT_DATA_DIR,
+        help="folder holding multihop200/ (default: $RLM_SHARED_DATA, else ../shared/data beside the checkout)",
+    )
     parser.add_argument("--strategies", help="comma-separated; default: the paper's table for the algorithm")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--steps", type=int, default=150)
@@ -463,6 +362,10 @@ def main() -> None:
     out = Path(args.out or ROOT / "docs" / "results" / f"compare_{name}")
     strategies = args.strategies.split(",") if args.strategies else DEFAULT_STRATEGIES[args.algorithm]
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.data == "multihop200" and not (Path(args.data_dir) / "multihop200" / "qa.jsonl").is_file():
+        parser.error(
+            f"--data multihop200: no {Path(args.data_dir) / 'multihop200' / 'qa.jsonl'}; pass --data-dir"
+        )
     if "start" in strategies and args.algorithm != 1:
         parser.error("the 'start' row is for Algorithm 1 (Algorithm 2 has closed_book and frozen)")
     prepare(args, work)
@@ -475,40 +378,20 @@ def main() -> None:
             print(json.dumps(runs[-1]))
         else:
             runs += [trained[(strategy, seed)] for seed in seeds]
-    if args.algorithm == 1:
-        metrics = ["dev_gold_recall@1", "dev_gold_recall@5", "dev_gold_recall@20", "dev_gold_recall@100"]
-    else:
-        metrics = [
-            "dev_exact_match",
-            "dev_gold_passage_exact_match",
-            "dev_gold_recall@1",
-            "dev_gold_recall@5",
-        ]
-        if any("dev_selection_exact_match" in r for r in runs):  # `--set eval_selection=true`
-            metrics[1:1] = ["dev_selection_exact_match", "dev_selection_gold_recall@1"]
-    rows = summarise(runs, metrics)
-    title = (
-        f"Algorithm {args.algorithm}, {args.data}, start {args.start}: {args.steps} steps, seeds {args.seeds} "
-        f"(R={args.refresh_every}, SNM M={args.snm_size}, regression s'={args.regression_samples})"
-    )
-    floor = dropout_floor(args, work)
+    for run in runs:  # the drift plot's data, so the table can be re-plotted from the JSON alone
+        if run["seed"] is not None:
+            run["drift_log"] = drift_log(work / f"{run['strategy']}_seed{run['seed']}" / "log.jsonl")
     cfg = table_config(args, work)
-    precision = effective_precision(cfg)
-    table = to_markdown(rows, metrics, title)
-    table += (
-        f"\n\nDropout floor of `drift` (train-mode g(y) vs eval-mode g(y) of the starting passage tower, no "
-        f"update): {floor:.3f}. Settings: {' '.join(args.overrides) or 'defaults'}."
-    )
-    if precision != cfg.mixed_precision:
-        table += f" Trained with mixed_precision={precision}: this CPU has no native bf16 (`rlm.precision`)."
-    print(table)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out.with_suffix(".md"), table + "\n")
-    atomic_write_json(
-        out.with_suffix(".json"), {"args": vars(args), "runs": runs, "rows": rows, "dropout_floor": floor}
-    )
-    plot(rows, metrics[0], out.with_suffix(".png"), title.split(":")[0])
-    plot_drift(work, runs, out.with_name(out.name + "_drift.png"), title.split(":")[0])
+    report = {
+        "args": vars(args),
+        "runs": runs,
+        "rows": summarise(runs, table_metrics(args.algorithm, runs)),
+        "dropout_floor": dropout_floor(args, work),
+        "mixed_precision": cfg.mixed_precision,
+        "precision": effective_precision(cfg),
+    }
+    atomic_write_json(out.with_suffix(".json"), report)
+    print(render(out.with_suffix(".json")))
 
 
 if __name__ == "__main__":

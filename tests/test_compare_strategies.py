@@ -44,6 +44,21 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
     assert "| corrector |" in table and "Dropout floor" in table
     for png in ("table.png", "table_drift.png"):
         assert (tmp_path / "out" / png).stat().st_size > 5_000
+    assert [len(r.get("drift_log", [])) > 0 for r in report["runs"]] == [False, True, True]
+
+    # The table and plots come from the JSON alone: re-rendered without training, the markdown is the same.
+    for name in ("table.md", "table.png", "table_drift.png"):
+        (tmp_path / "out" / name).unlink()
+    script = [
+        sys.executable,
+        str(ROOT / "scripts" / "comparison_table.py"),
+        str(tmp_path / "out" / "table.json"),
+    ]
+    rendered = subprocess.run(script, capture_output=True, text=True, timeout=300)
+    assert rendered.returncode == 0, rendered.stderr[-3000:]
+    assert (tmp_path / "out" / "table.md").read_text() == table and table.strip() in rendered.stdout
+    for png in ("table.png", "table_drift.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 5_000
 
     # Adding a seed trains only the new runs (here two at once, --jobs 2); the finished ones are read back
     # unchanged, and the table keeps the strategies' order whichever run finishes first.
@@ -64,3 +79,11 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
     table = (tmp_path / "out" / "table.md").read_text()
     assert "±" in table  # mean ± spread over the two seeds
     assert "| start |" in table
+
+
+def test_multihop200_without_the_shared_data_names_the_option(tmp_path):
+    args = [sys.executable, str(ROOT / "scripts" / "compare_strategies.py"), "--data", "multihop200"]
+    args += ["--data-dir", str(tmp_path / "nowhere"), "--work", str(tmp_path / "work")]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--data-dir" in done.stderr and "nowhere" in done.stderr
+    assert not (tmp_path / "work").exists()
