@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-# Projection defaults: the paper's RLM setting as configs/nq_corrector.yaml states it, and H100 SXM constants.
+# Projection defaults: the paper's RLM setting as configs/nq.yaml states it, and H100 SXM constants.
 PROJECTION_DEFAULTS = {
     "n": 21_000_000,  # DPR psgs_w100 (21,015,324 passages), 768-d GTR-base vectors
     "gpus": 8,
     "questions_per_step": 128,
-    "micro_batch": 4,  # questions per GPU per micro-step (configs/nq_corrector.yaml): accumulation 4 on 8 GPUs
+    "micro_batch": 4,  # questions per GPU per micro-step (configs/nq.yaml): accumulation 4 on 8 GPUs
     "passages": 32,
     "passage_tokens": 256,
     "query_tokens": 64,

@@ -123,31 +123,26 @@ class ReaderConfig:
     warm_start_path: str | None = None
     warm_start_layers: int = 2
     warm_start_freeze_embeddings: bool = True  # keep the pretrained token embeddings (and tied output) fixed
-    # The first N optimizer steps train the reader alone on the strategy's selection (no retriever or
-    # corrector loss, no per-passage scoring): the reader learns to read before its P(a|y,x) teaches the
-    # retriever. 0: joint from the first step.
-    reader_only_steps: int = 0
-    # The last N optimizer steps train the reader alone on the (by then trained) retriever's selection: the
-    # reader ends on the passages it will read at prediction time. 0: joint until the end.
-    final_reader_only_steps: int = 0
-    # Curriculum: the first N optimizer steps the reader reads each question's gold passage(s) alone, and
-    # only the reader trains. A reader that cannot yet copy an answer from one passage does not learn to do
-    # it among K retrieved ones (docs/reader_recipe.md); needs gold_passage_ids in the training data.
-    gold_passage_steps: int = 0
 
-    def __post_init__(self):
-        if self.arch not in READER_ARCHS:
-            raise UserError(f"reader.arch must be one of {READER_ARCHS}, got {self.arch!r}")
-        if self.warm_start_layers < 1:
-            raise UserError(f"reader.warm_start_layers must be >= 1, got {self.warm_start_layers}")
-        if self.reader_only_steps < 0:
-            raise UserError(f"reader.reader_only_steps must be >= 0, got {self.reader_only_steps}")
-        if self.final_reader_only_steps < 0:
-            raise UserError(
-                f"reader.final_reader_only_steps must be >= 0, got {self.final_reader_only_steps}"
-            )
-        if self.gold_passage_steps < 0:
-            raise UserError(f"reader.gold_passage_steps must be >= 0, got {self.gold_passage_steps}")
+
+@dataclass
+class ScheduleConfig:
+    """Algorithm 2's phases, in optimizer steps (docs/reader_recipe.md): the reader alone on each question's
+    gold passage(s), the reader alone on the strategy's selection, the three losses together, and the reader
+    alone again on the trained retriever's selection. What is left of `optim.max_steps` after the three
+    reader-only phases is the joint phase. Algorithm 1 trains the retriever alone and ignores them."""
+
+    # The first N steps the reader reads each question's gold passage(s) alone, and only the reader trains:
+    # a reader that cannot yet copy an answer from one passage does not learn to do it among K retrieved
+    # ones. Needs gold_passage_ids in the training data.
+    gold_passage_steps: int = 0
+    # The first N steps (counted from step 0, so they include the gold-passage steps) train the reader alone
+    # on the strategy's selection (no retriever or corrector loss, no per-passage scoring): the reader learns
+    # to read before its P(a|y,x) teaches the retriever. 0: joint from the first step.
+    reader_only_steps: int = 0
+    # The last N steps train the reader alone on the (by then trained) retriever's selection: the reader ends
+    # on the passages it will read at prediction time. 0: joint until the end.
+    final_reader_only_steps: int = 0
 
 
 @dataclass
@@ -278,6 +273,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     corrector: CorrectorConfig = field(default_factory=CorrectorConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -289,8 +285,16 @@ class TrainConfig:
         return self.reader.num_passages or self.strategy.k
 
     def validate(self) -> TrainConfig:
+        """Every check of values and of how they combine, in one place (the loader has checked the types)."""
         if self.algorithm not in (1, 2):
             raise UserError(f"algorithm must be 1 or 2, got {self.algorithm}")
+        if self.reader.arch not in READER_ARCHS:
+            raise UserError(f"reader.arch must be one of {READER_ARCHS}, got {self.reader.arch!r}")
+        if self.reader.warm_start_layers < 1:
+            raise UserError(f"reader.warm_start_layers must be >= 1, got {self.reader.warm_start_layers}")
+        for name in ("gold_passage_steps", "reader_only_steps", "final_reader_only_steps"):
+            if getattr(self.schedule, name) < 0:
+                raise UserError(f"schedule.{name} must be >= 0, got {getattr(self.schedule, name)}")
         from rlm.strategies import strategy_class  # the registry says what each strategy takes part in
 
         strategy = strategy_class(self.strategy.name)
@@ -404,12 +408,34 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# Keys that moved to another section, old -> new. A config or a `--set` with an old key is refused with the new
+# name; a run's saved config.yaml from before the move is read with the keys moved (`load_config(saved=True)`).
+MOVED_KEYS = {
+    f"reader.{name}": f"schedule.{name}"
+    for name in ("gold_passage_steps", "reader_only_steps", "final_reader_only_steps")
+}
+
+# Shipped configs that became one file per dataset (the strategy set with --set strategy.name=...).
+RENAMED_CONFIGS = {
+    f"{data}_{strategy}": (data, strategy)
+    for data in ("nq", "tqa", "hotpotqa")
+    for strategy in ("corrector", "exhaustive", "frozen")
+} | {"nq_alg1_corrector": ("nq_alg1", "corrector")}
+
+
 def from_dict(cls: type, data: dict, where: str = "config") -> Any:
     """Build dataclass `cls` from a nested dict, refusing unknown keys and wrongly typed values."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
+        dotted = f"{where}.{key}".removeprefix("config.")
+        if dotted in MOVED_KEYS:
+            new = MOVED_KEYS[dotted]
+            raise UserError(
+                f"config key {dotted} moved to {new}: write it under `{new.split('.')[0]}:` in the YAML, or "
+                f"--set {new}={value}"
+            )
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (valid: {', '.join(names)})"
@@ -455,8 +481,8 @@ SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def shipped_config(name: str | Path) -> Path | None:
-    """The shipped config a name refers to: `nq_corrector`, `nq_corrector.yaml`, `configs/nq_corrector.yaml` or
-    `configs/accelerate/ddp.yaml`; None when there is no such file."""
+    """The shipped config a name refers to: `nq`, `nq.yaml`, `configs/nq.yaml` or `configs/accelerate/ddp.yaml`;
+    None when there is no such file."""
     parts = Path(name).parts
     if parts and parts[0] == "configs":
         parts = parts[1:]
@@ -476,14 +502,27 @@ def resolve_config_path(path: str | Path) -> Path:
     if path.is_file():
         return path
     shipped = shipped_config(path)
+    renamed = RENAMED_CONFIGS.get(path.name.removesuffix(".yaml"))
+    if shipped is None and renamed is not None:
+        data, strategy = renamed
+        raise UserError(
+            f"config {path} is now {data}.yaml with the strategy set on the command line: "
+            f"--config configs/{data}.yaml --set strategy.name={strategy}"
+        )
     if shipped is None:
         names = sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
         raise FileNotFoundError(f"config file not found: {path} (shipped configs: {', '.join(names)})")
     return shipped
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Load a TrainConfig from YAML (or defaults when path is None), then apply `--set` overrides."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), saved: bool = False
+) -> TrainConfig:
+    """Load a TrainConfig from YAML (or defaults when path is None), then apply `--set` overrides.
+
+    `output_dir` may name `{strategy}` (strategy.name), so one file per dataset gives each strategy its own run
+    folder. `saved=True` reads a run's own config.yaml: keys written before they moved (`MOVED_KEYS`) are
+    moved, where a config the user writes is told the new names."""
     data: dict = {}
     if path is not None:
         path = resolve_config_path(path)
@@ -493,9 +532,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise UserError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
         if not isinstance(data, dict):
             raise UserError(f"{path}: a config must be a YAML mapping at the top level")
+    if saved:
+        for old_key, new_key in MOVED_KEYS.items():
+            (old_section, old_name), (new_section, new_name) = old_key.split("."), new_key.split(".")
+            if old_name in (data.get(old_section) or {}):
+                data.setdefault(new_section, {})[new_name] = data[old_section].pop(old_name)
     for assignment in overrides:
         apply_override(data, assignment)
-    return from_dict(TrainConfig, data).validate()
+    cfg = from_dict(TrainConfig, data)
+    cfg.output_dir = cfg.output_dir.replace("{strategy}", cfg.strategy.name)
+    return cfg.validate()
 
 
 def to_dict(cfg: Any) -> dict:

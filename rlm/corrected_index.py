@@ -44,7 +44,7 @@ def run_buffer_dir(checkpoint: str | Path, buffer_dir: str | Path | None = None)
         return Path(buffer_dir)
     from rlm.config import load_config
 
-    cfg = load_config(Path(checkpoint) / "config.yaml")
+    cfg = load_config(Path(checkpoint) / "config.yaml", saved=True)
     return Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
 
 
@@ -86,7 +86,7 @@ def corrected_index(
         from rlm.config import load_config
         from rlm.setup import build_retriever
 
-        encoder = build_retriever(load_config(root / "config.yaml")).passage_tower.fingerprint()
+        encoder = build_retriever(load_config(root / "config.yaml", saved=True)).passage_tower.fingerprint()
     try:
         buffer = PassageBuffer.load(
             folder, encoder_fingerprint=encoder, corpus_fingerprint=corpus.fingerprint

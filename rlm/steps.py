@@ -23,7 +23,7 @@ class Batch:
     answers: list[str]  # the target answer string of each question
     gold_rows: torch.Tensor | None = None  # [B] corpus row of the gold passage (Algorithm 1)
     # (title, text) passages the reader reads instead of the strategy's selection (the gold-passage
-    # curriculum, `reader.gold_passage_steps`); such a step trains the reader alone.
+    # curriculum, `schedule.gold_passage_steps`); such a step trains the reader alone.
     reader_passages: list[list[tuple[str, str]]] | None = None
     # [B, G] corpus rows of each question's other gold passages, -1 padded (Algorithm 1): relevant passages
     # that are not the label, so they are left out of the softmax rather than pushed down as negatives.
@@ -86,7 +86,7 @@ def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fr
 def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: bool = False) -> StepOutput:
     """Algorithm 2: train reader and retriever jointly; S_x chosen by the strategy (corrector: <q, h(B)>).
 
-    `reader_only` (the `reader.reader_only_steps` warm-up) keeps the selection but trains the reader alone:
+    `reader_only` (the `schedule.reader_only_steps` warm-up) keeps the selection but trains the reader alone:
     steps 3-5 and 7 are skipped, so neither the retriever nor the corrector moves.
     """
     beta, k_read = cfg.beta, cfg.reader.num_passages

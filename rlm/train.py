@@ -121,19 +121,19 @@ def make_batch(examples, indices, corpus, algorithm: int, gold_passages: bool = 
 
 
 def reader_only_step(cfg: TrainConfig, step: int) -> bool:
-    """Whether optimizer step `step` (0-based) trains the reader alone: the first `reader.reader_only_steps`
-    and the last `reader.final_reader_only_steps` of the run, outside [retriever_start, retriever_stop)."""
+    """Whether optimizer step `step` (0-based) trains the reader alone: the first `schedule.reader_only_steps`
+    and the last `schedule.final_reader_only_steps` of the run, outside [retriever_start, retriever_stop)."""
     return not retriever_start(cfg) <= step < retriever_stop(cfg)
 
 
 def retriever_start(cfg: TrainConfig) -> int:
     """The first optimizer step that trains the retriever (Algorithm 2's reader-only warm-up comes first)."""
-    return cfg.reader.reader_only_steps if cfg.algorithm == 2 else 0
+    return cfg.schedule.reader_only_steps if cfg.algorithm == 2 else 0
 
 
 def retriever_stop(cfg: TrainConfig) -> int:
     """The step after the retriever's last update (Algorithm 2's final reader-only phase follows it)."""
-    final = cfg.reader.final_reader_only_steps if cfg.algorithm == 2 else 0
+    final = cfg.schedule.final_reader_only_steps if cfg.algorithm == 2 else 0
     return cfg.optim.max_steps - final
 
 
@@ -148,16 +148,16 @@ def check_gold_passages(examples, corpus) -> None:
     for ex in examples:
         if not ex.gold_passage_ids:
             raise UserError(
-                f"reader.gold_passage_steps needs gold_passage_ids on every training question; {ex.id} has "
-                "none (set reader.gold_passage_steps=0 for data without gold passages)"
+                f"schedule.gold_passage_steps needs gold_passage_ids on every training question; {ex.id} has "
+                "none (set schedule.gold_passage_steps=0 for data without gold passages)"
             )
         for gid in ex.gold_passage_ids:
             try:
                 corpus.index_of(gid)
             except KeyError:
                 raise UserError(
-                    f"reader.gold_passage_steps: gold passage {gid!r} of {ex.id} is not in the corpus "
-                    "(set reader.gold_passage_steps=0)"
+                    f"schedule.gold_passage_steps: gold passage {gid!r} of {ex.id} is not in the corpus "
+                    "(set schedule.gold_passage_steps=0)"
                 ) from None
 
 
@@ -271,7 +271,7 @@ class TrainRun:
             acc.num_processes,
             cfg.seed,
         )
-        gold_phase = cfg.algorithm == 2 and step < cfg.reader.gold_passage_steps
+        gold_phase = cfg.algorithm == 2 and step < cfg.schedule.gold_passage_steps
         return make_batch(self.train_examples, indices, self.corpus, cfg.algorithm, gold_passages=gold_phase)
 
 
@@ -360,7 +360,7 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
 
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
     parts = build_components(cfg, accelerator)
-    if cfg.algorithm == 2 and cfg.reader.gold_passage_steps:
+    if cfg.algorithm == 2 and cfg.schedule.gold_passage_steps:
         check_gold_passages(parts.train_examples, parts.corpus)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = make_strategy(

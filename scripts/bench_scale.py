@@ -655,7 +655,7 @@ def projection_lines(results: dict) -> list[str]:
         f"{p['disk_gbps']:g} GB/s (cold start); all-reduce bus {p['nvlink_gbps']:g} GB/s; launch + imports + "
         f"CUDA/NCCL init {p['launch_s']:g} s per process.",
         "",
-        f"Setting (configs/nq_corrector.yaml): N = {p['n']:,} x {D} fp16, W = {p['gpus']}, "
+        f"Setting (configs/nq.yaml): N = {p['n']:,} x {D} fp16, W = {p['gpus']}, "
         f"{p['questions_per_step']} questions x {p['passages']} passages x {p['passage_tokens']} tokens per "
         f"optimizer step through T5-base FiD, GTR-base f and g; {p['micro_batch']} questions per GPU per "
         f"micro-step -> A = {proj['accumulation']} micro-steps per optimizer step, and the code selects once per "

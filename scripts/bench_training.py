@@ -77,9 +77,9 @@ def per_phase(args) -> tuple[dict, float]:
         "save_every=0",
         "cpu=true",
         # every measured step a joint step (the quickstart's reader curriculum would make them reader-only)
-        "reader.gold_passage_steps=0",
-        "reader.reader_only_steps=0",
-        "reader.final_reader_only_steps=0",
+        "schedule.gold_passage_steps=0",
+        "schedule.reader_only_steps=0",
+        "schedule.final_reader_only_steps=0",
     ]
     results, throughput = {}, 0.0
     args.effective_mixed_precision = args.mixed_precision

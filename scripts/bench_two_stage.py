@@ -352,7 +352,7 @@ def markdown(results: dict) -> str:
             f"process), nprobe {proj['nprobe']}, {proj['candidates']} candidates)",
             "",
             "From docs/results/bench_scale.json (the model step, all-reduce and accumulation of "
-            f"configs/nq_corrector.yaml: {proj['accumulation']} selections per optimizer step of "
+            f"configs/nq.yaml: {proj['accumulation']} selections per optimizer step of "
             f"{proj['gathered_queries']} all-gathered queries against {proj['rows_per_process']:,} rows per "
             "process), with the exhaustive corrected pass replaced by the two-stage cost, per selection:",
             "",

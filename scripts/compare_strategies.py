@@ -18,7 +18,7 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
     python scripts/compare_strategies.py --algorithm 2 --data toy
     # ... from the tiny random GTR (the paper's T5-init rows): 7 min with --jobs 2
     python scripts/compare_strategies.py --algorithm 2 --data toy --start random_gtr --steps 750 \
-        --num-passages 4000 --set optim.lr_retriever=1e-4 --set reader.final_reader_only_steps=150 \
+        --num-passages 4000 --set optim.lr_retriever=1e-4 --set schedule.final_reader_only_steps=150 \
         --set eval_selection=true --jobs 2
 
 Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (data, start), built first;

@@ -28,17 +28,17 @@ def test_checkout_configs_folder_is_the_shipped_one():
 
 def test_configs_resolve_by_name_from_any_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    want = SHIPPED_CONFIGS / "nq_corrector.yaml"
-    for name in ("nq_corrector", "nq_corrector.yaml", "configs/nq_corrector.yaml"):
+    want = SHIPPED_CONFIGS / "nq.yaml"
+    for name in ("nq", "nq.yaml", "configs/nq.yaml"):
         assert resolve_config_path(name) == want
     assert resolve_config_path("configs/accelerate/ddp.yaml") == SHIPPED_CONFIGS / "accelerate" / "ddp.yaml"
-    assert load_config("nq_corrector").strategy.name == "corrector"
-    mine = tmp_path / "configs" / "nq_corrector.yaml"  # a file of the user's own comes first
+    assert load_config("nq").strategy.name == "corrector"
+    mine = tmp_path / "configs" / "nq.yaml"  # a file of the user's own comes first
     mine.parent.mkdir()
     mine.write_text("strategy:\n  name: stale\n")
-    assert load_config("configs/nq_corrector.yaml").strategy.name == "stale"
-    with pytest.raises(FileNotFoundError, match="shipped configs: .*nq_corrector"):
-        load_config("nq_corector")
+    assert load_config("configs/nq.yaml").strategy.name == "stale"
+    with pytest.raises(FileNotFoundError, match="shipped configs: .*nq_alg1"):
+        load_config("nq_alg2")
 
 
 @pytest.mark.slow

@@ -64,9 +64,9 @@ def tiny_world_overrides(root: Path, world: Path) -> list[str]:
     [
         ("reader.arch=bart", "reader.arch must be one of"),
         ("reader.warm_start_layers=0", "reader.warm_start_layers must be >= 1"),
-        ("reader.reader_only_steps=-1", "reader.reader_only_steps must be >= 0"),
-        ("reader.gold_passage_steps=-1", "reader.gold_passage_steps must be >= 0"),
-        ("reader.final_reader_only_steps=-1", "reader.final_reader_only_steps must be >= 0"),
+        ("schedule.reader_only_steps=-1", "schedule.reader_only_steps must be >= 0"),
+        ("schedule.gold_passage_steps=-1", "schedule.gold_passage_steps must be >= 0"),
+        ("schedule.final_reader_only_steps=-1", "schedule.final_reader_only_steps must be >= 0"),
     ],
 )
 def test_reader_recipe_keys_are_validated(override, message):
@@ -81,7 +81,7 @@ def test_quickstart_uses_the_recipe():
         cfg.reader.arch == "t5" and cfg.reader.num_passages >= 4 and cfg.strategy.k >= cfg.reader.num_passages
     )
     # Copy first (gold passage alone), then choose among the retrieved K, then Algorithm 2 proper.
-    rc = cfg.reader
+    rc = cfg.schedule
     assert 0 < rc.gold_passage_steps < rc.reader_only_steps < cfg.optim.max_steps
     joint = [s for s in range(cfg.optim.max_steps) if not reader_only_step(cfg, s)]
     assert joint == list(range(rc.reader_only_steps, cfg.optim.max_steps - rc.final_reader_only_steps))
@@ -186,7 +186,11 @@ def test_training_runs_the_curriculum_phases_in_order(tmp_path, world):
         None,
         tiny_world_overrides(tmp_path, world)
         + WARM
-        + ["reader.gold_passage_steps=1", "reader.reader_only_steps=2", "reader.final_reader_only_steps=1"]
+        + [
+            "schedule.gold_passage_steps=1",
+            "schedule.reader_only_steps=2",
+            "schedule.final_reader_only_steps=1",
+        ]
         + ["optim.max_steps=4", "log_every=1", "save_every=0"],
     )
     assert [reader_only_step(cfg, s) for s in range(4)] == [True, True, False, True]
@@ -204,7 +208,7 @@ def test_exhaustive_re_embeds_only_after_the_retriever_has_moved(tmp_path, world
         None,
         tiny_world_overrides(tmp_path, world)
         + WARM
-        + ["reader.reader_only_steps=2", "strategy.name=exhaustive", "strategy.refresh_every=1"]
+        + ["schedule.reader_only_steps=2", "strategy.name=exhaustive", "strategy.refresh_every=1"]
         + ["optim.max_steps=4", "log_every=1", "save_every=0"],
     )
     train(cfg)

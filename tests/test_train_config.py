@@ -20,15 +20,20 @@ def test_every_shipped_config_loads(path):
 
 def test_paper_configs_use_the_papers_settings():
     for name in ("nq", "tqa", "hotpotqa"):
+        assert load_config(CONFIGS / f"{name}.yaml").strategy.name == "corrector"
         for strategy in ("corrector", "exhaustive", "frozen"):
-            cfg = load_config(CONFIGS / f"{name}_{strategy}.yaml")
+            cfg = load_config(CONFIGS / f"{name}.yaml", [f"strategy.name={strategy}"])
+            assert (
+                cfg.output_dir == f"runs/{name}_{strategy}"
+            )  # one file per dataset, a run folder per strategy
             assert cfg.strategy.name == strategy
             assert cfg.strategy.k == 32 and cfg.optim.max_steps == 20000 and cfg.corrector.weight == 10.0
             assert cfg.retriever.path == "sentence-transformers/gtr-t5-base" and cfg.reader.path == "t5-base"
             assert cfg.corrector.hidden_dim == 8192
             assert cfg.data.dev_subcorpus == "build" and cfg.eval_every == 2000
             assert_128_questions_per_step(cfg)
-    alg1 = load_config(CONFIGS / "nq_alg1_corrector.yaml")
+    alg1 = load_config(CONFIGS / "nq_alg1.yaml")
+    assert alg1.output_dir == "runs/nq_alg1_corrector"
     assert alg1.algorithm == 1 and alg1.optim.max_steps == 40000 and alg1.corrector.hidden_dim == 8192
     assert alg1.strategy.k == 64 and alg1.strategy.num_random == 64 and alg1.strategy.share_across_batch
     assert_128_questions_per_step(alg1)
@@ -146,3 +151,36 @@ def test_each_strategy_is_checked_by_what_its_class_says(name):
                 load_config(None, [*overrides, "strategy.search=two_stage"])
     assert cls.uses_corrector == (name == "corrector")
     assert cls.uses_passages == (name != "closed_book")
+
+
+@pytest.mark.parametrize("name", ["gold_passage_steps", "reader_only_steps", "final_reader_only_steps"])
+def test_the_schedule_has_its_own_section_and_old_keys_name_the_new_ones(name, tmp_path):
+    cfg = load_config(None, [f"schedule.{name}=7"])
+    assert getattr(cfg.schedule, name) == 7 and not hasattr(cfg.reader, name)
+    with pytest.raises(ValueError, match=f"reader.{name} moved to schedule.{name}.*--set schedule.{name}=7"):
+        load_config(None, [f"reader.{name}=7"])
+    old = tmp_path / "old.yaml"
+    old.write_text(f"reader:\n  d_model: 64\n  {name}: 7\n")
+    with pytest.raises(ValueError, match=f"reader.{name} moved to schedule.{name}"):
+        load_config(old)
+    # A run's own config.yaml written before the move still loads: the key is moved, not refused.
+    saved = load_config(old, saved=True)
+    assert getattr(saved.schedule, name) == 7 and saved.reader.d_model == 64
+    with pytest.raises(ValueError, match=f"schedule.{name} must be >= 0"):
+        load_config(None, [f"schedule.{name}=-1"])
+
+
+def test_values_are_checked_when_the_config_is_validated_not_when_a_section_is_built():
+    from rlm.config import ReaderConfig
+
+    ReaderConfig(arch="nonsense")  # a section alone is plain data
+    with pytest.raises(ValueError, match="reader.arch must be one of"):
+        load_config(None, ["reader.arch=nonsense"])
+
+
+def test_the_old_per_strategy_config_names_say_what_replaced_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"configs/nq.yaml --set strategy.name=exhaustive"):
+        load_config("configs/nq_exhaustive.yaml")
+    with pytest.raises(ValueError, match=r"configs/nq_alg1.yaml --set strategy.name=corrector"):
+        load_config("nq_alg1_corrector")

@@ -280,7 +280,7 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
             *TINY,
             "data.dev=toy",
             "data.max_dev_examples=4",
-            "reader.reader_only_steps=2",
+            "schedule.reader_only_steps=2",
             "optim.max_steps=3",
             "eval_every=1",
             "save_every=0",
@@ -424,7 +424,7 @@ def test_h_of_b_is_computed_once_while_the_corrector_does_not_move_and_selects_t
     """Selection keeps h(B) while no corrector weight changed (strategy.cache_corrected_mb): over 3
     reader-only steps and the first joint step (the corrector moves only in its update) h runs over the
     buffer once, then again after each update; the losses equal those of a run that recomputes h every step."""
-    overrides = ("reader.reader_only_steps=3", "optim.max_steps=6")
+    overrides = ("schedule.reader_only_steps=3", "optim.max_steps=6")
 
     def run_counting(*extra):
         AcceleratorState._reset_state(reset_partial_state=True)
