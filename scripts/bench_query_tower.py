@@ -3,9 +3,11 @@ encoder) against the full one, measured side by side in one run.
 
     python scripts/bench_query_tower.py                       # the packaged MiniLM, 6 -> 4, 2, 1 layers
     python scripts/bench_query_tower.py --layers 2 --threads 1
+    python scripts/bench_query_tower.py --layers 2 --max-length 64 --questions ../shared/data/multihop200/qa.jsonl \
+        --out docs/results/bench_query_tower_multihop200
 
 For each tower: one question at a time (an interactive demo's latency, tokenizer included) and a batch of
-`--batch` questions (throughput), best of `--reps`, on toy-world questions. Prints a table and writes
+`--batch` questions (throughput), best of `--reps`, on toy-world questions (or `--questions FILE`). Prints a table and writes
 `<out>.json` and `<out>.md`.
 """
 
@@ -25,16 +27,20 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "results" / "bench_query_tower"
 
 
-def questions(count: int) -> list[str]:
-    """`count` toy-world train questions (generated into a temporary folder)."""
+def questions(count: int, path: Path | None = None) -> list[str]:
+    """`count` questions from a QA JSONL (`path`), else toy-world train questions (generated into a temporary
+    folder); cycled when there are fewer."""
     import tempfile
 
-    from rlm.data.qa import load_qa_dataset
+    from rlm.data.qa import load_qa_dataset, read_qa_jsonl
     from rlm.data.toy_world import build_toy_world
 
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = build_toy_world(tmp, num_passages=200)
-        found = [ex.question for ex in load_qa_dataset("toy", "train", paths.root)]
+    if path is not None:
+        found = [ex.question for ex in read_qa_jsonl(path)]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = build_toy_world(tmp, num_passages=200)
+            found = [ex.question for ex in load_qa_dataset("toy", "train", paths.root)]
     return (found * (count // max(1, len(found)) + 1))[:count]
 
 
@@ -51,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-length", type=int, default=32)
+    parser.add_argument(
+        "--questions", type=Path, default=None, help="a QA JSONL to take questions from (default: toy world)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.threads:
@@ -62,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     towers = {f"full ({full.num_layers} layers)": full.eval()}
     for n in (int(x) for x in args.layers.split(",") if x):
         towers[f"layers:{n}"] = full.truncated(n).eval()
-    batch = questions(args.batch)
+    batch = questions(args.batch, args.questions)
     singles = batch[: args.singles]
     rows = []
     with torch.inference_mode():
@@ -89,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Query encoding latency: light query towers (`retriever.query_path: layers:N`) against the full one",
         "",
-        f"Command: `{command}` ({machine}; load average {load_average()}). Toy-world questions, max length "
+        f"Command: `{command}` ({machine}; load average {load_average()}). "
+        f"{'Questions from ' + str(args.questions) if args.questions else 'Toy-world questions'}, max length "
         f"{args.max_length} tokens; one question at a time ({len(singles)} per rep, tokenizer included) and "
         f"batches of {args.batch}; best of {args.reps}. Speed-ups are against the full tower in the same run.",
         "",
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "command": command,
         "machine": machine,
-        "args": {**vars(args), "out": str(args.out)},
+        "args": {**vars(args), "out": str(args.out), "questions": args.questions and str(args.questions)},
         "rows": rows,
     }
     atomic_write_text(args.out.with_suffix(".json"), json.dumps(payload, indent=2) + "\n")

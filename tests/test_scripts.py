@@ -76,6 +76,15 @@ def test_bench_query_tower_times_the_full_and_a_light_tower_side_by_side(tmp_pat
     assert all(r["single_ms"] > 0 and r["batch_ms_per_query"] > 0 for r in rows)
     assert "| layers:1 | 1 |" in out.with_suffix(".md").read_text()
 
+    # Questions of the user's own data (a QA JSONL) instead of the toy world's.
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text(
+        json.dumps({"question": "Which river runs through the city of the 1936 games?", "answers": ["x"]})
+    )
+    assert script.questions(3, qa) == ["Which river runs through the city of the 1936 games?"] * 3
+    assert script.main([*argv, "--questions", str(qa)]) == 0
+    assert f"Questions from {qa}" in out.with_suffix(".md").read_text()
+
 
 def test_selection_distractors_sorts_each_selected_passage_by_what_it_is(tmp_path):
     """The analysis behind docs/results/quickstart.md: gold, a relative's fact about the subject, another fact
