@@ -7,6 +7,14 @@ relatives' facts (the toy world's kin facts, worded like the question), the subj
 passages about other entities. Prints a markdown table, writes `<out>.json` and `<out>.md`.
 
     python scripts/selection_distractors.py runs/quickstart --out docs/results/selection_distractors
+
+Or any runs over one toy world (a `scripts/compare_strategies.py --algorithm 2` work folder), each
+`--run NAME=CHECKPOINT:INDEX` with INDEX one of B, h(B), re-embedded:
+
+    W=runs/compare/alg2_notwins
+    python scripts/selection_distractors.py --world $W/toy --buffer $W/buffer \
+        --run frozen=$W/frozen_seed0/final:B --run corrector=$W/corrector_seed0/final:h(B) \
+        --run corrector=$W/corrector_seed0/final:re-embedded --out /tmp/distractors
 """
 
 from __future__ import annotations
@@ -62,19 +70,45 @@ def composition(corpus, dev, top: list[list[int]]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("quickstart", type=Path, help="a `rlm quickstart --output-dir` folder")
+    parser.add_argument(
+        "quickstart", type=Path, nargs="?", help="a `rlm quickstart --output-dir` folder (its five runs)"
+    )
+    parser.add_argument("--world", type=Path, help="instead: a toy-world folder (corpus.jsonl, dev.jsonl)")
+    parser.add_argument("--buffer", type=Path, help="with --world: the runs' fixed buffer B")
+    parser.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="NAME=CHECKPOINT:INDEX",
+        help="with --world (repeatable)",
+    )
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-questions", type=int, default=200)
     parser.add_argument("--out", default="docs/results/selection_distractors")
     args = parser.parse_args()
-    root = args.quickstart
-    corpus = load_corpus(root / "toy_world" / "corpus.jsonl")
-    dev = load_qa_dataset("toy", "dev", root / "toy_world")[: args.max_questions]
-    buffer = PassageBuffer.load(root / "buffer", corpus_fingerprint=corpus.fingerprint)
+    if (args.quickstart is None) == (args.world is None) or (args.world and not (args.buffer and args.run)):
+        parser.error("pass a quickstart folder, or --world with --buffer and at least one --run")
+    if args.quickstart is not None:
+        root = args.quickstart
+        world, buffer_dir = root / "toy_world", root / "buffer"
+        runs = [(name, root / folder, index) for name, folder, index in RUNS]
+    else:
+        root, world, buffer_dir = args.world, args.world, args.buffer
+        runs = []
+        for spec in args.run:
+            name, _, rest = spec.partition("=")
+            checkpoint, _, index = rest.rpartition(":")
+            if not name or not checkpoint or index not in ("B", "h(B)", "re-embedded"):
+                parser.error(
+                    f"--run {spec!r}: expected NAME=CHECKPOINT:INDEX, INDEX one of B, h(B), re-embedded"
+                )
+            runs.append((name, Path(checkpoint), index))
+    corpus = load_corpus(world / "corpus.jsonl")
+    dev = load_qa_dataset("toy", "dev", world)[: args.max_questions]
+    buffer = PassageBuffer.load(buffer_dir, corpus_fingerprint=corpus.fingerprint)
     stale = torch.cat([block.float() for _, block in buffer.iter_chunks(len(buffer))])
     rows = []
-    for name, folder, index in RUNS:
-        checkpoint = root / folder
+    for name, checkpoint, index in runs:
         retriever = DualEncoder.from_pretrained(str(checkpoint / "retriever")).eval()
         queries = retriever.query_tower.encode([ex.question for ex in dev])
         if index == "B":
