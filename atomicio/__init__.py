@@ -28,9 +28,18 @@ __all__ = [
 ]
 
 
+def _umask() -> int:
+    # No call reads the umask without setting it; it is put back at once.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _temp_path(final: Path) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    # mkstemp makes the file 0600; the renamed result gets the mode a plain open() would give it.
+    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     return Path(name)
 
@@ -96,6 +105,7 @@ def atomic_directory(final_dir: str | os.PathLike, overwrite: bool = True) -> It
         raise FileExistsError(f"{final} already exists; choose another output folder or remove it")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; the result gets the mode os.mkdir would give it
     try:
         yield tmp
         old = None

@@ -2,7 +2,9 @@
 implementation (no package or script writes its own temp-file-and-rename)."""
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,25 @@ def test_no_module_or_script_writes_its_own_temp_file_and_rename():
             if count:
                 found[str(path.relative_to(ROOT))] = count
     assert found == ALLOWED, "use atomicio's helpers instead of a hand-written temp file + rename"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_results_get_the_mode_a_plain_write_would_give_them(tmp_path, umask):
+    """Temporary files and folders are private (0600 / 0700); what lands at the destination must not be, or a
+    checkpoint, a buffer or metrics.json written for a team would be readable by its writer alone."""
+    old = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "metrics.json", "{}")
+        with atomic_directory(tmp_path / "final") as folder:
+            (folder / "weights.bin").write_bytes(b"0")
+        plain = tmp_path / "plain.txt"
+        plain.write_text("x")
+        (tmp_path / "plain_dir").mkdir()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "metrics.json").stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    assert stat.S_IMODE((tmp_path / "metrics.json").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "final").stat().st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE((tmp_path / "final").stat().st_mode) == stat.S_IMODE(
+        (tmp_path / "plain_dir").stat().st_mode
+    )
