@@ -2,9 +2,10 @@
 
 `UserError` is what `rlm`'s own code raises when the user's config, data, files or command-line options are
 wrong; `reader` and `retriever` each raise their own `InputError` (they do not import `rlm`). The command line
-(`rlm.cli`) prints any of `USER_ERRORS` as one `error: ...` line and exits 2; every other exception is a bug in
-our code and keeps its traceback (RLM_DEBUG=1 shows the traceback of user errors too). All of them are
-`ValueError`s (or, for an unknown passage id, a `KeyError`), so callers that catch those keep working.
+(`rlm.cli`) prints any of `user_errors()` (these three, a missing or unreadable file, an unknown passage id) as one
+`error: ...` line and exits 2; every other exception is a bug in our code and keeps its traceback (RLM_DEBUG=1
+shows the traceback of user errors too). The three types are `ValueError`s, so callers that catch
+`ValueError` keep working.
 """
 
 from __future__ import annotations
