@@ -86,11 +86,11 @@ def title_of(args: dict) -> str:
     )
 
 
-def report_markdown(report: dict) -> str:
-    """The whole `<out>.md` of a comparison JSON: the table, the dropout floor, the settings, the precision."""
-    args, runs = report["args"], report["runs"]
-    metrics = table_metrics(args["algorithm"], runs)
-    table = to_markdown(summarise(runs, metrics), metrics, title_of(args))
+def report_markdown(report: dict, rows: list[dict], metrics: list[str]) -> str:
+    """The whole `<out>.md` of a comparison JSON (its `summarise`d rows given): the table, the dropout floor,
+    the settings, the precision."""
+    args = report["args"]
+    table = to_markdown(rows, metrics, title_of(args))
     table += (
         f"\n\nDropout floor of `drift` (train-mode g(y) vs eval-mode g(y) of the starting passage tower, no "
         f"update): {report['dropout_floor']:.3f}. Settings: {' '.join(args['overrides']) or 'defaults'}."
@@ -182,10 +182,11 @@ def render(json_path: str | Path) -> str:
     json_path = Path(json_path)
     report = json.loads(json_path.read_text())
     args, runs = report["args"], report["runs"]
-    table = report_markdown(report)
-    atomic_write_text(json_path.with_suffix(".md"), table + "\n")
     metrics = table_metrics(args["algorithm"], runs)
+    rows = summarise(runs, metrics)
+    table = report_markdown(report, rows, metrics)
+    atomic_write_text(json_path.with_suffix(".md"), table + "\n")
     short = title_of(args).split(":")[0]
-    plot_quality(summarise(runs, metrics), metrics[0], json_path.with_suffix(".png"), short)
+    plot_quality(rows, metrics[0], json_path.with_suffix(".png"), short)
     plot_drift(runs, json_path.with_name(json_path.stem + "_drift.png"), short)
     return table
