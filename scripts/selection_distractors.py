@@ -108,9 +108,12 @@ def main() -> None:
     buffer = PassageBuffer.load(buffer_dir, corpus_fingerprint=corpus.fingerprint)
     stale = torch.cat([block.float() for _, block in buffer.iter_chunks(len(buffer))])
     rows = []
+    loaded = {}  # a checkpoint read from two indexes is loaded, and its questions embedded, once
     for name, checkpoint, index in runs:
-        retriever = DualEncoder.from_pretrained(str(checkpoint / "retriever")).eval()
-        queries = retriever.query_tower.encode([ex.question for ex in dev])
+        if checkpoint not in loaded:
+            retriever = DualEncoder.from_pretrained(str(checkpoint / "retriever")).eval()
+            loaded[checkpoint] = retriever, retriever.query_tower.encode([ex.question for ex in dev])
+        retriever, queries = loaded[checkpoint]
         if index == "B":
             passages = stale
         elif index == "h(B)":
