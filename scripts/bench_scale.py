@@ -61,6 +61,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
 
+from atomicio import atomic_file, atomic_write_text  # noqa: E402
 from retriever.buffer import shard_name  # noqa: E402
 from rlm.benchmarking import PROJECTION_DEFAULTS, corrector_moving, cpu_name, load_average  # noqa: E402
 
@@ -951,7 +952,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # `path` may be a temporary name without the suffix
     plt.close(fig)
 
 
@@ -1010,14 +1011,16 @@ def int_keys(value):
 
 
 def write_outputs(results: dict, out: Path, plot_too: bool = True, json_too: bool = True) -> None:
-    """`out`.json, .md and .png; the markdown is printed too."""
+    """`out`.json (the run: everything the table and plot are made from), .md and .png, each written whole or
+    not at all; the markdown is printed too. `json_too=False` re-renders a saved run."""
     out.parent.mkdir(parents=True, exist_ok=True)
     if plot_too:
-        plot(results, out.with_suffix(".png"))
+        with atomic_file(out.with_suffix(".png")) as tmp:
+            plot(results, tmp)
     if json_too:
-        out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=str))
+        atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=2, default=str))
     text = markdown(results)
-    out.with_suffix(".md").write_text(text)
+    atomic_write_text(out.with_suffix(".md"), text)
     print(text)
 
 
@@ -1030,7 +1033,7 @@ def parse_slices(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1086,7 +1089,7 @@ def main() -> int:
     parser.add_argument("--buffer", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--loss-hidden", type=parse_slices, default=[], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.slice_hidden is None:
         args.slice_hidden = parse_slices("3072:5000,8192:2000" if args.quick else "3072:100000,8192:25000")
     args.reps = args.reps or (1 if args.quick else 2)
@@ -1104,6 +1107,8 @@ def main() -> int:
         print(json.dumps(encoder_worker(args)))
         return 0
     if args.render is not None:
+        if not args.render.is_file():
+            raise SystemExit(f"error: --render {args.render}: no such file (a JSON this script wrote)")
         results = int_keys(json.loads(args.render.read_text()))
         write_outputs(results, args.render.with_suffix(""), plot_too=not args.no_plot, json_too=False)
         return 0
@@ -1121,7 +1126,7 @@ def main() -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_scale_"))
     workdir.mkdir(parents=True, exist_ok=True)
     results = {
-        "command": " ".join(["python scripts/bench_scale.py", *sys.argv[1:]]),
+        "command": " ".join(["python scripts/bench_scale.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_name(),
         "cores": os.cpu_count(),

@@ -23,6 +23,7 @@ candidates at the GEMM rate, plus a fixed cost per faiss call (a stated constant
 
     python scripts/bench_two_stage.py                  # N = 1M, 4M (~15 min on 2 cores)
     python scripts/bench_two_stage.py --quick          # N = 100k (about a minute)
+    python scripts/bench_two_stage.py --render docs/results/bench_two_stage.json   # .md/.png of a saved run
 """
 
 from __future__ import annotations
@@ -448,9 +449,12 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: dict, out: Path) -> None:
+def write_outputs(results: dict, out: Path, json_too: bool = True) -> None:
+    """`out`.json (the run: everything the table and plot are made from), .md and .png; the markdown is printed
+    too. `json_too=False` re-renders a saved run."""
     text = markdown(results)
-    atomic_write_json(out.with_suffix(".json"), results)
+    if json_too:
+        atomic_write_json(out.with_suffix(".json"), results)
     atomic_write_text(out.with_suffix(".md"), text)
     with atomic_file(out.with_suffix(".png")) as tmp:
         plot(results, tmp)
@@ -465,7 +469,7 @@ def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -504,7 +508,15 @@ def main() -> int:
     )
     parser.add_argument("--proj-kmeans-efficiency", type=float, default=0.1, help="of the GEMM rate")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_two_stage"))
-    args = parser.parse_args()
+    parser.add_argument(
+        "--render", type=Path, default=None, help="re-render the .md and .png of a saved JSON (no benchmark)"
+    )
+    args = parser.parse_args(argv)
+    if args.render is not None:
+        if not args.render.is_file():
+            raise SystemExit(f"error: --render {args.render}: no such file (a JSON this script wrote)")
+        write_outputs(json.loads(args.render.read_text()), args.render.with_suffix(""), json_too=False)
+        return 0
     if args.sizes is None:
         args.sizes = [100_000] if args.quick else [1_000_000, 4_000_000]
     if args.quick:
@@ -524,7 +536,7 @@ def main() -> int:
 
     wall = time.perf_counter()
     results = {
-        "command": " ".join(["python scripts/bench_two_stage.py", *sys.argv[1:]]),
+        "command": " ".join(["python scripts/bench_two_stage.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_name(),
         "cores": os.cpu_count(),

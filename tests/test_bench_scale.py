@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,3 +72,8 @@ def test_bench_scale_quick_one_and_two_processes(tmp_path):
     assert "t_sel   = r * (4*D*H" in table and "## Goals" in table and "Timings are noisy" in table
     assert out.with_suffix(".png").stat().st_size > 0
     assert not any(work.glob("buffer_*")), "the buffers are deleted without --keep"
+    # The table and plot come from the JSON alone: --render redoes them without benchmarking.
+    out.with_suffix(".md").unlink()
+    out.with_suffix(".png").unlink()
+    assert load_script("bench_scale").main(["--render", str(out.with_suffix(".json"))]) == 0
+    assert out.with_suffix(".md").read_text() == table and out.with_suffix(".png").stat().st_size > 5_000

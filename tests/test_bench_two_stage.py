@@ -10,6 +10,7 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
+import pytest
 from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +52,17 @@ def test_bench_two_stage_end_to_end_equals_exact_when_it_searches_everything(tmp
         assert grid[("scan", None, 64)]["overlap"] >= grid[("index", nlist, 64)]["overlap"] - 1e-9
     # A corrector that rewrites the vectors changes the selection more than a small one (not a trivial test).
     assert size["moves"][1]["stale_overlap"] < size["moves"][0]["stale_overlap"]
-    assert out.with_suffix(".md").read_text().startswith("# Two-stage selection at scale")
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("# Two-stage selection at scale")
     assert out.with_suffix(".png").is_file()
+    # The table and plot come from the JSON alone: --render redoes them without benchmarking.
+    out.with_suffix(".md").unlink()
+    out.with_suffix(".png").unlink()
+    script = load_script("bench_two_stage")
+    assert script.main(["--render", str(out.with_suffix(".json"))]) == 0
+    assert out.with_suffix(".md").read_text() == table and out.with_suffix(".png").stat().st_size > 5_000
+    with pytest.raises(SystemExit, match="none.json: no such file"):
+        script.main(["--render", str(tmp_path / "none.json")])
 
 
 def test_training_benchmark_two_stage_selection_costs(monkeypatch):

@@ -44,10 +44,14 @@ def reader():
 
 
 @pytest.fixture(scope="module")
-def retriever(minilm_path):
+def retriever(tmp_path_factory):
+    """The tiny retriever in MiniLM's layout (tests/tiny_run.py): placement does not depend on the weights."""
+    from tiny_run import tiny_retriever
+
     from retriever.encoder import DualEncoder
 
-    return DualEncoder.from_pretrained(minilm_path, max_length=32).eval()
+    folder = tiny_retriever(tmp_path_factory.mktemp("retriever") / "tiny")
+    return DualEncoder.from_pretrained(str(folder), max_length=32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,14 @@ baseline cache and its labels. The tiny run's checkpoint is also what the app te
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
-from tiny_run import TINY_QUICKSTART
+import yaml
+from tiny_run import TINY_QUICKSTART, tiny_retriever
 
 from rlm.cli import main
 from rlm.quickstart import (
@@ -24,13 +27,17 @@ TINY = TINY_QUICKSTART
 
 
 def build_tiny_quickstart(base: Path) -> Path:
-    """Run `rlm quickstart --no-serve` once into `base/quickstart` (reused when already there); its run folder."""
+    """Run `rlm quickstart --no-serve` once into `base/quickstart` (reused when already there); its run folder.
+    What it printed is kept in `printed.txt` beside it."""
     out = base / "quickstart"
     if not (out / "metrics.json").is_file():
         argv = ["quickstart", "--no-serve", "--no-baselines", "--output-dir", str(out)]
         for assignment in TINY:
             argv += ["--set", assignment]
-        assert main(argv) == 0
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert main(argv) == 0
+        (out / "printed.txt").write_text(printed.getvalue())
     return out
 
 
@@ -39,13 +46,55 @@ def tiny_run(tmp_path_factory) -> Path:
     return build_tiny_quickstart(tmp_path_factory.getbasetemp())
 
 
-def test_quickstart_writes_checkpoint_metrics_and_table(tiny_run, capsys):
+def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_prints_its_table(tiny_run):
+    """What the README's `make demo` promises, at a size a test can run: the world with held-out dev entities,
+    B embedded once by the packaged MiniLM, each phase of the recipe (Algorithm 2 with the corrector among
+    them) with nothing re-embedded, and the printed table made from metrics.json."""
+    from retriever.buffer import PassageBuffer
+    from retriever.encoder import SentenceEncoder, default_retriever_path
+    from rlm.data.qa import load_qa_dataset
+
     metrics = json.loads((tiny_run / "metrics.json").read_text())
-    assert metrics["strategy"] == "corrector" and metrics["steps"] == 2
-    assert metrics["reembedded"] == 0  # the corrector never re-embeds the buffer
-    assert metrics["dev_questions"] == 8
-    assert 0.0 <= metrics["dev"]["exact_match"] <= 1.0 and "recall@5" in metrics["dev"]
-    assert "recall@4" in metrics["dev"]  # at the reader's K: how many questions its passages can answer
+    assert metrics["strategy"] == "corrector" and metrics["steps"] == 4 and metrics["dev_questions"] == 8
+    # Dev questions ask about entities no training question mentions: answering needs retrieval.
+    train, dev = (load_qa_dataset("toy", split, tiny_run / "toy_world") for split in ("train", "dev"))
+    assert not {q.meta["subject"] for q in dev[:8]} & {q.meta["subject"] for q in train}
+
+    # The four phases, one step each: gold passages, reader alone on the selection, Algorithm 2, reader alone.
+    log = [json.loads(line) for line in (tiny_run / "log.jsonl").read_text().splitlines()]
+    assert [("retriever_loss" in r, "corrector_loss" in r) for r in log] == [(False, False)] * 2 + [
+        (True, True),
+        (False, False),
+    ]
+    # B is the packaged MiniLM's embedding of the corpus, never re-embedded, while the passage tower trained.
+    config = yaml.safe_load((tiny_run / "config.yaml").read_text())
+    minilm = SentenceEncoder.from_pretrained(
+        default_retriever_path(), max_length=config["retriever"]["passage_max_length"]
+    )
+    buffer = PassageBuffer.load(tiny_run / "buffer", encoder_fingerprint=minilm.fingerprint())
+    assert len(buffer) == 150 and metrics["reembedded"] == 0 and all(r["reembedded"] == 0 for r in log)
+    trained = SentenceEncoder.from_pretrained(
+        str(tiny_run / "final" / "retriever" / "passage_tower"), max_length=minilm.max_length
+    )
+    assert trained.fingerprint() != minilm.fingerprint()
+
+    # Dev figures both ways (re-embedded corpus, and the run's own selection over h(B)) at the reader's K.
+    dev_figures = metrics["dev"]
+    for key in ("exact_match", "f1", "recall@4", "selection_exact_match", "selection_recall@4"):
+        assert 0.0 <= dev_figures[key] <= 1.0, key
+    # On this kin-free world MiniLM's top 4 holds the answer for most questions: the reader is handed it.
+    assert dev_figures["recall@4"] >= 0.75 and dev_figures["selection_recall@4"] >= 0.75
+    # The table the user reads is metrics.json's, with a row per baseline (here: not measured).
+    printed = (tiny_run / "printed.txt").read_text()
+    table = format_results(metrics)
+    assert table in printed
+    assert "| corrector (this run) |" in table and table.count("not measured") == len(BASELINES)
+    em = 100 * dev_figures["exact_match"]
+    assert f"| corrector (this run) | {100 * dev_figures['selection_exact_match']:.1f} | {em:.1f} |" in table
+
+
+def test_quickstart_checkpoint_evaluates_to_its_own_dev_figures(tiny_run):
+    metrics = json.loads((tiny_run / "metrics.json").read_text())
     # The dev figures are the saved checkpoint's: `rlm evaluate` on it over the same 8 questions agrees.
     out = tiny_run / "evaluate_check"
     argv = ["evaluate", "--checkpoint", str(tiny_run / "final"), "--data-path", str(tiny_run / "toy_world")]
@@ -57,7 +106,7 @@ def test_quickstart_writes_checkpoint_metrics_and_table(tiny_run, capsys):
     assert len(predictions) == 8
     for name in BASELINES:
         assert metrics["baselines"][name]["source"].startswith(("not measured", "cached from"))
-    for part in ("retriever", "reader", "config.yaml"):
+    for part in ("retriever", "reader", "corrector", "config.yaml"):
         assert (tiny_run / "final" / part).exists()
     assert (tiny_run / "toy_world" / "corpus.jsonl").is_file()  # --output-dir moved the toy world too
 
@@ -153,7 +202,10 @@ def test_corrupt_baseline_cache_names_the_file(tmp_path):
 def test_baselines_measured_then_reused_from_cache(tmp_path, capsys):
     out = tmp_path / "qs"
     argv = ["quickstart", "--no-serve", "--output-dir", str(out)]
-    for assignment in [*TINY, "optim.max_steps=1"]:
+    # The cache's bookkeeping holds for any retriever: the tiny one keeps three quickstarts and their baselines
+    # quick (the session's `tiny_run` trains the quickstart with MiniLM).
+    retriever = f"retriever.path={tiny_retriever(tmp_path / 'tiny_retriever')}"
+    for assignment in [*TINY, "optim.max_steps=1", retriever]:
         argv += ["--set", assignment]
     assert main(argv) == 0  # a first run measures the baselines it has no figures for
     first = json.loads((out / "metrics.json").read_text())

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from script_loader import load_script
+from tiny_run import tiny_overrides
 
 from reader.fid import FiDReader
 from rlm.config import load_config
@@ -40,23 +41,16 @@ ANSWERS = ["Grewick", "baker"]
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """One tiny toy world and MiniLM buffer shared by this module's runs (each run has its own output_dir)."""
-    return tmp_path_factory.mktemp("recipe_world")
+    """A folder holding the tiny run's toy world, retriever and buffer (tests/tiny_run.py), built here once and
+    shared by this module's runs (each run has its own output_dir)."""
+    root = tmp_path_factory.mktemp("recipe_world")
+    parts = build_components(load_config(None, tiny_world_overrides(root, root)))
+    assert len(parts.buffer) == len(parts.corpus) == 120
+    return root
 
 
 def tiny_world_overrides(root: Path, world: Path) -> list[str]:
-    return [
-        f"output_dir={root}/run",
-        f"buffer.dir={world}/buffer",
-        f"data.toy_world.dir={world}/toy",
-        "data.toy_world.num_passages=120",
-        "data.dev=null",
-        "strategy.k=4",
-        "retriever.passage_max_length=40",
-        "retriever.query_max_length=24",
-        "optim.batch_size=2",
-        "cpu=true",
-    ]
+    return tiny_overrides(world, root / "run", "cpu=true")
 
 
 @pytest.mark.parametrize(

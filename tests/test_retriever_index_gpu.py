@@ -118,7 +118,9 @@ def one_thread():
     faiss.omp_set_num_threads(threads)
 
 
-@pytest.mark.parametrize("factory", ["HNSW16", "PQ4"])
+@pytest.mark.parametrize(
+    "factory", ["HNSW16", "PQ4x4"]
+)  # 4-bit codes: 16 centroids train in 0.3 s, 8-bit 6 s
 def test_types_without_a_gpu_version_stay_on_cpu_with_a_notice(monkeypatch, tmp_path, one_thread, factory):
     cpu = PassageIndex.build(EMB, IDS, factory, use_gpu=False)
     fake = FakeGpu(monkeypatch, ngpu=2)

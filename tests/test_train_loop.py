@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from tiny_run import TINY_RUN
+from tiny_run import tiny_overrides
 
 from rlm.config import load_config
 from rlm.train import build_run, lr_lambda, train_step
 
-TINY = [*TINY_RUN, "cpu=true", "save_every=0"]
+TINY = ["cpu=true", "save_every=0"]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,7 @@ def make_run(world, *extra):
     cfg = load_config(
         None,
         [
-            f"output_dir={world}/run",
-            f"buffer.dir={world}/buffer",
-            f"data.toy_world.dir={world}/toy",
-            *TINY,
+            *tiny_overrides(world, world / "run", *TINY),
             *extra,
         ],
     )
@@ -169,10 +166,7 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, na
         return load_config(
             None,
             [
-                f"output_dir={tmp_path}/{out}",
-                f"buffer.dir={world}/buffer",
-                f"data.toy_world.dir={world}/toy",
-                *TINY,
+                *tiny_overrides(world, tmp_path / out, *TINY),
                 f"strategy.name={name}",
                 "strategy.refresh_every=1",
                 *options,
@@ -274,10 +268,7 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
     cfg = load_config(
         None,
         [
-            f"output_dir={tmp_path}/cached_validation",
-            f"buffer.dir={world}/buffer",
-            f"data.toy_world.dir={world}/toy",
-            *TINY,
+            *tiny_overrides(world, tmp_path / "cached_validation", *TINY),
             "data.dev=toy",
             "data.max_dev_examples=4",
             "schedule.reader_only_steps=2",
@@ -301,8 +292,8 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
 
 
 def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(world, tmp_path, capsys):
-    """`retriever.query_path=layers:2`: training keeps the 2-layer query tower against the 6-layer passage
-    tower (whose buffer stays the starting MiniLM's), and `rlm evaluate` and the demo's service read the
+    """`retriever.query_path=layers:2`: training keeps the 2-layer query tower against the 4-layer passage
+    tower (whose buffer stays the starting retriever's), and `rlm evaluate` and the demo's service read the
     checkpoint with the light tower."""
     import json
 
@@ -313,10 +304,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
     cfg = load_config(
         None,
         [
-            f"output_dir={tmp_path}/light",
-            f"buffer.dir={world}/buffer",
-            f"data.toy_world.dir={world}/toy",
-            *TINY,
+            *tiny_overrides(world, tmp_path / "light", *TINY),
             "retriever.query_path=layers:2",
             "optim.max_steps=2",
         ],
@@ -327,7 +315,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
         tower: json.loads((final / "retriever" / tower / "config.json").read_text())["num_hidden_layers"]
         for tower in ("query_tower", "passage_tower")
     }
-    assert layers == {"query_tower": 2, "passage_tower": 6}
+    assert layers == {"query_tower": 2, "passage_tower": 4}
     argv = ["evaluate", "--checkpoint", str(final), "--data-path", str(world / "toy"), "--retrieval-only"]
     assert main([*argv, "--out", str(tmp_path / "light_eval"), "--max-examples", "4"]) == 0
     metrics = json.loads((tmp_path / "light_eval" / "metrics.json").read_text())
@@ -339,16 +327,13 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
 
 def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_path):
     """retriever.collapse_cosine: validation logs the dev questions' mean pairwise query cosine, and a run
-    whose value passes the limit stops (here the limit is set below what MiniLM gives to force it)."""
+    whose value passes the limit stops (here the limit is set below what any tower gives, to force it)."""
     from rlm.train import RepresentationCollapseError, train
 
     cfg = load_config(
         None,
         [
-            f"output_dir={tmp_path}/collapse",
-            f"buffer.dir={world}/buffer",
-            f"data.toy_world.dir={world}/toy",
-            *TINY,
+            *tiny_overrides(world, tmp_path / "collapse", *TINY),
             "data.dev=toy",
             "data.max_dev_examples=6",
             "eval_every=1",

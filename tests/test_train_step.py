@@ -1,9 +1,11 @@
-"""Algorithm 2 and 1 steps on real components: the packaged MiniLM retriever, a tiny T5 reader, the toy world."""
+"""Algorithm 2 and 1 steps on real components: a tiny random-init retriever in MiniLM's layout (tests/tiny_run.py),
+a tiny T5 reader, the toy world."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_run import tiny_overrides
 
 from rlm.config import load_config
 from rlm.model import RetrievalAugmentedModel
@@ -11,42 +13,23 @@ from rlm.setup import build_components
 from rlm.strategies import StaleStrategy, make_strategy
 from rlm.train import make_batch
 
-TINY_READER = [
-    "reader.d_model=32",
-    "reader.d_ff=64",
-    "reader.num_layers=1",
-    "reader.num_decoder_layers=1",
-    "reader.num_heads=2",
-    "reader.d_kv=16",
-    "reader.vocab_size=600",
-    "reader.max_passage_length=48",
-    "reader.max_answer_length=8",
-]
-
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A 150-passage toy world and its MiniLM buffer, shared by the tests of this module."""
+    """A folder holding a 150-passage toy world, the tiny retriever and its buffer, built here once and shared by
+    the tests of this module (each test builds its own components over them)."""
     root = tmp_path_factory.mktemp("train")
+    cfg, parts, _, _ = make_parts(root)
+    assert len(parts.corpus) == 150 and len(parts.buffer) == 150
     return root
 
 
-def make_parts(root, *overrides):
-    cfg = load_config(
-        None,
-        [
-            f"output_dir={root}/run",
-            f"buffer.dir={root}/buffer",
-            f"data.toy_world.dir={root}/toy",
-            "data.toy_world.num_passages=150",
-            "data.max_dev_examples=8",
-            "strategy.k=4",
-            "retriever.passage_max_length=48",
-            "retriever.query_max_length=32",
-            *TINY_READER,
-            *overrides,
-        ],
-    )
+def make_parts(root, *overrides, minilm=False):
+    """Components of the tiny run (tests/tiny_run.py) over the module's world, with dev questions; `minilm`: the
+    packaged retriever (and its own buffer) instead of the tiny one, for what needs a retriever whose scores
+    tell passages apart."""
+    world = ["data.toy_world.num_passages=150", "data.dev=toy", "data.max_dev_examples=8"]
+    cfg = load_config(None, tiny_overrides(root, "run", *world, *overrides, minilm=minilm))
     torch.manual_seed(0)
     parts = build_components(cfg)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
@@ -109,8 +92,10 @@ def test_fresh_corrector_selects_exactly_the_stale_top_k(world):
 
 @pytest.mark.slow
 def test_each_loss_falls_on_a_repeated_batch(world):
+    """On MiniLM: a random-init retriever scores every passage about the same (mean cosine 0.96 for the tiny
+    one), so the corrector's target is near uniform and has nothing to learn in a few steps."""
     cfg, parts, model, strategy = make_parts(
-        world, "optim.lr_retriever=3e-5", "optim.lr_reader=3e-3", "optim.lr_corrector=1e-3"
+        world, "optim.lr_retriever=3e-5", "optim.lr_reader=3e-3", "optim.lr_corrector=1e-3", minilm=True
     )
     groups = model.parameter_groups(strategy, cfg.optim)
     optimizer = torch.optim.Adam(groups)
@@ -148,6 +133,27 @@ def test_each_loss_falls_on_a_repeated_batch(world):
     assert falls(history, "reader"), [h["reader"] for h in history]
 
 
+def schedule_of(root, *overrides, max_steps, **kw):
+    """A strategy over the module's buffer and nothing else: re-embedding schedules are arithmetic on rows, so
+    they need no towers and no reader (see `random_rows`)."""
+    from retriever.buffer import PassageBuffer
+
+    cfg = load_config(None, ["strategy.k=4", *overrides])
+    return make_strategy(cfg.strategy, PassageBuffer.load(root / "buffer"), max_steps=max_steps, seed=0, **kw)
+
+
+def random_rows(strategy, counted=None):
+    """What a refresh re-embeds, as fresh unit rows of the buffer's width: the schedule counts rows, whatever
+    their values."""
+
+    def embed(rows):
+        if counted is not None:
+            counted.append(len(rows))
+        return torch.nn.functional.normalize(torch.randn(len(rows), strategy.buffer.dim), dim=-1)
+
+    return embed
+
+
 @pytest.mark.parametrize(
     "name, extra, expected",
     [
@@ -162,16 +168,15 @@ def test_each_loss_falls_on_a_repeated_batch(world):
     ],
 )
 def test_reembedding_counts(world, name, extra, expected):
-    from rlm.model import embed_rows
-
-    cfg, parts, model, strategy = make_parts(world, f"strategy.name={name}", "optim.max_steps=5", *extra)
-    texts = parts.corpus.retrieval_texts()
-    queries = torch.nn.functional.normalize(torch.randn(3, parts.buffer.dim), dim=-1)
+    strategy = schedule_of(world, f"strategy.name={name}", *extra, max_steps=5)
+    queries = torch.nn.functional.normalize(torch.randn(3, strategy.buffer.dim), dim=-1)
+    corrector = make_parts(world)[2].corrector if name == "corrector" else None
+    counted = []
     for step in range(5):
-        strategy.before_step(step, lambda rows: embed_rows(model.retriever.passage_tower, texts, rows))
-        top = strategy.select(queries, model.corrector)
+        strategy.before_step(step, random_rows(strategy, counted))
+        top = strategy.select(queries, corrector)
         assert top.indices.shape == (3, 4) and bool((top.indices >= 0).all())
-    assert strategy.reembedded == expected(len(parts.corpus))
+    assert strategy.reembedded == sum(counted) == expected(len(strategy.buffer))
 
 
 @pytest.mark.parametrize(
@@ -184,15 +189,11 @@ def test_reembedding_counts(world, name, extra, expected):
     ],
 )
 def test_reembedding_schedule_counts_from_the_first_retriever_update(world, name, extra, refreshed_before):
-    from rlm.model import embed_rows
-
-    cfg, parts, model, _ = make_parts(world, f"strategy.name={name}", *extra)
-    strategy = make_strategy(cfg.strategy, parts.buffer, max_steps=8, seed=0, start_step=3)
-    texts = parts.corpus.retrieval_texts()
+    strategy = schedule_of(world, f"strategy.name={name}", *extra, max_steps=8, start_step=3)
     counts = []
     for step in range(8):
         before = strategy.reembedded
-        strategy.before_step(step, lambda rows: embed_rows(model.retriever.passage_tower, texts, rows))
+        strategy.before_step(step, random_rows(strategy))
         counts.append(strategy.reembedded - before)
     assert [step for step, c in enumerate(counts) if c] == refreshed_before
 
@@ -210,15 +211,11 @@ def test_reembedding_schedule_counts_from_the_first_retriever_update(world, name
 def test_no_refresh_after_the_retriever_stops_training(world, name, extra, refreshed_before):
     """Algorithm 2's final reader-only phase (steps 8-11 here) does not move the passage tower: a refresh
     there would re-embed the same tower again and count passages that bought nothing."""
-    from rlm.model import embed_rows
-
-    cfg, parts, model, _ = make_parts(world, f"strategy.name={name}", *extra)
-    strategy = make_strategy(cfg.strategy, parts.buffer, max_steps=12, seed=0, start_step=3, stop_step=8)
-    texts = parts.corpus.retrieval_texts()
+    strategy = schedule_of(world, f"strategy.name={name}", *extra, max_steps=12, start_step=3, stop_step=8)
     refreshed = []
     for step in range(12):
         before = strategy.reembedded
-        strategy.before_step(step, lambda rows: embed_rows(model.retriever.passage_tower, texts, rows))
+        strategy.before_step(step, random_rows(strategy))
         refreshed += [step] if strategy.reembedded > before else []
     assert refreshed == refreshed_before
 

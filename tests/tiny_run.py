@@ -1,9 +1,47 @@
-"""The tiny training run the end-to-end tests share: a 120-passage toy world, the packaged MiniLM towers with
-short inputs, a one-layer T5 reader, two questions per process per micro-step."""
+"""The tiny training run the end-to-end tests share: a 120-passage toy world, a tiny random-init retriever in
+the packaged MiniLM's layout (its tokenizer, 4 BERT layers 32 wide) with short inputs, a one-layer T5 reader,
+two questions per process per micro-step.
+
+The tiny retriever is for tests of training mechanics (schedules, resume, processes, checkpoints), which hold
+for any retriever: with MiniLM's 22M parameters its forward and backward passes were most of those tests'
+time. What needs MiniLM's weights (the quickstart, the toy world's premise, the GPU smoke run, the demo) loads
+the packaged model.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+# BERT, as all-MiniLM-L6-v2 is, with the same vocabulary and mean pooling; 4 layers so that a light query tower
+# (`retriever.query_path=layers:2`) is a strict subset.
+TINY_RETRIEVER = {
+    "hidden_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 512,
+}
+
+
+def tiny_retriever(folder: Path) -> Path:
+    """Write the tiny retriever to `folder` once (random weights from seed 0, so every test gets the same one)
+    and return it; a folder already there is reused."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from retriever.encoder import SentenceEncoder, default_retriever_path
+
+    folder = Path(folder)
+    if (folder / "modules.json").is_file():
+        return folder
+    tokenizer = AutoTokenizer.from_pretrained(default_retriever_path())
+    config = BertConfig(vocab_size=len(tokenizer), **TINY_RETRIEVER)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's random stream as it was
+        torch.manual_seed(0)
+        model = BertModel(config)  # with the pooler MiniLM ships, so it loads without warnings
+    SentenceEncoder(model, tokenizer, max_length=128).save_pretrained(folder)  # atomic: a rename
+    return folder
+
 
 TINY_RUN = [
     "data.toy_world.num_passages=120",
@@ -24,12 +62,16 @@ TINY_RUN = [
 ]
 
 
-# The tiny `rlm quickstart`, small enough for a 2-core CPU shared with others: 150 passages, 2 steps of 4
-# questions, 8 dev questions.
+# The tiny `rlm quickstart`, small enough for a 2-core CPU shared with others: 150 passages, 4 steps of 4
+# questions (one per phase of the quickstart's recipe: reader on the gold passages, reader alone on the
+# selection, Algorithm 2 with the corrector, reader alone at the end), 8 dev questions.
 TINY_QUICKSTART = [
     "data.toy_world.num_passages=150",
     "data.toy_world.options.kin_facts=0",  # 150 passages of people with 10 relatives' facts: too few questions
-    "optim.max_steps=2",
+    "optim.max_steps=4",
+    "schedule.gold_passage_steps=1",
+    "schedule.reader_only_steps=2",
+    "schedule.final_reader_only_steps=1",
     "optim.batch_size=4",
     "optim.warmup_steps=1",
     "data.max_dev_examples=8",
@@ -37,14 +79,19 @@ TINY_QUICKSTART = [
 ]
 
 
-def tiny_overrides(root: Path, out: str | Path, *extra: str) -> list[str]:
+def tiny_overrides(root: Path, out: str | Path, *extra: str, minilm: bool = False) -> list[str]:
     """`--set` values of a tiny run writing to root/out (`out` may be a folder elsewhere: an absolute path);
-    runs under one root share the toy world and buffer."""
-    paths = [
-        f"output_dir={root / out}",
-        f"buffer.dir={root / 'buffer'}",
-        f"data.toy_world.dir={root / 'toy'}",
-    ]
+    runs under one root share the toy world, the tiny retriever and its buffer. `minilm`: the packaged
+    all-MiniLM-L6-v2 instead (the default retriever), with its own buffer."""
+    root = Path(root)
+    if minilm:
+        retriever = [f"buffer.dir={root / 'buffer_minilm'}"]
+    else:
+        retriever = [
+            f"buffer.dir={root / 'buffer'}",
+            f"retriever.path={tiny_retriever(root / 'tiny_retriever')}",
+        ]
+    paths = [f"output_dir={root / out}", f"data.toy_world.dir={root / 'toy'}", *retriever]
     return [*paths, *TINY_RUN, *extra]
 
 
