@@ -356,7 +356,7 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
     output_dir = Path(cfg.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(dump_config(cfg))
+        atomic_write_text(output_dir / "config.yaml", dump_config(cfg))  # read back by evaluate, resume
 
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
     parts = build_components(cfg, accelerator)

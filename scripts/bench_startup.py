@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from atomicio import atomic_open
+from atomicio import atomic_open, atomic_write_text
 from rlm.benchmarking import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,7 +296,7 @@ def report(args, runs: dict, size_gb: float) -> None:
         "extrapolation": f"CPU s at 21M = CPU s at N x {DPR_PASSAGES:,} / N (every step is linear in N)",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2) + "\n")
+    atomic_write_text(Path(args.out), json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2) + "\n")
 
     def fmt(x, digits=1):
         return "-" if x is None else f"{x:,.{digits}f}"
@@ -346,7 +346,7 @@ longer than the extrapolation.
 * The scan (parse every line; record offsets, ids and id hashes) is the same work before and after and is
   what a start still pays; caching its arrays by the same file stamp would remove it from a demo restart.
 """
-    Path(args.md).write_text(md)
+    atomic_write_text(Path(args.md), md)
     print(f"wrote {args.out} and {args.md}")
 
 

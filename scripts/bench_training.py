@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.state import AcceleratorState
 
+from atomicio import atomic_write_text
 from retriever.buffer import PassageBuffer
 from retriever.index import PassageIndex
 from retriever.search import corrected_topk, two_stage_corrected_topk
@@ -368,9 +369,12 @@ def main() -> None:
     print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table + "\n")
-    out.with_suffix(".json").write_text(
-        json.dumps({"args": vars(args), "phases": phases, "throughput": throughput, "table2": rows}, indent=2)
+    atomic_write_text(out.with_suffix(".md"), table + "\n")
+    atomic_write_text(
+        out.with_suffix(".json"),
+        json.dumps(
+            {"args": vars(args), "phases": phases, "throughput": throughput, "table2": rows}, indent=2
+        ),
     )
 
 
