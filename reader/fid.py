@@ -21,6 +21,7 @@ from transformers import AutoModelForSeq2SeqLM, PreTrainedModel, PreTrainedToken
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from atomicio import atomic_directory, atomic_write_json
+from evalmode import eval_mode
 from reader.errors import InputError
 from reader.formatting import DEFAULT_QUESTION_TEMPLATE, DEFAULT_TEMPLATE, FiDCollator, Passages
 from reader.small_t5 import SmallT5Config, build_small_t5
@@ -296,9 +297,7 @@ class FiDReader(torch.nn.Module):
         return self._answer(questions, passages, max_new_tokens, num_beams, batch_size, True)
 
     def _answer(self, questions, passages, max_new_tokens, num_beams, batch_size, confidence: bool):
-        was_training = self.training
-        self.eval()
-        try:
+        with eval_mode(self):
             step = batch_size or max(len(questions), 1)
             answers: list[tuple[str, float]] = []
             for start in range(0, len(questions), step):
@@ -317,8 +316,6 @@ class FiDReader(torch.nn.Module):
                 probs = self._sequence_probabilities(out) if confidence else [float("nan")] * len(texts)
                 answers.extend(zip(texts, probs, strict=True))
             return answers
-        finally:
-            self.train(was_training)
 
     def _sequence_probabilities(self, out) -> list[float]:
         """exp(sum of the generated tokens' log-probabilities up to and including the first end-of-sequence)."""

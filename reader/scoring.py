@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from evalmode import eval_mode
 from reader.fid import FiDReader
 from reader.formatting import Passages
 
@@ -48,9 +49,7 @@ def score_passages(
     if step < 1:
         raise ValueError(f"batch_size={batch_size} must be positive")
 
-    was_training = reader.training
-    reader.eval()
-    try:
+    with eval_mode(reader):
         for start in range(0, len(pairs), step):
             chunk = pairs[start : start + step]
             batch = reader.collator(
@@ -67,8 +66,6 @@ def score_passages(
             rows = torch.tensor([b for b, _ in chunk], device=device)
             cols = torch.tensor([k for _, k in chunk], device=device)
             scores[rows, cols] = total.float()
-    finally:
-        reader.train(was_training)
     return scores
 
 

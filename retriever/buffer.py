@@ -35,6 +35,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from atomicio import atomic_file, atomic_write_bytes, atomic_write_text
+from evalmode import eval_mode
 from retriever.errors import InputError
 from retriever.ids import IdSequence, id_lines
 
@@ -383,24 +384,19 @@ def embed_shards(
         if not _shard_is_complete(folder, s, rows, dim, dtype):
             todo.append(s)
     total = sum(min(shard_size, count - s * shard_size) for s in todo)
-    was_training = encoder.training
-    encoder.eval()
-    try:
-        with tqdm(total=total, unit="psg", desc="embed", disable=not show_progress) as bar:
-            for s in todo:
-                start, stop = s * shard_size, min((s + 1) * shard_size, count)
-                shard_texts = [str(texts[i]) for i in range(start, stop)]
-                order = sorted(range(len(shard_texts)), key=lambda i: -len(shard_texts[i]))
-                out = np.empty((stop - start, dim), dtype=DTYPES[dtype])
-                for b in range(0, len(order), batch_size):
-                    rows = order[b : b + batch_size]
-                    with torch.inference_mode():
-                        vectors = encoder.embed_texts([shard_texts[i] for i in rows])
-                    out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
-                    bar.update(len(rows))
-                _write_shard(folder, s, out)
-    finally:
-        encoder.train(was_training)
+    with eval_mode(encoder), tqdm(total=total, unit="psg", desc="embed", disable=not show_progress) as bar:
+        for s in todo:
+            start, stop = s * shard_size, min((s + 1) * shard_size, count)
+            shard_texts = [str(texts[i]) for i in range(start, stop)]
+            order = sorted(range(len(shard_texts)), key=lambda i: -len(shard_texts[i]))
+            out = np.empty((stop - start, dim), dtype=DTYPES[dtype])
+            for b in range(0, len(order), batch_size):
+                rows = order[b : b + batch_size]
+                with torch.inference_mode():
+                    vectors = encoder.embed_texts([shard_texts[i] for i in rows])
+                out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
+                bar.update(len(rows))
+            _write_shard(folder, s, out)
     return todo
 
 

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from atomicio import atomic_directory, atomic_write_text
+from evalmode import eval_mode
 from retriever.errors import InputError
 
 # Encoder-decoder configs whose encoder alone is the sentence encoder (what sentence-transformers does for GTR).
@@ -271,17 +272,13 @@ class SentenceEncoder(nn.Module):
     @torch.no_grad()
     def encode(self, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False) -> Tensor:
         """Embeddings [N, D] float32 on CPU, in eval mode without grad, batched by similar length."""
-        was_training = self.training
-        self.eval()
-        try:
+        with eval_mode(self):
             order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
             out = torch.empty(len(texts), self.dim, dtype=torch.float32)
             for start in tqdm(range(0, len(order), batch_size), disable=not show_progress, desc="encode"):
                 rows = order[start : start + batch_size]
                 out[rows] = self.embed_texts([texts[i] for i in rows], bucket_size=None).float().cpu()
             return out
-        finally:
-            self.train(was_training)
 
     def fingerprint(self) -> str:
         """sha256 over the model config, pooling/Dense/length settings and every weight's bytes."""

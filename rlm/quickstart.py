@@ -209,11 +209,9 @@ def format_results(metrics: dict) -> str:
 def _dev_reference(cfg: TrainConfig) -> tuple[int, dict]:
     """(number of dev questions scored, EM/F1 of guessing the most frequent train answer per question type)."""
     from rlm.evaluation import majority_answer_baseline
-    from rlm.setup import load_examples, resolve_data
+    from rlm.setup import load_dev_examples, load_train_examples
 
-    _, train_path, dev_path = resolve_data(cfg)
-    train = load_examples(cfg.data.train, cfg.data.train_split, train_path, cfg.data.max_train_examples)
-    dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    train, dev = load_train_examples(cfg), load_dev_examples(cfg)
     return len(dev), majority_answer_baseline(train, dev)
 
 

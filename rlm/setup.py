@@ -173,15 +173,25 @@ def build_retriever(cfg: TrainConfig) -> DualEncoder:
     return retriever
 
 
+def load_train_examples(cfg: TrainConfig) -> list[QAExample]:
+    """The run's training questions (`data.train`, `data.train_split`, at most `data.max_train_examples`)."""
+    _, train_path, _ = resolve_data(cfg)
+    data = cfg.data
+    return load_examples(data.train, data.train_split, train_path, data.max_train_examples)
+
+
+def load_dev_examples(cfg: TrainConfig) -> list[QAExample]:
+    """The run's dev questions (`data.dev`, `data.dev_split`, at most `data.max_dev_examples`); none without
+    `data.dev`."""
+    _, _, dev_path = resolve_data(cfg)
+    data = cfg.data
+    return load_examples(data.dev, data.dev_split, dev_path, data.max_dev_examples) if data.dev else []
+
+
 def build_components(cfg: TrainConfig, accelerator=None) -> Components:
-    corpus_path, train_path, dev_path = resolve_data(cfg)
-    corpus = load_corpus(corpus_path)
-    train_examples = load_examples(
-        cfg.data.train, cfg.data.train_split, train_path, cfg.data.max_train_examples
-    )
-    dev_examples = []
-    if cfg.data.dev:
-        dev_examples = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    corpus = load_corpus(resolve_data(cfg)[0])
+    train_examples = load_train_examples(cfg)
+    dev_examples = load_dev_examples(cfg)
     if cfg.algorithm == 1:
         # One (question, gold passage) pair per gold passage that is in the corpus. The pair's label goes
         # first and the question's other gold passages follow it: make_batch keeps those out of the

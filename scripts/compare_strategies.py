@@ -268,12 +268,11 @@ def start_point(args, work: Path) -> dict:
     from types import SimpleNamespace
 
     from rlm.data.corpus import load_corpus
-    from rlm.setup import build_retriever, load_examples, resolve_data
+    from rlm.setup import build_retriever, load_dev_examples, resolve_data
     from rlm.validation import validate
 
     cfg = table_config(args, work)
-    corpus_path, _, dev_path = resolve_data(cfg)
-    dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    corpus_path, dev = resolve_data(cfg)[0], load_dev_examples(cfg)
     retriever = build_retriever(cfg).eval()
     start = time.time()
     with run_precision(cfg):  # evaluated as the trained runs are
@@ -294,10 +293,9 @@ def gold_passage_em(cfg, out_dir: Path) -> float:
     retrieval were perfect (the paper's 'reader EM with gold passages')."""
     from rlm.data.corpus import load_corpus
     from rlm.evaluation import evaluate_reader, load_checkpoint, read, with_gold_passages
-    from rlm.setup import load_examples, resolve_data
+    from rlm.setup import load_dev_examples, resolve_data
 
-    corpus_path, _, dev_path = resolve_data(cfg)
-    dev = load_examples(cfg.data.dev, cfg.data.dev_split, dev_path, cfg.data.max_dev_examples)
+    corpus_path, dev = resolve_data(cfg)[0], load_dev_examples(cfg)
     _, reader, _ = load_checkpoint(out_dir / "final", need_retriever=False)
     gold = with_gold_passages(dev, None, num_passages=0)
     predictions = read(reader, dev, load_corpus(corpus_path), None, passage_ids=gold)
