@@ -184,8 +184,10 @@ def format_results(metrics: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         f"| {metrics['strategy']} (this run) | {cells(main, metrics['reembedded'])} | measured now |",
     ]
+    from rlm.strategies import strategy_class
+
     for name, row in metrics["baselines"].items():
-        closed = name == "closed_book"
+        closed = not strategy_class(name).uses_passages  # reads nothing: its selection is the same
         lines.append(f"| {BASELINES[name]} | {cells(row, row.get('reembedded'), closed)} | {row['source']} |")
     majority = metrics.get("majority_answer")
     if majority:
