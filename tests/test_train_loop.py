@@ -190,7 +190,7 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, na
 
     # The same run folder as after a kill at step 3: checkpoint 2 and the refresh it references.
     resumed = tmp_path / f"resumed_{name}"
-    # Moved, not copied, and the full run's other weights deleted: checkpoints are ~0.5 GB each.
+    # Moved, not copied, and the full run's other weights deleted: a MiniLM run's checkpoints are ~0.5 GB each.
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.move(full / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
     shutil.rmtree(full / "checkpoints")

@@ -19,7 +19,7 @@ from tiny_run import as_set_args, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+STEPS = 8
 
 
 def tiny_run_args(root: Path, out: Path, *extra: str, minilm: bool = False) -> list[str]:
@@ -70,7 +70,7 @@ LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """The toy world and buffer the runs share; each run writes under its test's tmp_path (checkpoints are
-    ~0.5 GB each, and pytest deletes a passed test's tmp_path)."""
+    ~0.5 GB each with MiniLM, and pytest deletes a passed test's tmp_path)."""
     return tmp_path_factory.mktemp("resume")
 
 
@@ -81,35 +81,38 @@ def test_sigkill_then_resume_gives_the_same_losses(root, tmp_path):
     assert sorted(reference) == list(range(1, STEPS + 1))
     shutil.rmtree(tmp_path / "full")  # only its log is needed: keep the test's disk peak at one run
 
-    # Start the same run, kill it hard after step 5 (checkpoint at step 4), then resume.
+    # Start the same run and kill it hard once step 3 is logged (so step 2's checkpoint is complete), with five
+    # steps still to go: the kill lands mid-run however fast the steps are. Then resume.
     cmd = [sys.executable, "-m", "rlm.train", *tiny_run_args(root, tmp_path / "killed")]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
     log = tmp_path / "killed" / "log.jsonl"
     deadline = time.time() + 600
     try:
         while time.time() < deadline:
-            if log.exists() and max(read_log(log) or [0]) >= 5:
+            if log.exists() and max(read_log(log) or [0]) >= 3:
                 break
             if proc.poll() is not None:
                 pytest.fail("the run ended before it could be killed")
-            time.sleep(0.2)
+            time.sleep(0.05)
         else:
-            pytest.fail("timed out waiting for step 5")
+            pytest.fail("timed out waiting for step 3")
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    killed_at = max(read_log(log))
+    assert killed_at < STEPS, "the run finished before the kill"
     folder = tmp_path / "killed" / "checkpoints"
     complete = sorted(p.name for p in folder.iterdir() if p.name.startswith("step_"))
-    assert complete[-1] in ("step_0000004", "step_0000006")
-    # A kill that lands while a checkpoint is written leaves its temporary folder behind (it did whenever the
-    # kill caught step 6's save). Make that the case every time: resuming must start from the last complete
-    # checkpoint, and the next save of that step replaces the leftover.
-    if complete[-1] == "step_0000004":
-        (folder / ".tmp-step_0000006" / "pytorch_model").mkdir(parents=True, exist_ok=True)
+    last = int(complete[-1][5:])
+    assert last in (2, 4, 6) and last <= killed_at
+    # A kill that lands while a checkpoint is written leaves its temporary folder behind (it did when the kill
+    # caught a save). Make that the case every time: resuming must start from the last complete checkpoint,
+    # and the next save of that step replaces the leftover.
+    (folder / f".tmp-step_{last + 2:07d}" / "pytorch_model").mkdir(parents=True, exist_ok=True)
 
     resumed = run_train(root, tmp_path / "killed", resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"at step {int(complete[-1][5:])}" in resumed.stdout  # the last complete one, not the leftover
+    assert f"at step {last}" in resumed.stdout  # the last complete checkpoint, not the leftover
     assert not any(p.name.startswith(".tmp") for p in folder.iterdir())
     got = read_log(log)
     assert sorted(got) == list(range(1, STEPS + 1))
