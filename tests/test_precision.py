@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
 from script_loader import load_script
 
 import rlm.precision as precision
@@ -40,13 +39,6 @@ def fake_cpu(tmp_path, monkeypatch):
         monkeypatch.setattr(precision, "probe_ratio", lambda: ratio)
 
     return use
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_flags_are_read_from_cpuinfo(tmp_path):
@@ -107,7 +99,7 @@ def make(tmp_path, *overrides):
 
 
 def test_make_accelerator_falls_back_to_float32_on_a_cpu_without_native_bf16(
-    fake_cpu, fresh_accelerate_state, tmp_path
+    fake_cpu, fresh_accelerator_state, tmp_path
 ):
     fake_cpu(AVX2_FLAGS, ratio=31.4)
     with pytest.warns(CpuBf16Warning, match=r"31\.4x.*falling back to mixed_precision=no"):
@@ -117,7 +109,7 @@ def test_make_accelerator_falls_back_to_float32_on_a_cpu_without_native_bf16(
         assert not torch.is_autocast_enabled("cpu")
 
 
-def test_make_accelerator_keeps_bf16_when_forced(fake_cpu, fresh_accelerate_state, tmp_path):
+def test_make_accelerator_keeps_bf16_when_forced(fake_cpu, fresh_accelerator_state, tmp_path):
     fake_cpu(AVX2_FLAGS, ratio=31.4)
     with pytest.warns(CpuBf16Warning, match="keeping mixed_precision=bf16"):
         acc = make(tmp_path, "mixed_precision=bf16", "force_cpu_bf16=true", "cpu=true")
@@ -126,7 +118,7 @@ def test_make_accelerator_keeps_bf16_when_forced(fake_cpu, fresh_accelerate_stat
         assert torch.is_autocast_enabled("cpu")
 
 
-def test_make_accelerator_keeps_bf16_silently_on_a_native_cpu(fake_cpu, fresh_accelerate_state, tmp_path):
+def test_make_accelerator_keeps_bf16_silently_on_a_native_cpu(fake_cpu, fresh_accelerator_state, tmp_path):
     fake_cpu(AVX512_BF16_FLAGS, ratio=0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CpuBf16Warning)

@@ -15,18 +15,13 @@ from rlm.train import build_run, lr_lambda, train_step
 
 TINY = ["cpu=true", "save_every=0"]
 
+# Every run here starts from a clean accelerate state (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return tmp_path_factory.mktemp("loop")
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    # accelerate keeps its state in process-wide singletons; every run here starts from a clean one.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def make_run(world, *extra):

@@ -138,8 +138,8 @@ def schedule_of(root, *overrides, max_steps, **kw):
     they need no towers and no reader (see `random_rows`)."""
     from retriever.buffer import PassageBuffer
 
-    cfg = load_config(None, ["strategy.k=4", *overrides])
-    return make_strategy(cfg.strategy, PassageBuffer.load(root / "buffer"), max_steps=max_steps, seed=0, **kw)
+    cfg = load_config(None, tiny_overrides(root, "run", *overrides))
+    return make_strategy(cfg.strategy, PassageBuffer.load(cfg.buffer.dir), max_steps=max_steps, seed=0, **kw)
 
 
 def random_rows(strategy, counted=None):
