@@ -1,4 +1,8 @@
-"""The Gradio QA page over a `QAService`: question box, top-k slider, answer, latency, retrieved passages.
+"""The Gradio QA page over a `QAService`: question box, top-k slider, answer (or an abstention and its reason),
+confidence and latency, retrieved passages, and the whole result as JSON.
+
+The `/answer` API endpoint returns four named outputs: `answer`, `status`, `passages` (HTML) and `result`
+(the `QAService.answer` dict: answer, confidence, abstained, reason, best_guess, passages, ...).
 
 `build_demo(service)` returns the Blocks (queued, with a concurrency limit); `launch_kwargs(...)` holds the
 serving policy: bind 127.0.0.1 unless told otherwise, no server-side rendering, and no files served beyond
@@ -22,7 +26,10 @@ DEFAULT_PORT = 7860
 CONCURRENCY_LIMIT = 2  # two CPU-bound requests at a time; the rest wait in the queue instead of thrashing
 QUEUE_MAX_SIZE = 64
 MAX_BATCH_SIZE = 8
-# The reader's sequence probability below which the page warns that the answer is probably wrong.
+# Below this confidence the page warns that the answer is probably wrong. With a calibrated checkpoint the
+# confidence is the estimated chance that the answer is right, so below one half it is more likely wrong than
+# right (and answers below the policy's own threshold are abstained, not shown); without calibration it is
+# the reader's own probability of its answer, and the same figure is a rougher guide.
 LOW_CONFIDENCE = 0.5
 
 CSS = """
@@ -58,52 +65,55 @@ def passages_html(result: dict) -> str:
     return "".join(cards) or "<p>No passages retrieved.</p>"
 
 
-def confidence_note(confidence: float) -> str:
-    """The reader's confidence as the page states it; below LOW_CONFIDENCE it says plainly not to trust it."""
+def confidence_note(confidence: float, calibrated: bool = True) -> str:
+    """The confidence as the page states it; below LOW_CONFIDENCE it says plainly not to trust the answer."""
+    what = "chance of being right" if calibrated else "reader's probability, uncalibrated"
     if confidence < LOW_CONFIDENCE:
-        return (
-            f"⚠️ low confidence ({100 * confidence:.0f}%): the reader is unsure, this answer may well be wrong"
-        )
-    return f"confidence {100 * confidence:.0f}%"
+        return f"⚠️ low confidence ({100 * confidence:.0f}% {what}): this answer may well be wrong"
+    return f"confidence {100 * confidence:.0f}% ({what})"
 
 
-def render(result: dict, batch_size: int = 1) -> tuple[str, str, str]:
-    """(answer, status line: confidence and latency, passages HTML) of one `QAService` result."""
+def render(result: dict, batch_size: int = 1) -> tuple[str, str, str, dict]:
+    """(answer, status line, passages HTML, the result as JSON) of one `QAService` result.
+
+    An abstention is shown as such: no answer, and the reason in the status line."""
     shared = f" (batch of {batch_size})" if batch_size > 1 else ""
-    status = (
-        f"{confidence_note(result['confidence'])} · {result['latency_ms']:.0f} ms{shared} · "
-        f"top-{result['k']} passages"
-    )
-    return result["answer"], status, passages_html(result)
+    tail = f"{result['latency_ms']:.0f} ms{shared} · top-{result['k']} passages"
+    if result.get("abstained"):
+        status = f"🚫 No answer: {result['reason']} · {tail}"
+    else:
+        status = f"{confidence_note(result['confidence'], result.get('calibrated', False))} · {tail}"
+    return result["answer"], status, passages_html(result), result
 
 
-def respond(service: QAService, question: str, k: float) -> tuple[str, str, str]:
-    """(answer, latency line, passages HTML) for the page; refused input gives a message, never a trace."""
-    answers, latencies, passages = respond_batch(service, [question], [k])
-    return answers[0], latencies[0], passages[0]
+def respond(service: QAService, question: str, k: float) -> tuple[str, str, str, dict]:
+    """(answer, status line, passages HTML, result JSON) for the page; refused input gives a message, never a
+    trace."""
+    answers, statuses, passages, results = respond_batch(service, [question], [k])
+    return answers[0], statuses[0], passages[0], results[0]
 
 
-def respond_batch(service: QAService, questions: list[str], ks: list[float]) -> tuple[list, list, list]:
+def respond_batch(service: QAService, questions: list[str], ks: list[float]) -> tuple[list, list, list, list]:
     """Gradio's batched handler: the queued questions answered in one pass per distinct k.
 
-    Returns one list per output component (answers, latency lines, passages HTML), in request order;
-    a refused question gets its message in its own row without failing the others.
+    Returns one list per output component (answers, status lines, passages HTML, result JSON), in request
+    order; a refused question gets its message in its own row without failing the others.
     """
-    rows: list[tuple[str, str, str] | None] = [None] * len(questions)
+    rows: list[tuple[str, str, str, dict] | None] = [None] * len(questions)
     by_k: dict[int, list[int]] = {}
     for i, (question, k) in enumerate(zip(questions, ks)):
         try:
             service.check_question(question)
         except InvalidQuestion as err:
-            rows[i] = ("", f"⚠️ {err}", "")
+            rows[i] = ("", f"⚠️ {err}", "", {"error": str(err)})
             continue
         by_k.setdefault(service.clamp_k(k), []).append(i)
     for k, members in by_k.items():
-        results = service.answer_many([questions[i] for i in members], k)
+        results = service.answer_many([questions[i] for i in members], k, best_guess=True)
         for i, result in zip(members, results):
             rows[i] = render(result, len(members))
-    answers, latencies, passages = (list(column) for column in zip(*rows))
-    return answers, latencies, passages
+    answers, statuses, passages, results = (list(column) for column in zip(*rows))
+    return answers, statuses, passages, results
 
 
 def build_demo(
@@ -130,8 +140,11 @@ def build_demo(
             )
         ask = gr.Button("Answer", variant="primary", elem_id="ask")
         answer = gr.Textbox(label="Answer", interactive=False, elem_id="answer")
-        latency = gr.Markdown(elem_id="latency")
-        passages = gr.HTML(elem_id="passages")
+        # Labels name the API's outputs (`/answer` returns answer, status, passages, result), shown or not.
+        status = gr.Markdown(label="status", elem_id="latency")
+        passages = gr.HTML(label="passages", elem_id="passages")
+        with gr.Accordion("Result as JSON", open=False):
+            result = gr.JSON(label="result", elem_id="result")
         if service.examples:
             gr.Examples(examples=[[q] for q in service.examples], inputs=[question], label="Dev questions")
 
@@ -142,7 +155,7 @@ def build_demo(
         # than 8 passes, which is what keeps p50 low when many users ask at once on a CPU.
         io = {
             "inputs": [question, k],
-            "outputs": [answer, latency, passages],
+            "outputs": [answer, status, passages, result],
             "batch": True,
             "max_batch_size": max_batch_size,
             "concurrency_limit": concurrency_limit,

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlm.answer_policy import AnswerPolicy, AnswerSignals, Decision
 from rlm.errors import UserError
 from rlm.metrics import has_answer
 
@@ -40,6 +41,9 @@ class QAService:
     max_k: int = MAX_K
     max_question_chars: int = MAX_QUESTION_CHARS
     examples: list[str] = field(default_factory=list)
+    # The checkpoint's calibrated confidence and abstention rule (`rlm calibrate`); None: uncalibrated, every
+    # question is answered and `confidence` is the reader's own probability.
+    policy: AnswerPolicy | None = None
 
     @classmethod
     def from_checkpoint(
@@ -97,6 +101,7 @@ class QAService:
             index,
             default_k=default_k,
             examples=example_questions(examples_file, num_examples),
+            policy=AnswerPolicy.load(root),
         )
         service.warm_up()
         return service
@@ -116,16 +121,20 @@ class QAService:
         """`k` within [1, max_k] (and the corpus size); the default when None or 0."""
         return max(1, min(int(k or self.default_k), self.max_k, self.index.ntotal))
 
-    def answer(self, question: str, k: int | None = None) -> dict:
-        """Answer one question from its top-k passages.
+    def answer(self, question: str, k: int | None = None, best_guess: bool = False) -> dict:
+        """Answer one question from its top-k passages, or abstain when the corpus does not answer it.
 
-        Returns {"question", "answer", "confidence", "k", "latency_ms", "passages": [{"id", "title", "text",
-        "score", "has_answer"}]}, passages best first; `confidence` is the reader's probability of the answer
-        it generated. Raises InvalidQuestion for empty or oversized input.
+        Returns {"question", "answer", "confidence", "abstained", "reason", "calibrated", "reader_probability",
+        "k", "latency_ms", "passages": [{"id", "title", "text", "score", "has_answer"}]}, passages best first.
+        With the checkpoint's answer policy (`rlm calibrate`), `confidence` is the estimated probability that
+        the answer is right and `abstained` is true (with `reason` in plain words, and `answer` empty) when the
+        corpus does not answer the question; without one, `confidence` is the reader's own probability of its
+        answer and nothing is abstained (`calibrated` false). `best_guess=True` adds "best_guess": the reader's
+        answer whether or not it was abstained. Raises InvalidQuestion for empty or oversized input.
         """
-        return self.answer_many([question], k)[0]
+        return self.answer_many([question], k, best_guess=best_guess)[0]
 
-    def answer_many(self, questions: list[str], k: int | None = None) -> list[dict]:
+    def answer_many(self, questions: list[str], k: int | None = None, best_guess: bool = False) -> list[dict]:
         """`answer` for several questions in one batched pass (one query encoding, one faiss search, one
         FiD generation); `latency_ms` is the batch's. Raises InvalidQuestion if any question is refused."""
         import torch
@@ -141,11 +150,20 @@ class QAService:
                 texts, [[(p.title, p.text) for p in row] for row in passages]
             )
         latency_ms = round((time.perf_counter() - start) * 1000, 1)
-        return [
-            {
+        results = []
+        for text, (answer, probability), row, row_scores in zip(texts, answers, passages, scores):
+            row_scores = [float(s) for s in row_scores[: len(row)]]
+            top_text = f"{row[0].title} {row[0].text}" if row else None
+            decision = self.decide(AnswerSignals.of(answer, probability, row_scores, top_text))
+            shown = "" if decision.abstained else answer
+            result = {
                 "question": text,
-                "answer": answer,
-                "confidence": round(confidence, 4),
+                "answer": shown,
+                "confidence": round(decision.confidence, 4),
+                "abstained": decision.abstained,
+                "reason": decision.reason,
+                "calibrated": self.policy is not None,
+                "reader_probability": round(probability, 4),
                 "k": k,
                 "latency_ms": latency_ms,
                 "passages": [
@@ -153,14 +171,22 @@ class QAService:
                         "id": p.id,
                         "title": p.title,
                         "text": p.text,
-                        "score": round(float(score), 4),
-                        "has_answer": bool(answer.strip()) and has_answer(f"{p.title} {p.text}", answer),
+                        "score": round(score, 4),
+                        "has_answer": bool(shown.strip()) and has_answer(f"{p.title} {p.text}", shown),
                     }
                     for p, score in zip(row, row_scores)
                 ],
             }
-            for text, (answer, confidence), row, row_scores in zip(texts, answers, passages, scores)
-        ]
+            if best_guess:
+                result["best_guess"] = answer
+            results.append(result)
+        return results
+
+    def decide(self, signals: AnswerSignals) -> Decision:
+        """The checkpoint's policy on one answer; without one, answer with the reader's own probability."""
+        if self.policy is None:
+            return Decision(signals.reader_probability, False, None)
+        return self.policy.decide(signals)
 
     def warm_up(self) -> None:
         """Answer one question so the first user does not pay for lazy initialisation (about a second)."""

@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("rlm.commands.evaluate", "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."),
     "train": ("rlm.commands.train", "Train reader + retriever jointly with a corrector over a fixed buffer."),
     "demo": ("rlm.commands.demo", "Serve the Gradio QA demo over a trained checkpoint."),
+    "calibrate": (
+        "rlm.commands.calibrate",
+        "Fit a checkpoint's calibrated confidence and abstention rule on its dev split.",
+    ),
     "bench": ("rlm.commands.bench", "Run a benchmark script: retrieval, reader or training."),
 }
 

@@ -196,10 +196,12 @@ def read(
     max_new_tokens: int | None = None,
     num_beams: int = 1,
     passage_ids: Sequence[Sequence[str]] | None = None,
-) -> list[str]:
+    with_confidence: bool = False,
+) -> list[str] | list[tuple[str, float]]:
     """The reader's answers from the top `num_passages` retrieved passages; closed book when `retrieved` is None.
 
-    `passage_ids` (e.g. from `with_gold_passages`) replaces the retrieved lists.
+    `passage_ids` (e.g. from `with_gold_passages`) replaces the retrieved lists. `with_confidence`: (answer,
+    the reader's probability of it) pairs instead of answers.
     """
     questions = [ex.question for ex in examples]
     if passage_ids is None:
@@ -210,9 +212,41 @@ def read(
         passages = [
             [(p.title, p.text) for p in (corpus[corpus.index_of(pid)] for pid in ids)] for ids in passage_ids
         ]
-    return reader.answer(
+    answer = reader.answer_with_confidence if with_confidence else reader.answer
+    return answer(
         questions, passages, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size
     )
+
+
+def decide_all(answered, retrieved, corpus, num_passages: int, policy, retrieved_reading: bool) -> list:
+    """The answer policy's decision on each (answer, reader probability); without a policy, or when what was
+    read is not the retrieved top (closed book, gold passages), every answer stands with the reader's own
+    probability as its confidence."""
+    from rlm.answer_policy import AnswerSignals, Decision
+
+    if policy is None or retrieved is None or not retrieved_reading:
+        return [Decision(probability, False, None) for _, probability in answered]
+    decisions = []
+    for (answer, probability), ids, scores in zip(answered, retrieved.ids, retrieved.scores):
+        top = corpus[corpus.index_of(ids[0])] if ids else None
+        top_text = f"{top.title} {top.text}" if top is not None else None
+        signals = AnswerSignals.of(answer, probability, scores[:num_passages], top_text)
+        decisions.append(policy.decide(signals))
+    return decisions
+
+
+def selective_scores(
+    predictions: Sequence[str], examples: Sequence[QAExample], decisions
+) -> dict[str, float]:
+    """Coverage (share answered), EM over the answered questions, and the mean confidence."""
+    answered = [i for i, d in enumerate(decisions) if not d.abstained]
+    out = {"coverage": len(answered) / len(examples) if examples else 0.0}
+    if answered:
+        out["answered_exact_match"] = evaluate_reader(
+            [predictions[i] for i in answered], [examples[i] for i in answered]
+        )["exact_match"]
+    out["mean_confidence"] = sum(d.confidence for d in decisions) / len(decisions) if decisions else 0.0
+    return out
 
 
 def evaluate_reader(predictions: Sequence[str], examples: Sequence[QAExample]) -> dict[str, float]:
@@ -254,6 +288,7 @@ def run_evaluation(
     num_beams: int = 1,
     out_dir: str | os.PathLike | None = None,
     show_progress: bool = False,
+    policy=None,
 ) -> EvaluationResult:
     """Retrieve (unless closed book), read (when a reader is given), score, and write the results.
 
@@ -262,6 +297,12 @@ def run_evaluation(
     `with_gold_passages`; or the gold passages alone when no retriever is given). `index` is reused when given, else the corpus is embedded with the passage tower.
     With `out_dir`, writes `predictions.jsonl` (question, gold answers, prediction, retrieved ids and
     scores) and `metrics.json`, atomically.
+
+    Every reading records each prediction's `confidence` and whether it was `abstained`: with `policy` (the
+    checkpoint's `rlm.answer_policy.AnswerPolicy`, applied when retrieving and reading) the calibrated
+    P(correct) and the policy's verdict and reason, else the reader's own probability and never abstained.
+    `exact_match` is EM at full coverage (every best guess counted); `coverage` is the share answered and
+    `answered_exact_match` the EM over the answered questions.
     """
     if closed_book and reader is None:
         raise ValueError("closed-book evaluation needs a reader")
@@ -293,7 +334,7 @@ def run_evaluation(
         start = time.perf_counter()
         if gold_passages:
             read_ids = with_gold_passages(examples, retrieved, num_passages)
-        predictions = read(
+        answered = read(
             reader,
             examples,
             corpus,
@@ -302,9 +343,13 @@ def run_evaluation(
             batch_size=batch_size,
             num_beams=num_beams,
             passage_ids=read_ids,
+            with_confidence=True,
         )
         timings["read_seconds"] = time.perf_counter() - start
+        predictions = [answer for answer, _ in answered]
+        decisions = decide_all(answered, retrieved, corpus, num_passages, policy, read_ids is None)
         metrics.update(evaluate_reader(predictions, examples))
+        metrics.update(selective_scores(predictions, examples, decisions))
         metrics["reader_passages"] = 0 if closed_book else num_passages
     metrics.update({key: round(value, 2) for key, value in timings.items()})
 
@@ -314,6 +359,11 @@ def run_evaluation(
         if predictions is not None:
             record["prediction"] = predictions[i]
             record["exact_match"] = evaluate_reader([predictions[i]], [ex])["exact_match"]
+            record["reader_probability"] = round(answered[i][1], 5)
+            record["confidence"] = round(decisions[i].confidence, 5)
+            record["abstained"] = decisions[i].abstained
+            if decisions[i].reason:
+                record["reason"] = decisions[i].reason
         if read_ids is not None:
             record["read_ids"] = list(read_ids[i])
         if retrieved is not None:
@@ -347,7 +397,12 @@ def format_table(metrics: dict[str, float], title: str | None = None) -> str:
     lines = [f"**{title}**", ""] if title else []
     lines += ["| metric | value |", "| --- | --- |"]
     for key, value in metrics.items():
-        if key.startswith(("recall@", "gold_recall@")) or key in ("exact_match", "f1"):
+        if key.startswith(("recall@", "gold_recall@")) or key in (
+            "exact_match",
+            "f1",
+            "coverage",
+            "answered_exact_match",
+        ):
             shown = f"{100 * value:.1f}"
         elif isinstance(value, float):
             shown = f"{value:g}"

@@ -57,7 +57,7 @@ def load_test(
         question = questions[i % len(questions)]
         start = time.perf_counter()
         try:
-            answer, latency_line, passages_html = client.predict(question, k, api_name="/answer")
+            answer, latency_line, passages_html, result = client.predict(question, k, api_name="/answer")
         except Exception as err:  # a failed request is a result of the load test, not a crash of it
             return {
                 "ok": False,

@@ -37,14 +37,18 @@ def test_answer_carries_the_readers_confidence_and_the_page_warns_when_it_is_low
     ((answer, confidence),) = service.reader.answer_with_confidence([question], passages)
     assert result["answer"] == answer and result["confidence"] == pytest.approx(confidence, abs=1e-4)
     assert 0.0 < result["confidence"] <= 1.0
-    page_answer, status, _ = respond(service, question, 3)
-    assert page_answer == answer and status.endswith("top-3 passages")
+    # Uncalibrated (the tiny run answers no dev question right, so the quickstart fitted no policy): the
+    # reader's own probability, nothing abstained, and the result says so.
+    assert service.policy is None and not result["calibrated"] and result["abstained"] is False
+    assert result["reader_probability"] == result["confidence"] and result["reason"] is None
+    page_answer, status, _, shown = respond(service, question, 3)
+    assert page_answer == answer and status.endswith("top-3 passages") and shown["answer"] == answer
     # Below 50% the page says in words that the answer may well be wrong; above, it shows the figure.
     assert status.startswith("⚠️ low confidence") == (result["confidence"] < 0.5)
     unsure = render({**result, "confidence": 0.12})[1]
-    assert unsure.startswith("⚠️ low confidence (12%)")
-    sure = render({**result, "confidence": 0.93})[1]
-    assert sure.startswith("confidence 93% · ") and "⚠️" not in sure
+    assert unsure.startswith("⚠️ low confidence (12% reader's probability, uncalibrated)")
+    sure = render({**result, "confidence": 0.93, "calibrated": True})[1]
+    assert sure.startswith("confidence 93% (chance of being right) · ") and "⚠️" not in sure
 
 
 def test_gold_passage_is_retrieved_for_a_dev_question(service, tmp_path_factory):
@@ -67,8 +71,8 @@ def test_empty_and_oversized_questions_are_refused_with_a_message(service):
         service.answer("   ", 3)
     with pytest.raises(InvalidQuestion, match="limit is 300"):
         service.answer("x" * 301, 3)
-    answer, latency, cards = respond(service, "", 3)
-    assert answer == "" and cards == "" and "Type a question" in latency
+    answer, latency, cards, result = respond(service, "", 3)
+    assert answer == "" and cards == "" and "Type a question" in latency and "error" in result
     assert "limit" in respond(service, "y" * 1000, 3)[1]
 
 
@@ -134,8 +138,8 @@ def test_batched_handler_keeps_order_and_isolates_refused_questions(service):
     from app.demo import respond_batch
 
     questions = [service.examples[0], "", service.examples[1], service.examples[0]]
-    answers, latencies, passages = respond_batch(service, questions, [2, 2, 2, 3])
-    assert len(answers) == len(latencies) == len(passages) == 4
+    answers, latencies, passages, results = respond_batch(service, questions, [2, 2, 2, 3])
+    assert len(answers) == len(latencies) == len(passages) == len(results) == 4
     assert "Type a question" in latencies[1] and passages[1] == ""
     assert "batch of 2" in latencies[0] and "top-2" in latencies[0]
     assert "top-3" in latencies[3] and "batch" not in latencies[3]

@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-retriever", action="store_true", help="with --gold-passages: read the gold alone"
     )
+    parser.add_argument(
+        "--no-policy",
+        action="store_true",
+        help="ignore the checkpoint's answer policy (answer_policy.json, `rlm calibrate`): answer everything, "
+        "with the reader's own probability as confidence",
+    )
     parser.add_argument("--out", help="folder for predictions.jsonl and metrics.json")
 
 
@@ -126,6 +132,11 @@ def run(args: argparse.Namespace) -> int:
         index = evaluation.build_index(embeddings, corpus.ids)
         index.save(args.save_index)
     num_passages = args.num_passages or evaluation.reader_passages_from_config(config)
+    policy = None
+    if reader is not None and args.checkpoint and not args.no_policy:
+        from rlm.answer_policy import AnswerPolicy
+
+        policy = AnswerPolicy.load(args.checkpoint)
     result = evaluation.run_evaluation(
         examples,
         corpus=corpus,
@@ -140,11 +151,14 @@ def run(args: argparse.Namespace) -> int:
         num_beams=args.num_beams,
         out_dir=args.out,
         show_progress=True,
+        policy=policy,
     )
     mode = (
         "closed book" if args.closed_book else "retrieval only" if args.retrieval_only else "retrieve + read"
     )
     print(evaluation.format_table(result.metrics, f"{args.dataset}/{args.split} ({mode})"))
+    if policy is None and reader is not None:
+        print("(no answer policy in the checkpoint: nothing abstained; `rlm calibrate` fits one)")
     if result.metrics_path is not None:
         print(f"\nwrote {result.predictions_path} and {result.metrics_path}")
     return 0

@@ -47,6 +47,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = quickstart_config(args.config, args.output_dir, args.overrides)
     result = run_quickstart(cfg, baselines=args.baselines)
     print("\n" + result.table)
+    from rlm.commands.calibrate import calibrate_checkpoint, describe, fit_questions
+
+    # The answer policy (calibrated confidence, abstention) is fitted on dev and its generated unanswerable
+    # questions, so the demo says when its corpus does not answer a question.
+    from rlm.errors import UserError
+
+    examples, extra, source = fit_questions(result.checkpoint, "toy", "dev", None, "auto", None)
+    try:
+        policy = calibrate_checkpoint(result.checkpoint, examples, extra, fitted_on={"source": source})
+    except UserError as err:  # e.g. a run too short to answer any dev question right
+        print(f"\nwarning: no answer policy fitted ({err}); the demo answers everything, uncalibrated")
+    else:
+        print("\n" + describe(policy))
     print(f"\nwrote {result.metrics_path}; checkpoint {result.checkpoint}")
     if args.no_serve:
         print(f"serve it later with: rlm demo --checkpoint {result.checkpoint}")

@@ -10,7 +10,7 @@ those); each also has a local layout, which is what works offline:
 | `hotpot_qa` | `hotpot_qa`, `distractor` or `fullwiki` (`split="validation"` or `"fullwiki/validation"`) | multihop200 `qa.jsonl` |
 | `multihop200` | - | `qa.jsonl` `{id, question, answers, gold_passage_ids, dataset, type}` |
 | `jsonl` | - | JSONL `{question, answers}` (+ optional `id`, `gold_passage_ids`; other keys go to `meta`) |
-| `toy` | - | a toy-world folder (`rlm toy-world`), `<split>.jsonl` |
+| `toy` | - | a toy-world folder (`rlm toy-world`), `<split>.jsonl`; `dev_unanswerable` / `test_unanswerable`: questions its corpus does not answer, made on first use |
 """
 
 from __future__ import annotations
@@ -165,8 +165,16 @@ def _toy(split: str, path: str | None) -> list[QAExample]:
         raise UserError(
             "the toy dataset needs path= a toy-world folder; make one with `rlm toy-world --out DIR`"
         )
+    if split in ("dev_unanswerable", "test_unanswerable"):
+        # Questions its corpus does not answer (rlm.data.unanswerable), made beside the world on first use.
+        from rlm.data.unanswerable import write_unanswerable_questions
+
+        return read_qa_jsonl(write_unanswerable_questions(path, split.split("_")[0]))
     if split not in ("train", "dev", "test"):
-        raise UserError(f"toy world splits are train, dev and test, not {split!r}")
+        raise UserError(
+            "toy world splits are train, dev and test (and dev_unanswerable, test_unanswerable: questions its "
+            f"corpus does not answer), not {split!r}"
+        )
     return read_qa_jsonl(Path(path) / f"{split}.jsonl")
 
 

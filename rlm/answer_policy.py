@@ -1,0 +1,244 @@
+"""When to answer, and how sure to be: a calibrated confidence and an abstention rule kept with a checkpoint.
+
+The reader's sequence probability is not the probability that its answer is right (on the quickstart it
+separated right from wrong dev answers with an AUROC of 0.65), and a reader trained only on answerable
+questions answers everything. So what the system knows when it answers, its `AnswerSignals`, is turned into
+P(correct) by a small logistic regression fitted on questions the run owns (its dev split, plus generated
+questions the corpus does not answer), never on the split it reports on:
+
+* `reader_logit`: the log-odds of the reader's probability of the answer it generated (Platt scaling's input);
+* `top_score` and `score_margin`: the best retrieval score and its lead over the second (a question about
+  nothing in the corpus scores low against every passage);
+* `answer_in_top`: whether the answer occurs in the best passage (a copied answer is not invented).
+
+The policy abstains when P(correct) is below a threshold chosen on the same questions so that `keep` (95%)
+of their correct answers are kept, or when the best retrieval score is below what 99% of the answerable
+questions reached (the question matches nothing in the corpus). It is saved as `answer_policy.json` in the
+checkpoint folder, so `QAService` (and through it the demo and its API) and `rlm evaluate` all apply the same
+rule; `rlm calibrate` fits it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from atomicio import atomic_write_json
+from rlm.errors import UserError
+from rlm.metrics import has_answer
+
+POLICY_FILE = "answer_policy.json"
+FEATURES = ("reader_logit", "top_score", "score_margin", "answer_in_top")
+# The share of answerable fit questions whose best retrieval score may fall below the out-of-corpus cut.
+SCORE_CUT_QUANTILE = 0.01
+FORMAT_VERSION = 1
+
+
+@dataclass
+class AnswerSignals:
+    """What is known about one answer when it is given."""
+
+    reader_probability: float
+    scores: Sequence[float]  # retrieval scores of the passages read, best first
+    answer_in_top: bool
+
+    @classmethod
+    def of(cls, answer: str, reader_probability: float, scores: Sequence[float], top_text: str | None):
+        """The signals of `answer`, read with probability `reader_probability` from passages scored `scores`
+        (best first) whose best one is `top_text` (None: nothing was read)."""
+        found = bool(answer.strip()) and top_text is not None and has_answer(top_text, answer)
+        return cls(float(reader_probability), [float(s) for s in scores], found)
+
+    def vector(self) -> list[float]:
+        """The features in `FEATURES` order."""
+        top = self.scores[0] if len(self.scores) else 0.0
+        second = self.scores[1] if len(self.scores) > 1 else top
+        p = min(max(self.reader_probability, 1e-6), 1 - 1e-6)
+        return [math.log(p / (1 - p)), top, top - second, float(self.answer_in_top)]
+
+
+@dataclass
+class Decision:
+    """The policy's verdict on one answer."""
+
+    confidence: float  # P(the answer is correct)
+    abstained: bool
+    reason: str | None  # plain words, None when answered
+
+
+@dataclass
+class AnswerPolicy:
+    """A logistic regression from `AnswerSignals` to P(correct), a threshold, and the out-of-corpus cut."""
+
+    mean: list[float]
+    scale: list[float]
+    coef: list[float]
+    intercept: float
+    threshold: float
+    min_top_score: float
+    features: tuple[str, ...] = FEATURES
+    fitted_on: dict = field(default_factory=dict)  # where and how it was fitted, and what it measured there
+
+    def confidence(self, signals: AnswerSignals) -> float:
+        """P(correct) of an answer with these signals."""
+        x = (np.asarray(signals.vector()) - np.asarray(self.mean)) / np.asarray(self.scale)
+        z = float(x @ np.asarray(self.coef) + self.intercept)
+        return 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
+
+    def decide(self, signals: AnswerSignals) -> Decision:
+        """Answer or abstain, with the confidence either way and a plain reason for an abstention."""
+        confidence = self.confidence(signals)
+        top = signals.scores[0] if len(signals.scores) else float("-inf")
+        if top < self.min_top_score:
+            reason = (
+                f"the corpus has nothing on this question: its best passage scores {top:.2f}, below "
+                f"{self.min_top_score:.2f}, where 99% of the questions the corpus answers score higher"
+            )
+            return Decision(confidence, True, reason)
+        if confidence < self.threshold:
+            reason = (
+                f"the passages read do not support an answer: its estimated chance of being right is "
+                f"{100 * confidence:.0f}%, below the {100 * self.threshold:.0f}% this system answers from"
+            )
+            return Decision(confidence, True, reason)
+        return Decision(confidence, False, None)
+
+    def save(self, checkpoint: str | os.PathLike) -> Path:
+        """Write `answer_policy.json` into the checkpoint folder (atomically); returns its path."""
+        path = Path(checkpoint) / POLICY_FILE
+        data = {"format_version": FORMAT_VERSION, **asdict(self), "features": list(self.features)}
+        atomic_write_json(path, data, indent=2)
+        return path
+
+    @classmethod
+    def load(cls, checkpoint: str | os.PathLike) -> AnswerPolicy | None:
+        """The policy saved in the checkpoint folder; None when it has none (an uncalibrated checkpoint)."""
+        import json
+
+        path = Path(checkpoint) / POLICY_FILE
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise UserError(
+                f"{path}:{err.lineno}: not valid JSON ({err.msg}); rerun `rlm calibrate`"
+            ) from None
+        if data.pop("format_version", None) != FORMAT_VERSION or tuple(data.get("features", ())) != FEATURES:
+            raise UserError(
+                f"{path} was written for other answer signals ({data.get('features')}); rerun `rlm calibrate`"
+            )
+        data["features"] = tuple(data["features"])
+        try:
+            return cls(**data)
+        except TypeError as err:
+            raise UserError(f"{path}: {err}; rerun `rlm calibrate`") from None
+
+
+def fit_answer_policy(
+    signals: Sequence[AnswerSignals],
+    correct: Sequence[bool],
+    answerable: Sequence[bool],
+    keep: float = 0.95,
+    fitted_on: dict | None = None,
+) -> AnswerPolicy:
+    """Fit P(correct) on these answers and choose the threshold that keeps `keep` of the correct ones.
+
+    `correct[i]`: the answer was right (always False for a question the corpus does not answer);
+    `answerable[i]`: the corpus answers question i (the out-of-corpus cut is a low quantile of their best
+    retrieval scores). Both classes must occur among `correct`.
+    """
+    from sklearn.linear_model import LogisticRegression
+
+    if not 0.0 < keep <= 1.0:
+        raise UserError(f"keep must be in (0, 1], got {keep}")
+    x = np.asarray([s.vector() for s in signals], dtype=np.float64)
+    y = np.asarray(correct, dtype=bool)
+    able = np.asarray(answerable, dtype=bool)
+    if len(x) != len(y) or len(y) != len(able):
+        raise ValueError("signals, correct and answerable must have one entry per question")
+    if y.all() or not y.any():
+        raise UserError(
+            f"calibration needs both right and wrong answers; of {len(y)} questions {int(y.sum())} were "
+            "answered correctly (use more or other questions)"
+        )
+    mean = x.mean(axis=0)
+    scale = x.std(axis=0)
+    scale[scale < 1e-8] = 1.0
+    model = LogisticRegression(C=1.0, max_iter=1000).fit((x - mean) / scale, y)
+    policy = AnswerPolicy(
+        mean=mean.tolist(),
+        scale=scale.tolist(),
+        coef=model.coef_[0].tolist(),
+        intercept=float(model.intercept_[0]),
+        threshold=0.0,
+        min_top_score=float(np.quantile(x[able, 1], SCORE_CUT_QUANTILE)) if able.any() else float("-inf"),
+    )
+    conf = np.asarray([policy.confidence(s) for s in signals])
+    # Among the correct answers that pass the out-of-corpus cut, keep the `keep` share with most confidence.
+    passing = conf[y & (x[:, 1] >= policy.min_top_score)]
+    policy.threshold = float(np.quantile(passing, 1.0 - keep, method="lower")) if len(passing) else 0.5
+    decisions = [policy.decide(s) for s in signals]
+    answered = np.asarray([not d.abstained for d in decisions])
+    policy.fitted_on = {
+        **(fitted_on or {}),
+        "questions": int(len(y)),
+        "answerable": int(able.sum()),
+        "correct": int(y.sum()),
+        "keep": keep,
+        "kept_correct": float(answered[y].mean()),
+        "abstained_unanswerable": float((~answered[~able]).mean()) if (~able).any() else None,
+        "ece": expected_calibration_error(conf, y),
+        "auroc": auroc(conf, y),
+    }
+    return policy
+
+
+def expected_calibration_error(confidence: Sequence[float], correct: Sequence[bool], bins: int = 10) -> float:
+    """ECE: the mean |accuracy - confidence| over equal-width confidence bins, weighted by their counts."""
+    conf = np.asarray(confidence, dtype=np.float64)
+    hit = np.asarray(correct, dtype=np.float64)
+    if not len(conf):
+        return float("nan")
+    which = np.minimum((conf * bins).astype(int), bins - 1)
+    total = 0.0
+    for b in range(bins):
+        inside = which == b
+        if inside.any():
+            total += inside.sum() * abs(hit[inside].mean() - conf[inside].mean())
+    return float(total / len(conf))
+
+
+def reliability_bins(confidence: Sequence[float], correct: Sequence[bool], bins: int = 10) -> list[dict]:
+    """Per equal-width confidence bin: its range, count, mean confidence and accuracy (the diagram's data)."""
+    conf = np.asarray(confidence, dtype=np.float64)
+    hit = np.asarray(correct, dtype=np.float64)
+    which = np.minimum((conf * bins).astype(int), bins - 1)
+    out = []
+    for b in range(bins):
+        inside = which == b
+        out.append(
+            {
+                "low": b / bins,
+                "high": (b + 1) / bins,
+                "count": int(inside.sum()),
+                "confidence": float(conf[inside].mean()) if inside.any() else None,
+                "accuracy": float(hit[inside].mean()) if inside.any() else None,
+            }
+        )
+    return out
+
+
+def auroc(confidence: Sequence[float], correct: Sequence[bool]) -> float | None:
+    """Area under the ROC curve of confidence separating correct from wrong answers; None with one class."""
+    from sklearn.metrics import roc_auc_score
+
+    y = np.asarray(correct, dtype=bool)
+    if y.all() or not y.any():
+        return None
+    return float(roc_auc_score(y, np.asarray(confidence, dtype=np.float64)))
