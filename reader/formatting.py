@@ -10,6 +10,10 @@ from transformers import PreTrainedTokenizerBase
 from reader.errors import InputError
 
 DEFAULT_TEMPLATE = "question: {question} title: {title} context: {text}"
+# A template may also name `{rank}`: the passage's 1-based place in the list it came in (the retriever's
+# order). Scoring a passage alone (`reader.scoring.score_passages`, step 4 of Algorithm 2) reads every passage
+# as rank 1, so the relevance labels that train the retriever never depend on its own ranking.
+RANKED_TEMPLATE = "question: {question} rank: {rank} title: {title} context: {text}"
 # What the encoder reads for a question with no passage (closed book, or fewer passages than the batch's K).
 DEFAULT_QUESTION_TEMPLATE = "question: {question}"
 
@@ -44,6 +48,13 @@ class FiDCollator:
             missing = [f for f in fields if f not in tpl]
             if missing:
                 raise InputError(f"{name} {tpl!r} lacks the field(s) {', '.join(missing)}")
+            try:
+                tpl.format(question="", title="", text="", rank=1)
+            except (KeyError, IndexError, ValueError) as err:
+                raise InputError(
+                    f"{name} {tpl!r} does not format ({type(err).__name__}: {err}); its fields are "
+                    "{question}, {title}, {text} and {rank}"
+                ) from None
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError(
                 "the tokenizer needs pad and eos tokens; load it with reader.tokenizer.load_tokenizer"
@@ -58,9 +69,9 @@ class FiDCollator:
         self.template = template
         self.question_template = question_template
 
-    def format_passage(self, question: str, title: str, text: str) -> str:
-        """The string the encoder reads for one (question, passage) pair."""
-        return self.template.format(question=question, title=title, text=text)
+    def format_passage(self, question: str, title: str, text: str, rank: int = 1) -> str:
+        """The string the encoder reads for one (question, passage) pair; `rank` fills `{rank}`, if named."""
+        return self.template.format(question=question, title=title, text=text, rank=rank)
 
     def format_question(self, question: str) -> str:
         """The string the encoder reads for a question without passages."""
@@ -91,7 +102,7 @@ class FiDCollator:
                 texts.append(self.format_question(question))
                 slots.append((b, 0))
             for k, (title, text) in enumerate(plist):
-                texts.append(self.format_passage(question, title, text))
+                texts.append(self.format_passage(question, title, text, rank=k + 1))
                 slots.append((b, k))
 
         enc = self.tokenizer(

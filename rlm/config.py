@@ -113,6 +113,9 @@ class ReaderConfig:
     dropout_rate: float = 0.0
     max_passage_length: int = 96
     max_answer_length: int = 16
+    # What the encoder reads per passage (reader.formatting); None: FiD's "question: .. title: .. context: ..".
+    # `{rank}` gives the reader each passage's place in the retriever's order (scoring reads each as rank 1).
+    template: str | None = None
     num_passages: int | None = None  # how many of the selected k the FiD reader reads; None: all k
     score_reduction: str = "sum"  # P(a|y,x) from summed (paper) or mean token log-likelihood
     # "t5": the small T5 above, trained from scratch; "warm_start": the first `warm_start_layers` layers of a

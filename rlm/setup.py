@@ -71,12 +71,12 @@ def load_examples(name: str, split: str, path: str | None, limit: int | None) ->
 def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) -> FiDReader:
     """A saved / HF reader when `reader.path` is set; else the small T5 with a tokenizer trained on this data."""
     rc = cfg.reader
-    fid_config = FiDConfig(max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length)
+    lengths = {"max_passage_length": rc.max_passage_length, "max_answer_length": rc.max_answer_length}
+    template = {"template": rc.template} if rc.template else {}
+    fid_config = FiDConfig(**lengths, **template)
     if rc.path:
         try:
-            return FiDReader.from_pretrained(
-                rc.path, max_passage_length=rc.max_passage_length, max_answer_length=rc.max_answer_length
-            )
+            return FiDReader.from_pretrained(rc.path, **lengths, **template)
         except OSError as err:  # transformers' "can't reach the hub / not a folder"
             raise FileNotFoundError(
                 f"reader.path={rc.path!r} could not be loaded ({str(err).splitlines()[0]}); offline, point "

@@ -83,3 +83,16 @@ def test_custom_template_and_errors(tok):
         coll(["a", "b"], [[]])
     with pytest.raises(ValueError, match="empty batch"):
         coll([], [])
+
+
+def test_rank_template_gives_each_passage_its_place_and_bad_templates_are_refused(tok):
+    from reader.errors import InputError
+    from reader.formatting import RANKED_TEMPLATE
+
+    coll = FiDCollator(tok, max_passage_length=64, template=RANKED_TEMPLATE)
+    batch = coll(["who is Bob?"], [[("Alice", "Alice was born in Lyon."), ("Bob", "Bob is a chemist.")]])
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert decode(tok, ids[0, 0], mask[0, 0]).startswith("question: who is Bob? rank: 1 title: Alice")
+    assert decode(tok, ids[0, 1], mask[0, 1]).startswith("question: who is Bob? rank: 2 title: Bob")
+    with pytest.raises(InputError, match="does not format"):
+        FiDCollator(tok, template="question: {question} {score} context: {text}")

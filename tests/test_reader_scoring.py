@@ -91,3 +91,21 @@ def test_errors_and_empty_inputs(reader):
     with pytest.raises(ValueError, match="3 questions, 2 passage lists"):
         score_passages(reader, QUESTIONS, PASSAGES[:2], ANSWERS)
     assert score_passages(reader, ["q"], [[]], ["a"]).shape == (1, 0)
+
+
+def test_a_ranked_template_scores_every_passage_as_rank_one():
+    """Step 4's labels must not depend on the retriever's own order: with `{rank}` in the template, FiD reading
+    sees each passage's place, but each passage scored alone reads as rank 1, so reordering the selection
+    permutes its scores and changes none."""
+    from reader.fid import FiDConfig
+    from reader.formatting import RANKED_TEMPLATE
+
+    tok = train_tokenizer(CORPUS + ["rank: 1 2 3"] * 5, vocab_size=400, min_frequency=1)
+    ranked = FiDReader.from_config(tok, TINY, FiDConfig(template=RANKED_TEMPLATE), seed=0)
+    forward = score_passages(ranked, QUESTIONS[:1], PASSAGES[:1], ANSWERS[:1])
+    backward = score_passages(ranked, QUESTIONS[:1], [PASSAGES[0][::-1]], ANSWERS[:1])
+    torch.testing.assert_close(forward.flip(-1), backward, rtol=1e-5, atol=1e-5)
+    # ... while the FiD pass over all of them reads the order.
+    batch = ranked.collator(QUESTIONS[:1], PASSAGES[:1], ANSWERS[:1])
+    swapped = ranked.collator(QUESTIONS[:1], [PASSAGES[0][::-1]], ANSWERS[:1])
+    assert not torch.equal(batch["input_ids"][0, 0], swapped["input_ids"][0, 2])
