@@ -180,9 +180,11 @@ def fit_answer_policy(
         min_top_score=float(np.quantile(x[able, 1], SCORE_CUT_QUANTILE)) if able.any() else float("-inf"),
     )
     conf = np.asarray([policy.confidence(s) for s in signals])
-    # Among the correct answers that pass the out-of-corpus cut, keep the `keep` share with most confidence.
-    passing = conf[y & (x[:, 1] >= policy.min_top_score)]
-    policy.threshold = float(np.quantile(passing, 1.0 - keep, method="lower")) if len(passing) else 0.5
+    # The out-of-corpus cut already drops a few correct answers; of those that pass it, keep the most confident
+    # ones, as many as make `keep` of all the correct answers (all that pass, when the cut alone drops more).
+    passing = np.sort(conf[y & (x[:, 1] >= policy.min_top_score)])
+    wanted = min(len(passing), math.ceil(keep * int(y.sum()) - 1e-9))
+    policy.threshold = float(passing[len(passing) - wanted]) if wanted else 0.5
     decisions = [policy.decide(s) for s in signals]
     answered = np.asarray([not d.abstained for d in decisions])
     policy.fitted_on = {

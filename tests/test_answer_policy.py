@@ -62,7 +62,7 @@ def test_threshold_keeps_the_asked_share_of_correct_answers_and_abstains_below_i
     signals, correct = synthetic_reader(2000, seed=2)
     policy = fit_answer_policy(signals, correct, [True] * len(signals), keep=0.9)
     kept = [not policy.decide(s).abstained for s, c in zip(signals, correct) if c]
-    assert 0.88 <= np.mean(kept) <= 0.92
+    assert 0.9 <= np.mean(kept) <= 0.91  # the cut at 1% of best scores drops some; the threshold makes up
     assert policy.fitted_on["kept_correct"] == pytest.approx(np.mean(kept))
     unsure = min(signals, key=policy.confidence)
     decision = policy.decide(unsure)
