@@ -1,7 +1,7 @@
 """The Gradio QA page over a `QAService`: question box, top-k slider, answer (or an abstention and its reason),
 confidence and latency, retrieved passages, and the whole result as JSON.
 
-The `/answer` API endpoint returns four named outputs: `answer`, `status`, `passages` (HTML) and `result`
+The `/answer` API endpoint returns four named outputs: `Answer`, `status`, `passages` (HTML) and `result`
 (the `QAService.answer` dict: answer, confidence, abstained, reason, best_guess, passages, ...).
 
 `build_demo(service)` returns the Blocks (queued, with a concurrency limit); `launch_kwargs(...)` holds the
@@ -140,7 +140,7 @@ def build_demo(
             )
         ask = gr.Button("Answer", variant="primary", elem_id="ask")
         answer = gr.Textbox(label="Answer", interactive=False, elem_id="answer")
-        # Labels name the API's outputs (`/answer` returns answer, status, passages, result), shown or not.
+        # Labels name the API's outputs (`/answer` returns Answer, status, passages, result), shown or not.
         status = gr.Markdown(label="status", elem_id="latency")
         passages = gr.HTML(label="passages", elem_id="passages")
         with gr.Accordion("Result as JSON", open=False):
