@@ -137,6 +137,13 @@ class QAService:
     def answer_many(self, questions: list[str], k: int | None = None, best_guess: bool = False) -> list[dict]:
         """`answer` for several questions in one batched pass (one query encoding, one faiss search, one
         FiD generation); `latency_ms` is the batch's. Raises InvalidQuestion if any question is refused."""
+        return [result for result, _ in self.answer_with_signals(questions, k, best_guess)]
+
+    def answer_with_signals(
+        self, questions: list[str], k: int | None = None, best_guess: bool = False
+    ) -> list[tuple[dict, AnswerSignals]]:
+        """`answer_many`, each result with the unrounded signals the policy decided on (what `rlm calibrate`
+        fits the policy to, so it is fitted on exactly what it will be applied to)."""
         import torch
 
         texts = [self.check_question(q) for q in questions]
@@ -154,7 +161,8 @@ class QAService:
         for text, (answer, probability), row, row_scores in zip(texts, answers, passages, scores):
             row_scores = [float(s) for s in row_scores[: len(row)]]
             top_text = f"{row[0].title} {row[0].text}" if row else None
-            decision = self.decide(AnswerSignals.of(answer, probability, row_scores, top_text))
+            signals = AnswerSignals.of(answer, probability, row_scores, top_text)
+            decision = self.decide(signals)
             shown = "" if decision.abstained else answer
             result = {
                 "question": text,
@@ -179,7 +187,7 @@ class QAService:
             }
             if best_guess:
                 result["best_guess"] = answer
-            results.append(result)
+            results.append((result, signals))
         return results
 
     def decide(self, signals: AnswerSignals) -> Decision:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from atomicio import atomic_write_json
-from rlm.errors import UserError
+from rlm.errors import UserError, read_json_file
 from rlm.metrics import has_answer
 
 POLICY_FILE = "answer_policy.json"
@@ -118,17 +118,10 @@ class AnswerPolicy:
     @classmethod
     def load(cls, checkpoint: str | os.PathLike) -> AnswerPolicy | None:
         """The policy saved in the checkpoint folder; None when it has none (an uncalibrated checkpoint)."""
-        import json
-
         path = Path(checkpoint) / POLICY_FILE
         if not path.is_file():
             return None
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise UserError(
-                f"{path}:{err.lineno}: not valid JSON ({err.msg}); rerun `rlm calibrate`"
-            ) from None
+        data = read_json_file(path, "rerun `rlm calibrate`")
         if data.pop("format_version", None) != FORMAT_VERSION or tuple(data.get("features", ())) != FEATURES:
             raise UserError(
                 f"{path} was written for other answer signals ({data.get('features')}); rerun `rlm calibrate`"

@@ -10,12 +10,25 @@ shows the traceback of user errors too). The three types are `ValueError`s, so c
 
 from __future__ import annotations
 
+import json
+import os
+
 from reader.errors import InputError as ReaderInputError
 from retriever.errors import InputError as RetrieverInputError
 
 
 class UserError(ValueError):
     """Bad config, data, file or option; the message names it and says what to change."""
+
+
+def read_json_file(path: str | os.PathLike, remedy: str):
+    """The JSON in a file the run wrote; a torn or hand-edited one is a UserError naming file and line, then
+    `remedy` (what to do about it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); {remedy}") from None
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

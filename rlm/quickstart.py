@@ -21,7 +21,7 @@ from pathlib import Path
 
 from atomicio import atomic_write_text
 from rlm.config import SHIPPED_CONFIGS, TrainConfig, dump_config, load_config
-from rlm.errors import UserError
+from rlm.errors import UserError, read_json_file
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "quickstart.yaml"
 BASELINES = {
@@ -111,12 +111,7 @@ def load_cached_baselines(path: Path) -> dict:
     """{strategy: {"exact_match", "f1", "measured_at", "settings"}} from a baselines file; {} when absent."""
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(
-            f"{path}:{err.lineno}: not valid JSON ({err.msg}); delete it or rerun with --baselines"
-        ) from None
+    data = read_json_file(path, "delete it or rerun with --baselines")
     if not isinstance(data, dict):
         raise UserError(
             f"{path}: expected a JSON object of baseline figures; delete it or rerun with --baselines"

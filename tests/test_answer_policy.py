@@ -116,18 +116,9 @@ def calibrated(tmp_path_factory):
     examples, extra, _ = fit_questions(final, "toy", "dev", str(run / "toy_world"), "auto", 40)
     service = QAService.from_checkpoint(final)
     assert service.policy is None  # the quickstart fitted none: no dev answer was right
-    results = service.answer_many([q.question for q in [*examples, *extra]], best_guess=True)
-    signals = [
-        AnswerSignals.of(
-            r["best_guess"],
-            r["reader_probability"],
-            [p["score"] for p in r["passages"]],
-            f"{r['passages'][0]['title']} {r['passages'][0]['text']}",
-        )
-        for r in results
-    ]
-    stand_in = [i < len(examples) and i % 2 == 0 for i in range(len(results))]
-    answerable = [i < len(examples) for i in range(len(results))]
+    signals = [sig for _, sig in service.answer_with_signals([q.question for q in [*examples, *extra]])]
+    stand_in = [i < len(examples) and i % 2 == 0 for i in range(len(signals))]
+    answerable = [i < len(examples) for i in range(len(signals))]
     fit_answer_policy(signals, stand_in, answerable, fitted_on={"source": "stand-in labels"}).save(final)
     return final, run / "toy_world"
 

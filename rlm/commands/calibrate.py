@@ -47,7 +47,7 @@ def calibrate_checkpoint(
     """Answer `examples` (answerable) and `unanswerable` with the checkpoint's QAService, fit the policy,
     save it into the checkpoint and return it."""
     from app.qa import QAService
-    from rlm.answer_policy import AnswerSignals, fit_answer_policy
+    from rlm.answer_policy import fit_answer_policy
     from rlm.metrics import exact_match
 
     service = service or QAService.from_checkpoint(checkpoint)
@@ -60,16 +60,9 @@ def calibrate_checkpoint(
     batch = 32
     for start in range(0, len(questions), batch):
         part = questions[start : start + batch]
-        for ex, result in zip(part, service.answer_many([q.question for q in part], k, best_guess=True)):
-            top = result["passages"][0] if result["passages"] else None
-            signals.append(
-                AnswerSignals.of(
-                    result["best_guess"],
-                    result["reader_probability"],
-                    [p["score"] for p in result["passages"]],
-                    f"{top['title']} {top['text']}" if top else None,
-                )
-            )
+        answered = service.answer_with_signals([q.question for q in part], k, best_guess=True)
+        for ex, (result, answer_signals) in zip(part, answered):
+            signals.append(answer_signals)
             correct.append(bool(ex.answers) and bool(exact_match(result["best_guess"], ex.answers)))
     answerable = [True] * len(examples) + [False] * len(unanswerable)
     policy = fit_answer_policy(signals, correct, answerable, keep=keep, fitted_on=fitted_on)
