@@ -12,15 +12,15 @@ other settings. Everything is recorded in `<output_dir>/metrics.json`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from atomicio import atomic_write_text
-from rlm.config import SHIPPED_CONFIGS, TrainConfig, dump_config, load_config
+from rlm.config import SHIPPED_CONFIGS, TrainConfig, load_config
 from rlm.errors import UserError, read_json_file
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "quickstart.yaml"
@@ -72,14 +72,9 @@ def baseline_config(cfg: TrainConfig, strategy: str) -> TrainConfig:
 
 def settings_key(cfg: TrainConfig) -> str:
     """A short hash of everything that decides a baseline's figure (the config minus strategy and folders)."""
-    neutral = replace(
-        cfg,
-        output_dir="",
-        strategy=replace(cfg.strategy, name=""),
-        buffer=replace(cfg.buffer, dir=None),
-        data=replace(cfg.data, toy_world=replace(cfg.data.toy_world, dir="")),
-    )
-    return hashlib.sha256(dump_config(neutral).encode()).hexdigest()[:12]
+    from rlm.prefix import shared_settings_key
+
+    return shared_settings_key(cfg)
 
 
 def dev_scores(summary: dict, k: int) -> dict:
@@ -169,7 +164,8 @@ def format_results(metrics: dict) -> str:
     }
     lines = [
         f"dev set: {metrics['dev_questions']} questions, the reader reads K = {k} passages; "
-        f"{metrics['strategy']} run: {metrics['steps']} steps in {metrics['train_seconds'] / 60:.1f} min",
+        f"{metrics['strategy']} run: {metrics['steps']} steps; "
+        f"{metrics.get('runs_trained', 1)} run(s) trained in {metrics['train_seconds'] / 60:.1f} min",
         "EM from its selection: each run answers from what it selected from in training (h(B) for the "
         "corrector,\nthe buffer as last refreshed for the others: nothing re-embedded at prediction time); "
         "EM re-embedded: from the\ncorpus re-embedded with the trained passage tower (the paper's protocol).",
@@ -219,19 +215,29 @@ def _stage(number: int, total: int, text: str) -> None:
 BASELINE_MODES = ("missing", "always", "never")
 
 
-def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartResult:
+def run_quickstart(
+    cfg: TrainConfig,
+    baselines: str = "missing",
+    jobs: int | None = None,
+    on_checkpoint: Callable[[Path], None] | None = None,
+) -> QuickstartResult:
     """Train the corrector run and the baselines, evaluate on dev, write metrics.json.
 
     `baselines`: "missing" trains those with no cached figure for these settings (the first run measures
-    them, later runs reuse them), "always" retrains them, "never" shows whatever the cache holds.
+    them, later runs reuse them), "always" retrains them, "never" shows whatever the cache holds. What every
+    run would do alike is done once: the toy world, the buffer B, and the gold-passage steps (`rlm.prefix`),
+    which each run that reads passages continues from. The runs train `jobs` at a time (default: one per CPU
+    core), each on one torch thread (`rlm.concurrent_runs`). `on_checkpoint(final)` is called as soon as the
+    main run's checkpoint is saved, while the baselines may still train.
     """
-    from rlm.setup import resolve_data
-    from rlm.train import train
+    from rlm.concurrent_runs import RunJob, available_cores, train_runs
 
     if baselines not in BASELINE_MODES:
         raise UserError(f"baselines must be one of {BASELINE_MODES}, got {baselines!r}")
     if not cfg.data.dev:
         raise UserError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
+    if jobs is not None and jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {jobs}")
     root = Path(cfg.output_dir)
     key = settings_key(cfg)
     cache_path = root / BASELINES_FILE
@@ -241,28 +247,43 @@ def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartRe
         "missing": [name for name in BASELINES if cached.get(name, {}).get("settings") != key],
         "never": [],
     }[baselines]
-    total = 3 + len(to_measure)
-    _stage(1, total, "data: toy world (generated once, then reused)")
-    corpus_path, _, _ = resolve_data(cfg)
+    runs = [RunJob(cfg.strategy.name, cfg)] + [RunJob(n, baseline_config(cfg, n)) for n in to_measure]
+    _stage(1, 4, "data: the toy world and the buffer B, embedded once by the initial passage tower")
+    corpus_path = build_data_and_buffer(cfg)
     print(f"corpus: {corpus_path}")
 
-    _stage(2, total, f"train: strategy={cfg.strategy.name}, {cfg.optim.max_steps} steps (buffer built once)")
-    started = time.perf_counter()
-    summary = train(cfg)
-    train_seconds = time.perf_counter() - started
+    prefix = shared_prefix(cfg, root / "shared")
+    if prefix is not None:
+        runs = [replace(job, prefix=prefix if _reads_passages(job.cfg) else None) for job in runs]
+    workers = min(jobs or available_cores(), len(runs))
+    names = ", ".join(job.name for job in runs)
+    _stage(3, 4, f"train: {names}; {workers} at a time, one torch thread each")
+
+    def done(job: RunJob, summary: dict, seconds: float) -> None:
+        scores = dev_scores(summary, k)
+        own = scores["selection_exact_match"]
+        em = f"dev EM {100 * scores['exact_match']:.1f}"
+        print(
+            f"{job.name}: {summary['steps']} steps in {seconds / 60:.1f} min; {em}"
+            + ("" if own is None else f" (from its own selection {100 * own:.1f})"),
+            flush=True,
+        )
+        if job is runs[0] and on_checkpoint is not None:
+            on_checkpoint(root / "final")
+
     k = cfg.reader_passages
-    dev_scores(summary, k)  # fail now, not after the baselines, when the summary has no dev figures
-
-    measured: dict = {}
-    for offset, name in enumerate(to_measure):
-        _stage(3 + offset, total, f"baseline: {BASELINES[name]}, same config and budget")
-        scores = dev_scores(train(baseline_config(cfg, name)), k)
-        measured[name] = {**scores, "measured_at": _now(), "settings": key}
-
+    started = time.perf_counter()
+    summaries = train_runs(runs, workers, done)
+    train_seconds = time.perf_counter() - started
+    summary = summaries[cfg.strategy.name]
+    measured = {
+        name: {**dev_scores(summaries[name], k), "measured_at": _now(), "settings": key}
+        for name in to_measure
+    }
     if measured:
         atomic_write_text(cache_path, json.dumps({**cached, **measured}, indent=2) + "\n")
 
-    _stage(total, total, "evaluate: dev EM next to the baselines")
+    _stage(4, 4, "evaluate: dev EM next to the baselines")
     num_dev, majority = _dev_reference(cfg)
     metrics = {
         "created_at": _now(),
@@ -270,6 +291,8 @@ def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartRe
         "steps": summary["steps"],
         "reembedded": summary["reembedded"],
         "train_seconds": round(train_seconds, 1),
+        "runs_trained": len(runs),
+        "workers": workers,
         "dev_questions": num_dev,
         "k": k,
         "dev": {key[len("dev_") :]: value for key, value in summary.items() if key.startswith("dev_")},
@@ -282,6 +305,49 @@ def run_quickstart(cfg: TrainConfig, baselines: str = "missing") -> QuickstartRe
     metrics_path = root / METRICS_FILE
     atomic_write_text(metrics_path, json.dumps(metrics, indent=2) + "\n")
     return QuickstartResult(metrics, table, root / "final", metrics_path)
+
+
+def _reads_passages(cfg: TrainConfig) -> bool:
+    from rlm.strategies import strategy_class
+
+    return strategy_class(cfg.strategy.name).uses_passages
+
+
+def build_data_and_buffer(cfg: TrainConfig) -> str:
+    """Generate the toy world (when missing) and build B (when missing) before any run starts, so that runs
+    trained side by side only load them; returns the corpus path."""
+    from rlm.data.corpus import load_corpus
+    from rlm.setup import build_retriever, load_or_build_buffer, resolve_data
+
+    corpus_path, _, _ = resolve_data(cfg)
+    load_or_build_buffer(cfg, build_retriever(cfg), load_corpus(corpus_path))
+    return corpus_path
+
+
+def shared_prefix(cfg: TrainConfig, folder: Path) -> Path | None:
+    """The gold-passage steps every strategy trains alike, trained once into `folder / "prefix"` with `cfg`'s
+    strategy (reused when a prefix of the same settings is there); None when the recipe has none."""
+    from rlm.concurrent_runs import train_one
+    from rlm.prefix import read_prefix_meta, shared_steps
+
+    steps = shared_steps(cfg)
+    out = folder / "prefix"
+    if not steps or not _reads_passages(cfg):
+        return None
+    _stage(
+        2, 4, f"shared: the first {steps} steps (the reader on the gold passages), trained once for all runs"
+    )
+    if (out / "prefix.json").is_file():
+        try:
+            read_prefix_meta(out, cfg)
+        except UserError:
+            pass  # other settings: trained again below
+        else:
+            print(f"reused {out}")
+            return out
+    # The main run's settings, strategy and buffer, in a folder of its own.
+    train_one(replace(baseline_config(cfg, cfg.strategy.name), output_dir=str(folder)), prefix_out=out)
+    return out
 
 
 def _now() -> str:

@@ -45,6 +45,7 @@ from rlm.errors import UserError
 from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
+from rlm.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps
 from rlm.setup import build_components
 from rlm.steps import Batch
 from rlm.strategies import Processes, SelectionStrategy, make_strategy
@@ -404,6 +405,9 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         accum,
     )
     ensure_dev_subcorpus(run)
+    # The steps' randomness (dropout) depends on the seed alone, not on which components were built before
+    # (a corrector's initialisation draws from the same generator): runs of different strategies draw alike.
+    set_seed(cfg.seed)
     if resume:
         found = checkpoints(output_dir)
         if found:
@@ -606,13 +610,31 @@ def check_alignment(run: TrainRun, record: dict) -> None:
         run.accelerator.print(f"step {step}: alignment stage ends ({reason}); both towers train from here")
 
 
-def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | None = None) -> dict:
+def train(
+    cfg: TrainConfig,
+    resume: bool = False,
+    accelerator: Accelerator | None = None,
+    prefix: str | Path | None = None,
+    prefix_out: str | Path | None = None,
+) -> dict:
+    """Train `cfg`'s run to `optim.max_steps`, validate on dev, save `final/`; returns the summary.
+
+    `prefix`: a shared prefix (`rlm.prefix`: the gold-passage steps, which every strategy trains alike) that
+    a fresh run continues from instead of training those steps; `prefix_out`: train only those steps and save
+    them there as a prefix."""
+    if prefix is not None:
+        place_tokenizer(prefix, cfg)
     run = build_run(cfg, accelerator, resume=resume)
     acc, state, output_dir = run.accelerator, run.state, Path(cfg.output_dir)
     log_path = output_dir / "log.jsonl"
+    prefix_log = load_prefix(run, prefix) if prefix is not None and state.step == 0 else None
     if acc.is_main_process:
         acc.init_trackers("rlm")
-        _truncate_log(log_path, state.step)
+        if prefix_log is None:
+            _truncate_log(log_path, state.step)
+        else:
+            atomic_write_text(log_path, "".join(line + "\n" for line in prefix_log))
+    stop = shared_steps(cfg) if prefix_out is not None else cfg.optim.max_steps
     progress = tqdm(
         total=cfg.optim.max_steps,
         initial=state.step,
@@ -621,7 +643,7 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
     )
     run.model.train()
     t_last, steps_since_log = time.time(), 0
-    while state.step < cfg.optim.max_steps:
+    while state.step < stop:
         record = train_step(run)
         if record is None:
             acc.print(
@@ -658,10 +680,15 @@ def train(cfg: TrainConfig, resume: bool = False, accelerator: Accelerator | Non
             run.strategy.prune_refreshes(kept)
 
     progress.close()
+    if prefix_out is not None:
+        save_prefix(run, prefix_out, log_path)
+        acc.end_training()
+        return {"steps": state.step, "prefix": str(prefix_out)}
     summary = {
         "steps": state.step,
         "reembedded": run.strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
+        **({"prefix": str(prefix)} if prefix_log is not None else {}),
     }
     if run.dev_examples:
         summary.update(run.validate(subcorpus=False))  # the whole corpus, sharded

@@ -24,8 +24,19 @@ import numpy as np
 from atomicio import atomic_write_json, atomic_write_text
 
 
+def gold_last(examples, retrieved, k: int) -> list[list[str]]:
+    """Each question's top-k with its (first) gold passage moved to the last place: what the reader makes of a
+    retriever that ranks the answering passage below three others."""
+    out = []
+    for ex, ids in zip(examples, retrieved.ids):
+        gold = ex.gold_passage_ids[0]
+        out.append([pid for pid in ids if pid != gold][: k - 1] + [gold])
+    return out
+
+
 def reader_rows(checkpoint: Path, world: Path, k: int) -> dict:
-    """Dev EM from the retriever's top-k, with the gold swapped in, and from the gold passage alone."""
+    """Dev EM from the retriever's top-k, with the gold swapped in, with the gold ranked last, and from the
+    gold passage alone."""
     from rlm import evaluation
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
@@ -46,6 +57,13 @@ def reader_rows(checkpoint: Path, world: Path, k: int) -> dict:
         ),
     }
     out = {name: result.metrics["exact_match"] for name, result in rows.items()}
+    retrieved = evaluation.retrieve(retriever.query_tower, index, [q.question for q in dev], 20)
+    answers = evaluation.read(
+        reader, dev, corpus, None, num_passages=k, passage_ids=gold_last(dev, retrieved, k)
+    )
+    out[f"top-{k} with the gold passage ranked last"] = evaluation.evaluate_reader(answers, dev)[
+        "exact_match"
+    ]
     out["gold_ranked_first"] = rows[f"the trained retriever's top-{k}"].metrics.get("gold_recall@1")
     return out
 

@@ -55,17 +55,25 @@ def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_p
     from rlm.data.qa import load_qa_dataset
 
     metrics = json.loads((tiny_run / "metrics.json").read_text())
-    assert metrics["strategy"] == "corrector" and metrics["steps"] == 4 and metrics["dev_questions"] == 8
+    assert metrics["strategy"] == "corrector" and metrics["steps"] == 3 and metrics["dev_questions"] == 8
     # Dev questions ask about entities no training question mentions: answering needs retrieval.
     train, dev = (load_qa_dataset("toy", split, tiny_run / "toy_world") for split in ("train", "dev"))
     assert not {q.meta["subject"] for q in dev[:8]} & {q.meta["subject"] for q in train}
 
-    # The four phases, one step each: gold passages, reader alone on the selection, Algorithm 2, reader alone.
+    # The three phases, one step each: gold passages (trained once, in the shared prefix the run continued
+    # from, whose log line it carries), Algorithm 2, the reader alone on the trained selection.
     log = [json.loads(line) for line in (tiny_run / "log.jsonl").read_text().splitlines()]
-    assert [("retriever_loss" in r, "corrector_loss" in r) for r in log] == [(False, False)] * 2 + [
+    assert [("retriever_loss" in r, "corrector_loss" in r) for r in log] == [
+        (False, False),
         (True, True),
         (False, False),
     ]
+    prefix = tiny_run / "shared" / "prefix"
+    assert json.loads((prefix / "prefix.json").read_text())["steps"] == 1
+    assert (prefix / "log.jsonl").read_text().splitlines() == (
+        tiny_run / "log.jsonl"
+    ).read_text().splitlines()[:1]
+    assert json.loads((tiny_run / "summary.json").read_text())["prefix"] == str(prefix)
     # B is the packaged MiniLM's embedding of the corpus, never re-embedded, while the passage tower trained.
     config = yaml.safe_load((tiny_run / "config.yaml").read_text())
     minilm = SentenceEncoder.from_pretrained(
@@ -187,7 +195,7 @@ def test_baseline_config_changes_only_strategy_and_folders():
     assert frozen.data.toy_world.dir == cfg.data.toy_world.dir
     assert frozen.optim == cfg.optim and frozen.reader == cfg.reader
     assert settings_key(frozen) == settings_key(cfg)
-    assert settings_key(quickstart_config(None, "/tmp/qs", [*TINY, "optim.max_steps=3"])) != settings_key(cfg)
+    assert settings_key(quickstart_config(None, "/tmp/qs", [*TINY, "optim.max_steps=5"])) != settings_key(cfg)
 
 
 def test_corrupt_baseline_cache_names_the_file(tmp_path):
@@ -198,16 +206,41 @@ def test_corrupt_baseline_cache_names_the_file(tmp_path):
     assert load_cached_baselines(tmp_path / "missing.json") == {}
 
 
+class FakeDemo:
+    """What `start_demo` returns, without Gradio: records when the command blocks on it."""
+
+    def __init__(self, checkpoint, events: list):
+        self.events = events
+        events.append(("served", Path(checkpoint)))
+
+    def block_thread(self):
+        self.events.append(("blocked",))
+
+
 @pytest.mark.slow
-def test_baselines_measured_then_reused_from_cache(tmp_path, capsys):
+def test_baselines_measured_then_reused_from_cache(tmp_path, capsys, monkeypatch):
+    import rlm.commands.demo
+    import rlm.commands.quickstart
+
     out = tmp_path / "qs"
-    argv = ["quickstart", "--no-serve", "--output-dir", str(out)]
+    argv = ["quickstart", "--output-dir", str(out), "--jobs", "2"]
     # The cache's bookkeeping holds for any retriever: the tiny one keeps three quickstarts and their baselines
     # quick (the session's `tiny_run` trains the quickstart with MiniLM).
     retriever = f"retriever.path={tiny_retriever(tmp_path / 'tiny_retriever')}"
-    for assignment in [*TINY, "optim.max_steps=1", retriever]:
+    for assignment in [*TINY, retriever]:
         argv += ["--set", assignment]
+    events = []
+    calibrate = rlm.commands.quickstart.calibrate
+    monkeypatch.setattr(
+        rlm.commands.quickstart, "calibrate", lambda c: events.append(("calibrated",)) or calibrate(c)
+    )
+    monkeypatch.setattr(rlm.commands.demo, "start_demo", lambda c, **kw: FakeDemo(c, events))
     assert main(argv) == 0  # a first run measures the baselines it has no figures for
+    # The demo was served from the corrector run's checkpoint, once its answer policy was fitted, and the
+    # command blocked on it only after the table (written with every baseline's figure).
+    assert [e[0] for e in events] == ["calibrated", "served", "blocked"] and events[1][1] == out / "final"
+    assert "| corrector (this run) |" in capsys.readouterr().out
+    argv = [argv[0], "--no-serve", *argv[1:]]
     first = json.loads((out / "metrics.json").read_text())
     assert {row["source"] for row in first["baselines"].values()} == {"measured now"}
     cache = json.loads((out / "baselines.json").read_text())

@@ -74,11 +74,15 @@ def test_quickstart_uses_the_recipe():
     assert (
         cfg.reader.arch == "t5" and cfg.reader.num_passages >= 4 and cfg.strategy.k >= cfg.reader.num_passages
     )
-    # Copy first (gold passage alone), then choose among the retrieved K, then Algorithm 2 proper.
+    # Copy first (the gold passage alone), then Algorithm 2 proper right after, then the reader alone on the
+    # trained retriever's selection; the reader reads each passage's rank.
     rc = cfg.schedule
-    assert 0 < rc.gold_passage_steps < rc.reader_only_steps < cfg.optim.max_steps
+    assert (
+        0 < rc.gold_passage_steps == rc.reader_only_steps < cfg.optim.max_steps - rc.final_reader_only_steps
+    )
     joint = [s for s in range(cfg.optim.max_steps) if not reader_only_step(cfg, s)]
     assert joint == list(range(rc.reader_only_steps, cfg.optim.max_steps - rc.final_reader_only_steps))
+    assert rc.final_reader_only_steps > 0 and "{rank}" in cfg.reader.template
 
 
 def test_warm_started_reader_from_config_is_small_to_train_and_round_trips(tmp_path):

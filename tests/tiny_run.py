@@ -62,15 +62,15 @@ TINY_RUN = [
 ]
 
 
-# The tiny `rlm quickstart`, small enough for a 2-core CPU shared with others: 150 passages, 4 steps of 4
-# questions (one per phase of the quickstart's recipe: reader on the gold passages, reader alone on the
-# selection, Algorithm 2 with the corrector, reader alone at the end), 8 dev questions.
+# The tiny `rlm quickstart`, small enough for a 2-core CPU shared with others: 150 passages, 3 steps of 4
+# questions (one per phase of the quickstart's recipe: reader on the gold passages, the shared prefix;
+# Algorithm 2 with the corrector; reader alone at the end), 8 dev questions.
 TINY_QUICKSTART = [
     "data.toy_world.num_passages=150",
     "data.toy_world.options.kin_facts=0",  # 150 passages of people with 10 relatives' facts: too few questions
-    "optim.max_steps=4",
+    "optim.max_steps=3",
     "schedule.gold_passage_steps=1",
-    "schedule.reader_only_steps=2",
+    "schedule.reader_only_steps=1",
     "schedule.final_reader_only_steps=1",
     "optim.batch_size=4",
     "optim.warmup_steps=1",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlm.answer_policy import DEFAULT_KEEP
+
 HELP = "Fit a checkpoint's calibrated confidence and abstention rule on its dev split."
 
 
@@ -31,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-examples", type=int, default=None, help="at most this many fit questions")
     parser.add_argument("--k", type=int, default=None, help="passages read (default: the checkpoint's)")
     parser.add_argument(
-        "--keep", type=float, default=0.95, help="share of correct fit answers the threshold keeps"
+        "--keep",
+        type=float,
+        default=DEFAULT_KEEP,
+        help=f"share of correct fit answers the threshold keeps (default {DEFAULT_KEEP})",
     )
 
 
@@ -40,7 +45,7 @@ def calibrate_checkpoint(
     examples,
     unanswerable=(),
     k: int | None = None,
-    keep: float = 0.95,
+    keep: float = DEFAULT_KEEP,
     fitted_on: dict | None = None,
     service=None,
 ):

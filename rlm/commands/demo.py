@@ -35,7 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
 
 
-def serve_checkpoint(
+def serve_checkpoint(checkpoint, host: str = "127.0.0.1", port: int = 7860, **options) -> None:
+    """Load the checkpoint (its index built and cached on first use), then serve the page until interrupted."""
+    demo = start_demo(checkpoint, host=host, port=port, **options)
+    print(f"demo on http://{host}:{port}  (Ctrl-C stops it)", flush=True)
+    demo.block_thread()
+
+
+def start_demo(
     checkpoint,
     corpus: str | None = None,
     examples: str | None = None,
@@ -45,8 +52,9 @@ def serve_checkpoint(
     index: str | None = None,
     corrected_buffer: bool = False,
     buffer: str | None = None,
-) -> None:
-    """Load the checkpoint (its index built and cached on first use), then serve the page until interrupted."""
+):
+    """Load the checkpoint and serve its page without blocking (warmed up); returns the Gradio app, whose
+    `block_thread()` waits until interrupted."""
     from pathlib import Path
 
     import torch
@@ -74,21 +82,20 @@ def serve_checkpoint(
     from app.demo import serve  # gradio takes seconds to import: only once loading worked
 
     demo, _ = serve(service, host, port, concurrency, blocked=[checkpoint, Path(service.corpus.path).parent])
-    print(f"demo on http://{host}:{port}  (Ctrl-C stops it)", flush=True)
-    demo.block_thread()
+    return demo
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve the demo of `--checkpoint`."""
     serve_checkpoint(
         args.checkpoint,
-        args.corpus,
-        args.examples,
-        args.host,
-        args.port,
-        args.concurrency,
-        args.index,
-        args.corrected_buffer,
-        args.buffer,
+        host=args.host,
+        port=args.port,
+        corpus=args.corpus,
+        examples=args.examples,
+        concurrency=args.concurrency,
+        index=args.index,
+        corrected_buffer=args.corrected_buffer,
+        buffer=args.buffer,
     )
     return 0

@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const="always",
         default="missing",
-        help="retrain the closed-book and frozen-retriever baselines (same config and budget) even when "
-        "cached; by default they are trained only when the cache has no figures for these settings",
+        help="retrain the four baselines (exhaustive, stale, frozen, closed book; same config and budget) "
+        "even when cached; by default they are trained only when the cache has no figures for these settings",
     )
     which.add_argument(
         "--no-baselines",
@@ -34,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="train no baseline; show the cached figures, if any, labelled with their date",
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="runs trained at a time, each on one torch thread (default: one per CPU core)",
+    )
+    parser.add_argument(
         "--no-serve", action="store_true", help="stop after evaluation; do not serve the demo"
     )
     parser.add_argument("--host", default="127.0.0.1", help="demo interface (0.0.0.0 exposes it)")
@@ -41,30 +47,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train, evaluate, print the table, write metrics.json, then serve unless --no-serve."""
+    """Train, evaluate, print the table, write metrics.json; serve the demo (unless --no-serve) as soon as the
+    corrector run is trained, while the baselines still train."""
     from rlm.quickstart import quickstart_config, run_quickstart
 
     cfg = quickstart_config(args.config, args.output_dir, args.overrides)
-    result = run_quickstart(cfg, baselines=args.baselines)
-    print("\n" + result.table)
-    from rlm.commands.calibrate import calibrate_checkpoint, describe, fit_questions
+    demo = None
 
-    # The answer policy (calibrated confidence, abstention) is fitted on dev and its generated unanswerable
-    # questions, so the demo says when its corpus does not answer a question.
+    def ready(checkpoint) -> None:
+        nonlocal demo
+        calibrate(checkpoint)
+        if not args.no_serve:
+            from rlm.commands.demo import start_demo
+
+            demo = start_demo(checkpoint, host=args.host, port=args.port)
+            print(
+                f"\ndemo on http://{args.host}:{args.port} (the rest of the runs go on beside it)\n",
+                flush=True,
+            )
+
+    result = run_quickstart(cfg, baselines=args.baselines, jobs=args.jobs, on_checkpoint=ready)
+    print("\n" + result.table)
+    print(f"\nwrote {result.metrics_path}; checkpoint {result.checkpoint}")
+    if demo is None:
+        print(f"serve it later with: rlm demo --checkpoint {result.checkpoint}")
+        return 0
+    print(f"demo on http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
+    demo.block_thread()
+    return 0
+
+
+def calibrate(checkpoint) -> None:
+    """Fit the checkpoint's answer policy (calibrated confidence, abstention) on dev and its generated
+    unanswerable questions, so the demo says when its corpus does not answer a question."""
+    from rlm.commands.calibrate import calibrate_checkpoint, describe, fit_questions
     from rlm.errors import UserError
 
-    examples, extra, source = fit_questions(result.checkpoint, "toy", "dev", None, "auto", None)
+    examples, extra, source = fit_questions(checkpoint, "toy", "dev", None, "auto", None)
     try:
-        policy = calibrate_checkpoint(result.checkpoint, examples, extra, fitted_on={"source": source})
+        policy = calibrate_checkpoint(checkpoint, examples, extra, fitted_on={"source": source})
     except UserError as err:  # e.g. a run too short to answer any dev question right
         print(f"\nwarning: no answer policy fitted ({err}); the demo answers everything, uncalibrated")
     else:
         print("\n" + describe(policy))
-    print(f"\nwrote {result.metrics_path}; checkpoint {result.checkpoint}")
-    if args.no_serve:
-        print(f"serve it later with: rlm demo --checkpoint {result.checkpoint}")
-        return 0
-    from rlm.commands.demo import serve_checkpoint
-
-    serve_checkpoint(result.checkpoint, host=args.host, port=args.port)
-    return 0
