@@ -48,7 +48,7 @@ browser:
 	fi
 
 test: $(VENV)/.installed-test browser
-	$(BIN)/pytest -q --timeout=900 $(PYTEST_ARGS)
+	$(BIN)/pytest -q --timeout=900 --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)

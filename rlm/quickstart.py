@@ -114,6 +114,18 @@ def load_cached_baselines(path: Path) -> dict:
     return data
 
 
+def baselines_to_measure(mode: str, cached: dict, key: str) -> list[str]:
+    """The baselines a quickstart trains: all ("always"), those with no cached figure for these settings
+    ("missing"), or none ("never")."""
+    if mode not in BASELINE_MODES:
+        raise UserError(f"baselines must be one of {BASELINE_MODES}, got {mode!r}")
+    return {
+        "always": list(BASELINES),
+        "missing": [name for name in BASELINES if cached.get(name, {}).get("settings") != key],
+        "never": [],
+    }[mode]
+
+
 def baseline_rows(measured: dict, cached: dict, key: str) -> dict:
     """For each baseline: its EM/F1 and a `source` label (measured now / cached from DATE / not measured)."""
     rows = {}
@@ -242,11 +254,7 @@ def run_quickstart(
     key = settings_key(cfg)
     cache_path = root / BASELINES_FILE
     cached = load_cached_baselines(cache_path)
-    to_measure = {
-        "always": list(BASELINES),
-        "missing": [name for name in BASELINES if cached.get(name, {}).get("settings") != key],
-        "never": [],
-    }[baselines]
+    to_measure = baselines_to_measure(baselines, cached, key)
     runs = [RunJob(cfg.strategy.name, cfg)] + [RunJob(n, baseline_config(cfg, n)) for n in to_measure]
     _stage(1, 4, "data: the toy world and the buffer B, embedded once by the initial passage tower")
     corpus_path = build_data_and_buffer(cfg)

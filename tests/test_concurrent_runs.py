@@ -33,9 +33,7 @@ def test_runs_side_by_side_report_each_summary_and_a_failing_one_names_its_log(t
         for name, seed in (("a", 0), ("b", 1))
     ]
     said = []
-    summaries = train_runs(
-        good, workers=2, describe=lambda job, summary, s: said.append(job.name) or job.name
-    )
+    summaries = train_runs(good, workers=2, on_done=lambda job, summary, seconds: said.append(job.name))
     assert set(summaries) == {"a", "b"} and all(s["steps"] == 2 for s in summaries.values())
     assert sorted(said) == ["a", "b"]
     for job in good:  # what each worker printed went to its own log, and each logged its steps

@@ -96,5 +96,5 @@ def test_quickstart_runs_from_a_wheel_install(tmp_path):
     done = subprocess.run(argv, cwd=away, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((away / "qs" / "metrics.json").read_text())
-    assert metrics["steps"] == 4 and metrics["dev_questions"] == 8
+    assert metrics["steps"] == 3 and metrics["dev_questions"] == 8
     assert (away / "qs" / "final" / "reader").is_dir()
