@@ -160,8 +160,13 @@ def train_runs(
                         )
                         raise
                     if on_done:
-                        with tqdm.external_write_mode():
-                            on_done(job, results[job.name], seconds)
+                        # The callback may run long and draw its own bars, from other threads too (the
+                        # demo's warm-up request encodes in a server thread and waits for it): hold no tqdm
+                        # lock while it runs (`external_write_mode` would, and deadlock), only take the bar
+                        # off the screen and draw it again after.
+                        bar.clear()
+                        on_done(job, results[job.name], seconds)
+                        bar.refresh()
                 steps = sum(
                     job.cfg.optim.max_steps - job.first_step if job.name in results else _steps_done(job)
                     for job in jobs

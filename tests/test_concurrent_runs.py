@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_run import tiny_overrides
+from tqdm import tqdm
 
 from rlm.concurrent_runs import LOG_NAME, RunJob, one_thread, train_runs
 from rlm.config import load_config
@@ -33,7 +35,20 @@ def test_runs_side_by_side_report_each_summary_and_a_failing_one_names_its_log(t
         for name, seed in (("a", 0), ("b", 1))
     ]
     said = []
-    summaries = train_runs(good, workers=2, on_done=lambda job, summary, seconds: said.append(job.name))
+
+    def on_done(job, summary, seconds):
+        # As the quickstart's does: start a server whose thread draws a tqdm bar, and wait for it.
+        def serve():
+            for _ in tqdm(range(3), desc="a request"):
+                pass
+            said.append(job.name)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        server.join(timeout=60)
+        assert not server.is_alive(), "a bar drawn in another thread waited on the runs' progress bar"
+
+    summaries = train_runs(good, workers=2, on_done=on_done)
     assert set(summaries) == {"a", "b"} and all(s["steps"] == 2 for s in summaries.values())
     assert sorted(said) == ["a", "b"]
     for job in good:  # what each worker printed went to its own log, and each logged its steps

@@ -227,15 +227,28 @@ def test_corrupt_baseline_cache_names_the_file(tmp_path):
     assert load_cached_baselines(tmp_path / "missing.json") == {}
 
 
-class FakeDemo:
-    """What `start_demo` returns, without Gradio: records when the command blocks on it."""
+class RecordedDemo:
+    """The demo `start_demo` served (real Gradio), recording when it was served and when the command blocked on
+    it; blocking fetches the page once and closes it, so the command returns."""
 
-    def __init__(self, checkpoint, events: list):
-        self.events = events
+    def __init__(self, demo, checkpoint, port: int, events: list):
+        self.demo, self.port, self.events = demo, port, events
         events.append(("served", Path(checkpoint)))
 
     def block_thread(self):
-        self.events.append(("blocked",))
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/", timeout=30) as page:
+            self.events.append(("blocked", page.status))
+        self.demo.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -244,7 +257,8 @@ def test_baselines_measured_then_reused_from_cache(tmp_path, capsys, monkeypatch
     import rlm.commands.quickstart
 
     out = tmp_path / "qs"
-    argv = ["quickstart", "--output-dir", str(out), "--jobs", "2"]
+    port = free_port()
+    argv = ["quickstart", "--output-dir", str(out), "--jobs", "2", "--port", str(port)]
     # The cache's bookkeeping holds for any retriever: the tiny one keeps three quickstarts and their baselines
     # quick (the session's `tiny_run` trains the quickstart with MiniLM).
     retriever = f"retriever.path={tiny_retriever(tmp_path / 'tiny_retriever')}"
@@ -255,11 +269,18 @@ def test_baselines_measured_then_reused_from_cache(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(
         rlm.commands.quickstart, "calibrate", lambda c: events.append(("calibrated",)) or calibrate(c)
     )
-    monkeypatch.setattr(rlm.commands.demo, "start_demo", lambda c, **kw: FakeDemo(c, events))
+    start_demo = rlm.commands.demo.start_demo
+    monkeypatch.setattr(
+        rlm.commands.demo,
+        "start_demo",
+        lambda c, **kw: RecordedDemo(start_demo(c, **kw), c, port, events),
+    )
     assert main(argv) == 0  # a first run measures the baselines it has no figures for
-    # The demo was served from the corrector run's checkpoint, once its answer policy was fitted, and the
-    # command blocked on it only after the table (written with every baseline's figure).
+    # The demo was served from the corrector run's checkpoint (real Gradio, warm-up request included, from
+    # inside the runs' progress loop), once its answer policy was fitted, and the command blocked on it only
+    # after the table (written with every baseline's figure).
     assert [e[0] for e in events] == ["calibrated", "served", "blocked"] and events[1][1] == out / "final"
+    assert events[2][1] == 200
     assert "| corrector (this run) |" in capsys.readouterr().out
     argv = [argv[0], "--no-serve", *argv[1:]]
     first = json.loads((out / "metrics.json").read_text())
