@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+from local_port import free_port
 from test_quickstart import build_tiny_quickstart
 
 from rlm.answer_policy import (
@@ -196,17 +197,13 @@ def test_unanswerable_toy_questions_are_deterministic_and_ask_nothing_the_corpus
 
 @pytest.mark.slow
 def test_demo_api_outputs_have_names_and_an_out_of_corpus_question_abstains(calibrated):
-    import socket
-
     from gradio_client import Client
 
     from app.demo import serve
     from app.qa import QAService
 
     final, _ = calibrated
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     demo, url = serve(QAService.from_checkpoint(final), port=port, blocked=[final])
     try:
         client = Client(url, verbose=False, download_files=False, analytics_enabled=False)

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from local_port import free_port
 from test_quickstart import build_tiny_quickstart
 
 pytestmark = pytest.mark.slow
@@ -36,14 +37,6 @@ CHROMIUM_FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +56,7 @@ def served(checkpoint):
 
     torch.set_num_threads(1)  # as `rlm demo` does
     service = QAService.from_checkpoint(checkpoint)
-    demo, url = serve(service, port=_free_port(), blocked=[checkpoint])  # `rlm demo`'s launch and warm-up
+    demo, url = serve(service, port=free_port(), blocked=[checkpoint])  # `rlm demo`'s launch and warm-up
     yield url.rstrip("/"), service
     demo.close()
 
@@ -176,7 +169,7 @@ def test_rlm_demo_command_serves_on_localhost(checkpoint, tmp_path):
     """`rlm demo` as a user runs it: a child process that binds 127.0.0.1 and answers over HTTP."""
     import time
 
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "demo.log").open("w")
     child = subprocess.Popen(
         [sys.executable, "-m", "rlm", "demo", "--checkpoint", str(checkpoint), "--port", str(port)],

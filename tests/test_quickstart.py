@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from local_port import free_port
 from tiny_run import TINY_QUICKSTART, tiny_retriever
 
 from rlm.cli import main
@@ -243,14 +244,6 @@ class RecordedDemo:
         self.demo.close()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_baselines_measured_then_reused_from_cache(tmp_path, capsys, monkeypatch):
     import rlm.commands.demo
@@ -259,7 +252,7 @@ def test_baselines_measured_then_reused_from_cache(tmp_path, capsys, monkeypatch
     out = tmp_path / "qs"
     port = free_port()
     argv = ["quickstart", "--output-dir", str(out), "--jobs", "2", "--port", str(port)]
-    # The cache's bookkeeping holds for any retriever: the tiny one keeps three quickstarts and their baselines
+    # The cache's bookkeeping holds for any retriever: the tiny one keeps two quickstarts and their baselines
     # quick (the session's `tiny_run` trains the quickstart with MiniLM).
     retriever = f"retriever.path={tiny_retriever(tmp_path / 'tiny_retriever')}"
     for assignment in [*TINY, retriever]:
