@@ -12,9 +12,11 @@ Gradio's own assets (no allowed paths; the checkpoint, corpus and working folder
 from __future__ import annotations
 
 import html
+import math
 import os
 import re
 import time
+import traceback
 from pathlib import Path
 
 import gradio as gr
@@ -93,27 +95,55 @@ def respond(service: QAService, question: str, k: float) -> tuple[str, str, str,
     return answers[0], statuses[0], passages[0], results[0]
 
 
-def respond_batch(service: QAService, questions: list[str], ks: list[float]) -> tuple[list, list, list, list]:
-    """Gradio's batched handler: the queued questions answered in one pass per distinct k.
+def requested_k(service: QAService, k) -> int:
+    """The top-k a request asked for, as the service takes it (the default when None or 0, clamped to the
+    slider's range); InvalidQuestion, with a message for the user, for anything but a finite number. The
+    slider sends numbers, but an API client can send any JSON value."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int | float) or not math.isfinite(k)):
+        raise InvalidQuestion(f"Passages (top-k) must be a number from 1 to {service.max_k}; got {k!r}.")
+    return service.clamp_k(k)
+
+
+def _refused(message: str) -> tuple[str, str, str, dict]:
+    return "", f"⚠️ {message}", "", {"error": message}
+
+
+def respond_batch(service: QAService, questions: list, ks: list) -> tuple[list, list, list, list]:
+    """Gradio's batched handler: the queued requests answered in one pass per distinct k.
 
     Returns one list per output component (answers, status lines, passages HTML, result JSON), in request
-    order; a refused question gets its message in its own row without failing the others.
+    order. Each request is checked on its own (question and k): a refused one gets its message in its own
+    row, and the others in its batch are answered as if it had not been sent.
     """
     rows: list[tuple[str, str, str, dict] | None] = [None] * len(questions)
     by_k: dict[int, list[int]] = {}
     for i, (question, k) in enumerate(zip(questions, ks)):
         try:
+            if question is not None and not isinstance(question, str):
+                raise InvalidQuestion(f"The question must be text; got {question!r}.")
             service.check_question(question)
+            by_k.setdefault(requested_k(service, k), []).append(i)
         except InvalidQuestion as err:
-            rows[i] = ("", f"⚠️ {err}", "", {"error": str(err)})
-            continue
-        by_k.setdefault(service.clamp_k(k), []).append(i)
+            rows[i] = _refused(str(err))
     for k, members in by_k.items():
-        results = service.answer_many([questions[i] for i in members], k, best_guess=True)
-        for i, result in zip(members, results):
-            rows[i] = render(result, len(members))
+        for i, row in zip(members, _answer_together(service, [questions[i] for i in members], k)):
+            rows[i] = row
     answers, statuses, passages, results = (list(column) for column in zip(*rows))
     return answers, statuses, passages, results
+
+
+def _answer_together(service: QAService, questions: list[str], k: int) -> list[tuple[str, str, str, dict]]:
+    """Rendered rows of questions answered in one pass. Should that pass fail, each question is answered
+    alone, so a question that breaks the service (a bug: its traceback goes to the server's console) fails
+    only its own row, not the other users' requests queued with it."""
+    try:
+        results = service.answer_many(questions, k, best_guess=True)
+    except Exception:
+        if len(questions) > 1:
+            return [row for question in questions for row in _answer_together(service, [question], k)]
+        traceback.print_exc()
+        return [_refused("Something went wrong answering this question; the server's log has the details.")]
+    return [render(result, len(questions)) for result in results]
 
 
 def build_demo(

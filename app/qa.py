@@ -56,6 +56,7 @@ class QAService:
         index_path: str | os.PathLike | None = None,
         corrected_buffer: bool = False,
         buffer_path: str | os.PathLike | None = None,
+        load_policy: bool = True,
     ) -> QAService:
         """Load reader + retriever from `checkpoint`, the corpus from `corpus_path` or the run's config.
 
@@ -68,7 +69,8 @@ class QAService:
         its passage ids must be the corpus's, row for row. `corrected_buffer` retrieves over h(B) instead, the
         run's fixed buffer (`buffer_path`, default from its config) through its trained corrector: nothing is
         re-embedded (`rlm.corrected_index`); that index is cached in `demo_index/` too, keyed by the
-        corrector's weights and the buffer's fingerprints.
+        corrector's weights and the buffer's fingerprints. `load_policy=False` ignores the checkpoint's answer
+        policy (what `rlm calibrate` does before it fits a new one, which may replace an unreadable one).
         """
         from rlm import evaluation
         from rlm.data.corpus import load_corpus
@@ -101,7 +103,7 @@ class QAService:
             index,
             default_k=default_k,
             examples=example_questions(examples_file, num_examples),
-            policy=AnswerPolicy.load(root),
+            policy=AnswerPolicy.load(root) if load_policy else None,
         )
         service.warm_up()
         return service
@@ -160,8 +162,9 @@ class QAService:
         results = []
         for text, (answer, probability), row, row_scores in zip(texts, answers, passages, scores):
             row_scores = [float(s) for s in row_scores[: len(row)]]
-            top_text = f"{row[0].title} {row[0].text}" if row else None
-            signals = AnswerSignals.of(answer, probability, row_scores, top_text)
+            signals = AnswerSignals.of(
+                answer, probability, row_scores, [f"{p.title} {p.text}" for p in row], text
+            )
             decision = self.decide(signals)
             shown = "" if decision.abstained else answer
             result = {

@@ -3,17 +3,19 @@
 The one implementation every package uses (`reader`, `retriever`, `rlm`, `app` and the scripts); it imports
 nothing of theirs, so `reader` and `retriever` stay independent of each other. Every helper writes next to the
 destination (same filesystem, so the final `os.replace` is atomic), fsyncs files before the rename, and
-removes its temporary on failure.
+removes its temporary on failure. `foreign_entries` tells a folder's files from those a writer calls its own,
+its leftover temporaries included (their names are made here).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "foreign_entries",
 ]
 
 
@@ -98,7 +101,9 @@ def atomic_directory(final_dir: str | os.PathLike, overwrite: bool = True) -> It
 
     An existing `final_dir` is moved aside first and deleted only after the new folder is in place, so at
     every instant either the old or the new complete folder sits at `final_dir`. With `overwrite=False`
-    an existing folder is an error.
+    an existing folder is an error. Whatever `final_dir` held is deleted: a command that takes the folder from
+    its user checks it with `foreign_entries` before its work starts (a refusal at the rename would come
+    after the work, an index built for an hour).
     """
     final = Path(final_dir)
     if final.exists() and not overwrite:
@@ -118,3 +123,22 @@ def atomic_directory(final_dir: str | os.PathLike, overwrite: bool = True) -> It
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def foreign_entries(folder: str | os.PathLike, own: Iterable[str]) -> list[str]:
+    """The names in `folder` that match none of the glob patterns `own`, sorted; none when it does not exist.
+
+    A temporary that an interrupted write of an owned name left behind (`.NAME.<random>.tmp`, killed before
+    its cleanup could run) counts as owned: it is the writer's own leftover, and a rerun writes NAME anew.
+    """
+    root = Path(folder)
+    if not root.exists():
+        return []
+    patterns = list(own)
+
+    def owned(name: str) -> bool:
+        if name.startswith(".") and name.endswith(".tmp"):
+            name = name[1:].rsplit(".", 2)[0]
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+    return sorted(entry.name for entry in root.iterdir() if not owned(entry.name))

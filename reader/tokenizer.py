@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from atomicio import atomic_directory
 from reader.errors import InputError
 
 PAD_TOKEN = "<pad>"
@@ -30,7 +31,8 @@ def train_tokenizer(
     Special tokens are `<pad>`, `</s>` and `<unk>` (T5's names); `</s>` is appended to every encoded
     sequence, as T5 does. Byte-level BPE decodes losslessly, so generated answers come back as written.
     Every word gets a leading space, so a word is tokenized the same way at the start of an answer as inside
-    a passage (the reader learns to copy it). Saved with `save_pretrained` to `save_dir` when given.
+    a passage (the reader learns to copy it). Saved with `save_pretrained` to `save_dir` when given, as one
+    folder renamed into place: whoever finds `save_dir` (a resumed run, another process) finds all of it.
     """
     if vocab_size < 300:
         raise InputError(
@@ -56,7 +58,8 @@ def train_tokenizer(
         tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, unk_token=UNK_TOKEN
     )
     if save_dir is not None:
-        wrapped.save_pretrained(save_dir)
+        with atomic_directory(save_dir) as tmp:
+            wrapped.save_pretrained(tmp)
     return wrapped
 
 

@@ -10,7 +10,8 @@ On disk (one folder):
 
 Shards are written atomically, so an interrupted build leaves only complete shards behind and a rerun with
 the same corpus, encoder and settings embeds just the missing ones. Under `accelerate launch` (or torchrun)
-each process embeds shards rank, rank + world, ...; the main process verifies them all and writes meta.json.
+each process embeds shards rank, rank + world, ...; the main process verifies them all (checksums, and no
+NaN or infinite row, which would rank first for every question) and writes meta.json.
 
 meta.json's `corpus_fingerprint` is what the caller passes (`Corpus.fingerprint`: the sha256 of the corpus
 file, computed during its scan); without one it is `corpus_fingerprint(ids, texts)`, the old hash over every
@@ -25,7 +26,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +276,42 @@ class PassageBuffer:
         return out.reshape(*indices.shape, self.dim)
 
 
+# A float is NaN or infinite exactly when its exponent bits are all ones. Testing those bits as integers
+# reads a float16 shard ~5x faster than np.isfinite (which converts every value), so the check adds little
+# to the sha256 verification it follows.
+_EXPONENT_BITS = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000)}
+FINITE_CHECK_ROWS = 4096
+
+
+def nonfinite_rows(array: np.ndarray, chunk_rows: int = FINITE_CHECK_ROWS) -> np.ndarray:
+    """Rows of the [N, D] `array` that hold a NaN or an infinity.
+
+    Such a row scores NaN against every query, and a NaN ranks first in a top-k, so one bad row would be
+    retrieved for every question. Checked `chunk_rows` rows at a time: a memory-mapped shard is read in
+    blocks, and the temporary masks stay a few MB whatever the shard's size."""
+    bad = []
+    for start in range(0, array.shape[0], chunk_rows):
+        block = array[start : start + chunk_rows]
+        if block.dtype in _EXPONENT_BITS:
+            as_int, exponent = _EXPONENT_BITS[block.dtype]
+            flags = (block.view(as_int) & exponent) == exponent
+        else:
+            flags = ~np.isfinite(block)
+        if flags.any():
+            bad.append(start + np.flatnonzero(flags.any(axis=1)))
+    return np.concatenate(bad) if bad else np.zeros(0, dtype=np.int64)
+
+
+def _nonfinite_error(where: str, rows: np.ndarray, ids: Sequence[str], remedy: str) -> InputError:
+    shown = ", ".join(f"{ids[int(r)]!r} (row {int(r)})" for r in rows[:5])
+    more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+    return InputError(
+        f"{where}: {len(rows)} buffer row(s) hold NaN or infinite values, which would rank first for every "
+        f"question: passages {shown}{more}. The passage tower's output is not finite there (a float16 "
+        f"buffer also overflows beyond 65504: `rlm embed --dtype float32` keeps larger values); {remedy}"
+    )
+
+
 def _shard_receipt(array: np.ndarray) -> dict[str, Any]:
     return {
         "rows": int(array.shape[0]),
@@ -365,11 +402,13 @@ def embed_shards(
     shard_indices: Sequence[int],
     batch_size: int = 64,
     show_progress: bool = True,
+    check: Callable[[], None] | None = None,
 ) -> list[int]:
     """Embed the given shards that are not already complete; returns the indices it (re)embedded.
 
     Within a shard, texts are batched by length (longest first, so padding is small and the slowest batch
-    comes first), and rows are written back in the corpus order.
+    comes first), and rows are written back in the corpus order. `check` is called before every batch and
+    may raise to stop the build (a stop signal: the shards already written stay, and a rerun resumes).
     """
     folder = Path(out_dir)
     count, dim, shard_size, dtype = (
@@ -391,30 +430,48 @@ def embed_shards(
             order = sorted(range(len(shard_texts)), key=lambda i: -len(shard_texts[i]))
             out = np.empty((stop - start, dim), dtype=DTYPES[dtype])
             for b in range(0, len(order), batch_size):
+                if check is not None:
+                    check()
                 rows = order[b : b + batch_size]
                 with torch.inference_mode():
                     vectors = encoder.embed_texts([shard_texts[i] for i in rows])
                 out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
                 bar.update(len(rows))
+            bad = nonfinite_rows(out)
+            if len(bad):  # refused before it is written, so a rerun embeds this shard again
+                raise _nonfinite_error(
+                    f"{folder}: shard {s}", start + bad, ids, "fix the tower or the dtype and rerun the build"
+                )
             _write_shard(folder, s, out)
     return todo
 
 
 def finalize_buffer(out_dir: str | os.PathLike, ids: Sequence[str], settings: dict[str, Any]) -> None:
-    """Verify every shard, then write ids.txt and meta.json (last), and drop the build record."""
+    """Verify every shard (its receipt, and that every row is finite), then write ids.txt and meta.json
+    (last), and drop the build record."""
     folder = Path(out_dir)
     count, shard_size = settings["count"], settings["shard_size"]
-    missing = [
-        s
-        for s in range(settings["num_shards"])
-        if not _shard_is_complete(
-            folder, s, min(shard_size, count - s * shard_size), settings["dim"], settings["dtype"]
-        )
-    ]
-    if missing:
-        raise InputError(f"{folder}: shards {missing} are missing or corrupt; rerun the build to embed them")
     if len(ids) != count:
         raise ValueError(f"{len(ids)} ids for a buffer of {count} rows")
+    missing = []
+    for s in range(settings["num_shards"]):
+        if not _shard_is_complete(
+            folder, s, min(shard_size, count - s * shard_size), settings["dim"], settings["dtype"]
+        ):
+            missing.append(s)
+            continue
+        # Checked right after its receipt, while the shard is still in the page cache: no second read from
+        # disk for a buffer larger than memory.
+        bad = nonfinite_rows(np.load(folder / shard_name(s), mmap_mode="r"))
+        if len(bad):
+            raise _nonfinite_error(
+                f"{folder}: {shard_name(s)}",
+                s * shard_size + bad,
+                ids,
+                f"delete {shard_name(s)} and rerun the build once the tower is fixed",
+            )
+    if missing:
+        raise InputError(f"{folder}: shards {missing} are missing or corrupt; rerun the build to embed them")
     atomic_write_bytes(folder / IDS_NAME, id_lines(ids))
     meta = dict(settings)
     meta["shards"] = [shard_name(s) for s in range(settings["num_shards"])]
@@ -434,8 +491,10 @@ def build_passage_buffer(
     accelerator=None,
     show_progress: bool = True,
     corpus_fingerprint: str | None = None,
+    check: Callable[[], None] | None = None,
 ) -> PassageBuffer:
-    """Embed `texts` with `encoder` (a SentenceEncoder: the passage tower) into a buffer folder; resumable.
+    """Embed `texts` with `encoder` (a SentenceEncoder: the passage tower) into a buffer folder; resumable
+    (`check`: see `embed_shards`).
 
     A complete buffer with the same fingerprints and settings is returned as is; an unfinished one is
     resumed. `accelerator` (an `accelerate.Accelerator` or `PartialState`) splits the shards over its
@@ -492,6 +551,7 @@ def build_passage_buffer(
         shards_for_rank(settings["num_shards"], rank, world),
         batch_size=batch_size,
         show_progress=show_progress and is_main,
+        check=check,
     )
     barrier()
     if is_main:

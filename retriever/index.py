@@ -27,6 +27,7 @@ from retriever.ids import IdSequence, id_lines
 INDEX_NAME = "index.faiss"
 IDS_NAME = "ids.txt"
 META_NAME = "index.json"
+INDEX_FILES = (INDEX_NAME, IDS_NAME, META_NAME)  # all that `save` writes
 
 
 def _faiss():

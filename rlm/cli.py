@@ -1,7 +1,8 @@
 """The `rlm` command line: `rlm <command> [options]`.
 
 Commands are registered by module name and imported lazily; a user-facing error (`rlm.errors`: bad input,
-missing checkpoint, mismatched buffer, a hub model requested offline) prints one readable line and exits 2.
+missing checkpoint, mismatched buffer, a hub model requested offline) prints one readable line (on the main
+process of a launched run) and exits 2.
 Any other exception is a bug in our code and keeps its traceback. Set RLM_DEBUG=1 to see the traceback of
 user errors too.
 """
@@ -50,6 +51,12 @@ def _top_level_help() -> str:
     return "\n".join(lines)
 
 
+def main_process() -> bool:
+    """Whether this is the process that speaks for a launched run (rank 0 of `accelerate launch` or torchrun;
+    any process started on its own)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -69,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if os.environ.get("RLM_DEBUG") or not isinstance(err, user_errors()):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        if main_process():  # every process of a launched run fails alike; one says why
+            print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -73,7 +73,7 @@ def train_one(cfg: TrainConfig, prefix: Path | None = None, prefix_out: Path | N
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         with one_thread():
-            return train(cfg, prefix=prefix, prefix_out=prefix_out)
+            return train(cfg, prefix=prefix, prefix_out=prefix_out, overwrite=True)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -273,6 +274,10 @@ class TrainConfig:
     save_every: int = 100
     keep_last: int = 2
     max_nonfinite_in_a_row: int = 10
+    # How long a process waits for the others at a collective before the run fails (every backend). Rank 0's
+    # single-process work between collectives (hashing a 32 GB buffer, writing a checkpoint) must fit in it; a
+    # dead or hung process ends the run after it instead of never.
+    dist_timeout_s: int = 3600
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
@@ -289,15 +294,10 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Every check of values and of how they combine, in one place (the loader has checked the types)."""
-        if self.algorithm not in (1, 2):
-            raise UserError(f"algorithm must be 1 or 2, got {self.algorithm}")
+        for name, optional in numeric_fields(TrainConfig):
+            _check_range(name, _lookup(self, name), NUMERIC_RANGES[name], optional)
         if self.reader.arch not in READER_ARCHS:
             raise UserError(f"reader.arch must be one of {READER_ARCHS}, got {self.reader.arch!r}")
-        if self.reader.warm_start_layers < 1:
-            raise UserError(f"reader.warm_start_layers must be >= 1, got {self.reader.warm_start_layers}")
-        for name in ("gold_passage_steps", "reader_only_steps", "final_reader_only_steps"):
-            if getattr(self.schedule, name) < 0:
-                raise UserError(f"schedule.{name} must be >= 0, got {getattr(self.schedule, name)}")
         from rlm.strategies import strategy_class  # the registry says what each strategy takes part in
 
         strategy = strategy_class(self.strategy.name)
@@ -335,39 +335,133 @@ class TrainConfig:
                 "strategy.search=two_stage searches an index over the fixed buffer: use it with a strategy that "
                 f"scans it ({', '.join(fixed)}), not {self.strategy.name!r}"
             )
-        for name in ("k", "refresh_every", "snm_size", "candidates", "nprobe", "overlap_every"):
-            if getattr(self.strategy, name) < 1:
-                raise UserError(f"strategy.{name} must be >= 1")
-        if self.retriever.collapse_cosine is not None and not -1 < self.retriever.collapse_cosine <= 1:
-            raise UserError(
-                f"retriever.collapse_cosine must be in (-1, 1] or null, got {self.retriever.collapse_cosine}"
-            )
-        if (
-            self.retriever.align_steps < 0
-            or self.retriever.align_every < 1
-            or self.retriever.align_patience < 1
-        ):
-            raise UserError("retriever.align_steps must be >= 0, align_every and align_patience >= 1")
         if self.retriever.align_steps and self.retriever.shared_towers:
             raise UserError("retriever.align_steps trains the query tower alone: not with shared_towers")
-        regression = self.strategy.regression
         from retriever.reencode import KERNELS
 
-        if regression.kernel not in KERNELS:
-            raise UserError(f"strategy.regression.kernel must be one of {KERNELS}, got {regression.kernel!r}")
-        if regression.samples < 1 or regression.landmarks < 1:
-            raise UserError("strategy.regression.samples and strategy.regression.landmarks must be >= 1")
-        if (regression.ridge is not None and regression.ridge <= 0) or (
-            regression.gamma is not None and regression.gamma <= 0
-        ):
-            raise UserError("strategy.regression.ridge and strategy.regression.gamma (when set) must be > 0")
-        if self.optim.max_steps < 1 or self.optim.batch_size < 1:
-            raise UserError("optim.max_steps and optim.batch_size must be >= 1")
-        if self.optim.gradient_accumulation_steps < 1:
-            raise UserError("optim.gradient_accumulation_steps must be >= 1")
-        if self.optim.questions_per_step is not None and self.optim.questions_per_step < 1:
-            raise UserError("optim.questions_per_step must be >= 1 (or null)")
+        if self.strategy.regression.kernel not in KERNELS:
+            raise UserError(
+                f"strategy.regression.kernel must be one of {KERNELS}, got {self.strategy.regression.kernel!r}"
+            )
         return self
+
+
+# The range of every numeric setting, written as an interval ("[1, inf)": 1 and up; "(0, inf)": any positive
+# number). NaN is in none of them. A numeric field without an entry here fails tests/test_train_config.py.
+NUMERIC_RANGES: dict[str, str] = {
+    "algorithm": "[1, 2]",
+    # accelerate's set_seed seeds numpy's legacy generator, which takes [0, 2^32).
+    "seed": "[0, 4294967295]",
+    "beta": "(0, inf)",
+    "reader_temperature": "(0, inf)",
+    "log_every": "[1, inf)",
+    "eval_every": "[0, inf)",  # 0: only at the end
+    "save_every": "[0, inf)",  # 0: only at the end
+    "keep_last": "[1, inf)",  # fewer would delete the checkpoint just written
+    "max_nonfinite_in_a_row": "[1, inf)",
+    "dist_timeout_s": "[10, inf)",
+    "data.max_train_examples": "[1, inf)",
+    "data.max_dev_examples": "[1, inf)",
+    "data.dev_subcorpus_k": "[1, inf)",
+    "data.toy_world.num_passages": "[100, inf)",  # the generator's own minimum, told before the run starts
+    "data.toy_world.seed": "[0, 4294967295]",
+    "retriever.collapse_cosine": "(-1, 1]",
+    "retriever.align_steps": "[0, inf)",
+    "retriever.align_kl": "[0, inf)",
+    "retriever.align_every": "[1, inf)",
+    "retriever.align_patience": "[1, inf)",
+    "retriever.query_max_length": "[1, inf)",
+    "retriever.passage_max_length": "[1, inf)",
+    "retriever.dropout": "[0, 1)",
+    "reader.vocab_size": "[300, inf)",  # byte-level BPE: 256 bytes + the specials
+    "reader.d_model": "[1, inf)",
+    "reader.d_ff": "[1, inf)",
+    "reader.num_layers": "[1, inf)",
+    "reader.num_decoder_layers": "[1, inf)",
+    "reader.num_heads": "[1, inf)",
+    "reader.d_kv": "[1, inf)",
+    "reader.dropout_rate": "[0, 1)",
+    "reader.max_passage_length": "[1, inf)",
+    "reader.max_answer_length": "[1, inf)",
+    "reader.num_passages": "[1, inf)",
+    "reader.warm_start_layers": "[1, inf)",
+    "schedule.gold_passage_steps": "[0, inf)",
+    "schedule.reader_only_steps": "[0, inf)",
+    "schedule.final_reader_only_steps": "[0, inf)",
+    "buffer.batch_size": "[1, inf)",
+    "buffer.chunk_size": "[1, inf)",
+    "corrector.hidden_dim": "[1, inf)",
+    "corrector.hidden_mult": "[1, inf)",
+    "corrector.num_hidden_layers": "[0, inf)",  # 0: the residual and the optional linear term alone
+    "corrector.weight": "[0, inf)",
+    "strategy.k": "[1, inf)",
+    "strategy.refresh_every": "[1, inf)",
+    "strategy.snm_size": "[1, inf)",
+    "strategy.num_random": "[0, inf)",
+    "strategy.candidates": "[1, inf)",
+    "strategy.nprobe": "[1, inf)",
+    "strategy.overlap_every": "[1, inf)",
+    "strategy.cache_corrected_mb": "[0, inf)",
+    "strategy.regression.samples": "[1, inf)",
+    "strategy.regression.landmarks": "[1, inf)",
+    "strategy.regression.gamma": "(0, inf)",
+    "strategy.regression.ridge": "(0, inf)",
+    # 0 is allowed: a learning rate of 0 holds a component fixed.
+    "optim.lr_reader": "[0, inf)",
+    "optim.lr_retriever": "[0, inf)",
+    "optim.lr_corrector": "[0, inf)",
+    "optim.weight_decay": "[0, inf)",
+    "optim.warmup_steps": "[0, inf)",
+    "optim.max_steps": "[1, inf)",
+    "optim.batch_size": "[1, inf)",
+    "optim.gradient_accumulation_steps": "[1, inf)",
+    "optim.questions_per_step": "[1, inf)",
+    "optim.max_grad_norm": "[0, inf)",  # 0: no clipping
+}
+
+_INTERVAL = re.compile(r"([\[(])(-?[\d.]+|-inf), (-?[\d.]+|inf)([\])])")
+
+
+def numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, bool]]:
+    """(dotted name, may be null) of every int or float field of dataclass `cls` and its sections."""
+    found = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if _is_dataclass_type(tp):
+            found += numeric_fields(tp, f"{prefix}{name}.")
+            continue
+        args = set(typing.get_args(tp)) if typing.get_origin(tp) in (typing.Union, types.UnionType) else {tp}
+        kinds = args - {type(None)}
+        if kinds and kinds <= {int, float}:
+            found.append((f"{prefix}{name}", type(None) in args))
+    return found
+
+
+def _lookup(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _check_range(name: str, value: Any, interval: str, optional: bool) -> None:
+    if value is None and optional:
+        return
+    opening, low, high, closing = _INTERVAL.fullmatch(interval).groups()
+    low, high = float(low), float(high)
+    inside = (
+        isinstance(value, int | float)
+        and math.isfinite(value)
+        and (low <= value if opening == "[" else low < value)
+        and (value <= high if closing == "]" else value < high)
+    )
+    if inside:
+        return
+    # An int field is never NaN or infinite; a float one is told why nan or inf is refused.
+    number = "a finite number " if isinstance(value, float) else ""
+    if high == math.inf:
+        wanted = f"{number}{'>=' if opening == '[' else '>'} {low:g}"
+    else:
+        wanted = f"{number}in {interval}"
+    raise UserError(f"{name} must be {wanted}{' (or null)' if optional else ''}, got {value!r}")
 
 
 def _is_dataclass_type(tp: Any) -> bool:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
+from pathlib import Path
 
+from atomicio import foreign_entries
 from reader.errors import InputError as ReaderInputError
 from retriever.errors import InputError as RetrieverInputError
 
@@ -29,6 +32,39 @@ def read_json_file(path: str | os.PathLike, remedy: str):
             return json.load(f)
     except json.JSONDecodeError as err:
         raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); {remedy}") from None
+
+
+def check_output_folder(
+    folder: str | os.PathLike, own: Iterable[str], command: str, option: str = "--out"
+) -> None:
+    """Refuse an output folder that holds anything but `command`'s own files (glob patterns `own`).
+
+    The command replaces or adds to what is there, so a folder of something else (a run, a checkpoint) would
+    lose files or get ours mixed into it. Its own earlier output, an unfinished one included, is accepted:
+    rebuilt, or resumed where the command resumes. Checked before the work starts."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path} is a file; `{command}` writes a folder: choose another path")
+    foreign = [name + "/" if (path / name).is_dir() else name for name in foreign_entries(path, own)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise UserError(
+            f"{option} {path} holds files `{command}` did not write ({shown}); choose a new or empty folder, "
+            "or remove this one first"
+        )
+
+
+def not_utf8(path: str | os.PathLike, line_no: int, line: bytes) -> UserError:
+    """The error for a line of a data file that is not UTF-8, naming the first bad byte and where it is."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        where = f"byte 0x{line[err.start]:02x} at offset {err.start} of the line"
+    else:  # valid UTF-8 that json.loads took for UTF-16 or UTF-32 from its NUL bytes
+        where = "NUL bytes: UTF-16 or UTF-32?"
+    return UserError(
+        f"{path}:{line_no}: not UTF-8 ({where}); convert the file to UTF-8, e.g. `iconv -f latin1 -t utf-8`"
+    )
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

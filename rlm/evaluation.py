@@ -218,7 +218,9 @@ def read(
     )
 
 
-def decide_all(answered, retrieved, corpus, num_passages: int, policy, retrieved_reading: bool) -> list:
+def decide_all(
+    answered, questions, retrieved, corpus, num_passages: int, policy, retrieved_reading: bool
+) -> list:
     """The answer policy's decision on each (answer, reader probability); without a policy, or when what was
     read is not the retrieved top (closed book, gold passages), every answer stands with the reader's own
     probability as its confidence."""
@@ -227,10 +229,12 @@ def decide_all(answered, retrieved, corpus, num_passages: int, policy, retrieved
     if policy is None or retrieved is None or not retrieved_reading:
         return [Decision(probability, False, None) for _, probability in answered]
     decisions = []
-    for (answer, probability), ids, scores in zip(answered, retrieved.ids, retrieved.scores):
-        top = corpus[corpus.index_of(ids[0])] if ids else None
-        top_text = f"{top.title} {top.text}" if top is not None else None
-        signals = AnswerSignals.of(answer, probability, scores[:num_passages], top_text)
+    for (answer, probability), question, ids, scores in zip(
+        answered, questions, retrieved.ids, retrieved.scores
+    ):
+        read = [corpus[corpus.index_of(pid)] for pid in ids[:num_passages]]
+        texts = [f"{p.title} {p.text}" for p in read]
+        signals = AnswerSignals.of(answer, probability, scores[:num_passages], texts, question)
         decisions.append(policy.decide(signals))
     return decisions
 
@@ -347,7 +351,8 @@ def run_evaluation(
         )
         timings["read_seconds"] = time.perf_counter() - start
         predictions = [answer for answer, _ in answered]
-        decisions = decide_all(answered, retrieved, corpus, num_passages, policy, read_ids is None)
+        questions = [ex.question for ex in examples]
+        decisions = decide_all(answered, questions, retrieved, corpus, num_passages, policy, read_ids is None)
         metrics.update(evaluate_reader(predictions, examples))
         metrics.update(selective_scores(predictions, examples, decisions))
         metrics["reader_passages"] = 0 if closed_book else num_passages

@@ -68,8 +68,10 @@ def load_examples(name: str, split: str, path: str | None, limit: int | None) ->
     return examples[:limit] if limit else examples
 
 
-def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) -> FiDReader:
-    """A saved / HF reader when `reader.path` is set; else the small T5 with a tokenizer trained on this data."""
+def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample], accelerator=None) -> FiDReader:
+    """A saved / HF reader when `reader.path` is set; else the small T5 with a tokenizer trained on this data.
+
+    `accelerator`: the run's processes, which all call this (`reader_tokenizer` waits for the main one)."""
     rc = cfg.reader
     lengths = {"max_passage_length": rc.max_passage_length, "max_answer_length": rc.max_answer_length}
     template = {"template": rc.template} if rc.template else {}
@@ -84,15 +86,7 @@ def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) ->
             ) from err
     if rc.arch == "warm_start":
         return build_warm_started_reader(rc, fid_config, seed=cfg.seed)
-    tok_dir = Path(cfg.output_dir) / "tokenizer"
-    if rc.tokenizer:
-        tokenizer = load_tokenizer(rc.tokenizer)
-    elif (tok_dir / "tokenizer.json").exists():  # a resumed run keeps the tokenizer it started with
-        tokenizer = load_tokenizer(tok_dir)
-    else:
-        texts = [f"{p.title} {p.text}" for p in corpus]
-        texts += [ex.question for ex in examples] + [a for ex in examples for a in ex.answers]
-        tokenizer = train_tokenizer(texts, vocab_size=rc.vocab_size, save_dir=tok_dir)
+    tokenizer = reader_tokenizer(cfg, corpus, examples, accelerator)
     model_config = SmallT5Config(
         d_model=rc.d_model,
         d_ff=rc.d_ff,
@@ -103,6 +97,26 @@ def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]) ->
         dropout_rate=rc.dropout_rate,
     )
     return FiDReader.from_config(tokenizer, model_config, fid_config, seed=cfg.seed)
+
+
+def reader_tokenizer(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample], accelerator=None):
+    """The small T5's tokenizer: `reader.tokenizer`, else the run's own in `<output_dir>/tokenizer`.
+
+    The run's own is trained on its passages, questions and answers by the main process alone, which saves it
+    as one folder renamed into place; the other processes wait for it and load it, so every process reads
+    with the same vocabulary and no two write the same files. A resumed run keeps the one it started with.
+    """
+    if cfg.reader.tokenizer:
+        return load_tokenizer(cfg.reader.tokenizer)
+    tok_dir = Path(cfg.output_dir) / "tokenizer"
+    trained = None
+    if (accelerator is None or accelerator.is_main_process) and not (tok_dir / "tokenizer.json").exists():
+        texts = [f"{p.title} {p.text}" for p in corpus]
+        texts += [ex.question for ex in examples] + [a for ex in examples for a in ex.answers]
+        trained = train_tokenizer(texts, vocab_size=cfg.reader.vocab_size, save_dir=tok_dir)
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return trained if trained is not None else load_tokenizer(tok_dir)
 
 
 def build_warm_started_reader(rc: ReaderConfig, fid_config: FiDConfig, seed: int) -> FiDReader:
@@ -124,7 +138,7 @@ def build_warm_started_reader(rc: ReaderConfig, fid_config: FiDConfig, seed: int
 
 
 def load_or_build_buffer(
-    cfg: TrainConfig, retriever: DualEncoder, corpus: Corpus, accelerator=None
+    cfg: TrainConfig, retriever: DualEncoder, corpus: Corpus, accelerator=None, check=None
 ) -> PassageBuffer:
     """B = g(y; Theta_0) for every passage: loaded and verified when it exists, built once otherwise.
 
@@ -151,6 +165,7 @@ def load_or_build_buffer(
             dtype=cfg.buffer.dtype,
             accelerator=accelerator,
             corpus_fingerprint=corpus.fingerprint,
+            check=check,  # a stop signal ends the build between batches; a rerun resumes it
         )
     if len(buffer) != len(corpus):
         raise UserError(f"buffer {buffer_dir} has {len(buffer)} rows but the corpus has {len(corpus)}")
@@ -188,7 +203,10 @@ def load_dev_examples(cfg: TrainConfig) -> list[QAExample]:
     return load_examples(data.dev, data.dev_split, dev_path, data.max_dev_examples) if data.dev else []
 
 
-def build_components(cfg: TrainConfig, accelerator=None) -> Components:
+def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Components:
+    if accelerator is not None:
+        with accelerator.main_process_first():  # a toy world is generated once, then read by the others
+            resolve_data(cfg)
     corpus = load_corpus(resolve_data(cfg)[0])
     train_examples = load_train_examples(cfg)
     dev_examples = load_dev_examples(cfg)
@@ -208,11 +226,11 @@ def build_components(cfg: TrainConfig, accelerator=None) -> Components:
             )
 
     retriever = build_retriever(cfg)
-    buffer = load_or_build_buffer(cfg, retriever, corpus, accelerator)
+    buffer = load_or_build_buffer(cfg, retriever, corpus, accelerator, check)
 
     reader = collator = None
     if cfg.algorithm == 2:
-        reader = build_reader(cfg, corpus, train_examples)
+        reader = build_reader(cfg, corpus, train_examples, accelerator)
         collator = reader.collator  # carries the reader's own template and lengths (fid_config.json)
     corrector = None
     if strategy_class(cfg.strategy.name).uses_corrector:

@@ -8,21 +8,22 @@ optimizer step for any process count.
 
 Data order is a pure function of (seed, micro-step): each epoch is a seeded permutation of the training set,
 and process r of W takes its slice of every global batch. Resuming at micro-step m therefore sees exactly the
-batches an uninterrupted run would, with no dataloader state to restore. Checkpoints are accelerate
-`save_state` folders (model, optimizer, scheduler, RNG states, the strategy and the counters) written to a
-temporary folder and renamed into place, so a kill leaves either the old or the new checkpoint, never half.
+batches an uninterrupted run would, with no dataloader state to restore. Checkpoints, the run folder's
+ownership and resuming are `rlm.checkpointing`; stop signals are `rlm.preemption`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,31 +33,33 @@ from accelerate.utils import (
     DistributedDataParallelKwargs,
     DistributedType,
     InitProcessGroupKwargs,
+    broadcast_object_list,
     gather_object,
     set_seed,
 )
 from tqdm.auto import tqdm
 
-from atomicio import atomic_write_json, atomic_write_text
+from atomicio import atomic_directory, atomic_write_json, atomic_write_text
 from retriever.alignment import alignment_metrics
+from rlm import checkpointing
+from rlm.checkpointing import checkpoints
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.data.corpus import Corpus
 from rlm.errors import UserError
 from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
 from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
+from rlm.preemption import EXIT_PREEMPTED, Preempted, StopSignals
 from rlm.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps
 from rlm.setup import build_components
 from rlm.steps import Batch
 from rlm.strategies import Processes, SelectionStrategy, make_strategy
 from rlm.validation import PassageEmbeddingCache, subcorpus_path, validate
 
-CHECKPOINT_PREFIX = "step_"
-
 
 @dataclass
 class TrainState:
-    """Counters that must survive a resume (saved with the checkpoint through accelerate)."""
+    """Counters that must survive a resume (saved with the checkpoint, as JSON)."""
 
     step: int = 0  # optimizer steps done
     nonfinite_total: int = 0
@@ -162,37 +165,6 @@ def check_gold_passages(examples, corpus) -> None:
                 ) from None
 
 
-def checkpoints(output_dir: Path) -> list[Path]:
-    folder = output_dir / "checkpoints"
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
-
-
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, keep_last: int) -> Path:
-    """accelerate save_state into a temp folder, then an atomic rename; keep the last `keep_last`.
-
-    Not `atomicio.atomic_directory`: every process writes its own files into the one temporary folder, and
-    only the main process renames it once all have finished."""
-    final = output_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:07d}"
-    tmp = final.with_name(f".tmp-{final.name}")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
-
-
 def lr_lambda(warmup: int, total: int):
     """Linear warm-up, then linear decay to 10% of the peak."""
 
@@ -214,6 +186,10 @@ def build_optimizer(model: RetrievalAugmentedModel, strategy, optim_cfg) -> torc
     return torch.optim.AdamW(groups, weight_decay=optim_cfg.weight_decay, fused=fused)
 
 
+# Rows re-embedded between two looks at the stop signals (a few seconds of a GPU's work).
+REEMBED_PART_ROWS = 16384
+
+
 @dataclass
 class TrainRun:
     """What one run holds: made by `build_run`, advanced one optimizer step at a time by `train_step`."""
@@ -231,6 +207,8 @@ class TrainRun:
     accumulation_steps: int
     # Passage embeddings of the last validation, reused while the passage tower is unchanged.
     validation_cache: PassageEmbeddingCache = field(default_factory=PassageEmbeddingCache)
+    # SIGTERM / SIGUSR1 received (`rlm.preemption`): checked between steps and inside long refreshes.
+    stops: StopSignals = field(default_factory=StopSignals)
 
     @property
     def raw(self) -> RetrievalAugmentedModel:
@@ -239,10 +217,17 @@ class TrainRun:
     # Refreshes and validation run in the training step's precision (accelerate's autocast: a no-op unless
     # mixed_precision is set); only the fixed buffer B, built once and shared by runs, is always float32.
     def reembed(self, rows) -> torch.Tensor:
+        """The rows embedded by the current passage tower, in parts between which a stop signal ends the
+        refresh (a refresh of a large corpus outlasts a scheduler's grace)."""
         with self.accelerator.autocast():
             tower = self.raw.retriever.passage_tower
             texts = self.corpus.retrieval_texts()
-            return embed_rows(tower, texts, rows, batch_size=self.cfg.buffer.batch_size)
+            parts = []
+            for start in range(0, max(len(rows), 1), REEMBED_PART_ROWS):
+                self.stops.check(self.state.step)
+                part = rows[start : start + REEMBED_PART_ROWS]
+                parts.append(embed_rows(tower, texts, part, batch_size=self.cfg.buffer.batch_size))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def validate(self, subcorpus: bool = True, selection: bool = False) -> dict[str, float]:
         """Dev metrics, the work sharded across the processes (every process must call it); `selection`:
@@ -260,6 +245,33 @@ class TrainRun:
                 cache=self.validation_cache,
                 strategy=self.strategy if selection else None,
             )
+
+    def save(self, prune: bool = True) -> Path:
+        """A checkpoint of the current step (every process must call it)."""
+        state = {
+            "train": self.state.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "processes": self.accelerator.num_processes,
+        }
+        output_dir = Path(self.cfg.output_dir)
+        return checkpointing.save_checkpoint(
+            self.accelerator,
+            output_dir,
+            self.state.step,
+            self.cfg.keep_last,
+            state,
+            dump_config(self.cfg),
+            prune,
+        )
+
+    def load(self, folder: Path) -> None:
+        """Continue from checkpoint `folder` (verified and checked by `find_checkpoint`)."""
+        self.accelerator.load_state(str(folder))
+        state = checkpointing.read_state(folder)
+        self.state.load_state_dict(state["train"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.strategy.load_state_dict(state["strategy"])
 
     def batch(self, step: int, micro: int) -> Batch:
         """This process's questions at micro-step `micro` of optimizer step `step`."""
@@ -282,10 +294,12 @@ def launched_with_deepspeed() -> bool:
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     cuda, deepspeed = torch.cuda.is_available(), launched_with_deepspeed()
-    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]
-    if deepspeed and not cuda:
-        # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
+    backend = {"backend": "gloo"} if deepspeed and not cuda else {}
+    handlers = [
+        DistributedDataParallelKwargs(find_unused_parameters=True),
+        InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout_s), **backend),
+    ]
     # Training runs on CPU without CUDA, or with cfg.cpu (which DeepSpeed ignores: it finds the GPU itself).
     on_cpu = not cuda or (cfg.cpu and not deepspeed)
     mixed_precision, message = cfg.mixed_precision, None
@@ -347,20 +361,66 @@ def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps:
             )
 
 
-def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: bool = False) -> TrainRun:
-    """Data, models, the fixed buffer B, the strategy, optimizer and schedule, prepared by accelerate."""
+def claim_run_folder(
+    accelerator: Accelerator, cfg: TrainConfig, resume: bool, overwrite: bool, allow_changed=()
+) -> Path | None:
+    """Make `cfg.output_dir` this run's; returns the checkpoint to continue from (None: start fresh).
+
+    The main process decides (a folder holding a run needs --resume or --overwrite; the newest checkpoint
+    that verifies, with no code in its pickles and the same settings) and every process gets its verdict, so
+    an error stops all of them with the same message."""
+    output_dir = Path(cfg.output_dir)
+    verdict: list = [None, None]  # (checkpoint, error)
+    if accelerator.is_main_process:
+        try:
+            checkpointing.claim_output_dir(output_dir, resume, overwrite)
+            found = checkpointing.latest_good_checkpoint(output_dir, accelerator.print) if resume else None
+            if found is not None:
+                checkpointing.check_pickles(found)
+                saved = checkpointing.read_state(found).get("processes")
+                for change in checkpointing.check_settings(
+                    found, dump_config(cfg), accelerator.num_processes, saved, allow_changed
+                ):
+                    accelerator.print(f"resuming with a changed setting (allowed): {change}")
+            elif resume and checkpoints(output_dir):
+                raise UserError(f"--resume: no checkpoint under {output_dir / 'checkpoints'} is complete")
+            verdict = [None if found is None else str(found), None]
+        except UserError as err:
+            verdict = [None, str(err)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(verdict, from_process=0)
+    if verdict[1] is not None:
+        raise UserError(verdict[1])
+    if resume and verdict[0] is None:
+        accelerator.print(f"--resume: no checkpoint under {output_dir / 'checkpoints'}, starting fresh")
+    return None if verdict[0] is None else Path(verdict[0])
+
+
+def build_run(
+    cfg: TrainConfig,
+    accelerator: Accelerator | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    allow_changed=(),
+    stops: StopSignals | None = None,
+) -> TrainRun:
+    """Data, models, the fixed buffer B, the strategy, optimizer and schedule, prepared by accelerate; a stop
+    signal (`stops`) ends a buffer build between batches with `Preempted`."""
+    stops = stops or StopSignals()
     accelerator = accelerator or make_accelerator(cfg)
     accum = cfg.optim.accumulation_steps(accelerator.num_processes)
     accelerator.gradient_accumulation_steps = accum
     configure_deepspeed(accelerator, cfg.optim, accum)
     set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
+    resume_from = claim_run_folder(accelerator, cfg, resume, overwrite, allow_changed)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))  # read back by evaluate, resume
+    accelerator.wait_for_everyone()
 
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
-    parts = build_components(cfg, accelerator)
+    parts = build_components(cfg, accelerator, check=lambda: stops.check(0))
     if cfg.algorithm == 2 and cfg.schedule.gold_passage_steps:
         check_gold_passages(parts.train_examples, parts.corpus)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
@@ -390,7 +450,6 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
     # The scheduler is not handed to accelerate: `train_step` steps it exactly once per optimizer step taken.
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
-    accelerator.register_for_checkpointing(state, strategy, scheduler)
     run = TrainRun(
         cfg,
         accelerator,
@@ -403,20 +462,17 @@ def build_run(cfg: TrainConfig, accelerator: Accelerator | None = None, resume: 
         scheduler,
         state,
         accum,
+        stops=stops,
     )
     ensure_dev_subcorpus(run)
     # The steps' randomness (dropout) depends on the seed alone, not on which components were built before
     # (a corrector's initialisation draws from the same generator): runs of different strategies draw alike.
     set_seed(cfg.seed)
-    if resume:
-        found = checkpoints(output_dir)
-        if found:
-            accelerator.load_state(str(found[-1]))
-            accelerator.print(f"resumed from {found[-1]} at step {state.step}")
-            if state.align_end is not None:
-                strategy.start_step = state.align_end
-        else:
-            accelerator.print(f"--resume: no checkpoint under {output_dir / 'checkpoints'}, starting fresh")
+    if resume_from is not None:
+        run.load(resume_from)
+        accelerator.print(f"resumed from {resume_from} at step {state.step}")
+        if state.align_end is not None:
+            strategy.start_step = state.align_end
     return run
 
 
@@ -517,13 +573,38 @@ def _zero_loss(run: TrainRun, loss: torch.Tensor) -> torch.Tensor:
     return loss.nan_to_num(0.0) * 0.0
 
 
+@contextlib.contextmanager
+def engine_step_held(run: TrainRun, hold: bool) -> Iterator[None]:
+    """Under DeepSpeed the last backward of a window runs the optimizer step itself, on the window's finite
+    micro-batches. For a skipped window that step must not move the parameters: every group's learning rate
+    is 0 for it (no update, no weight decay), restored after. AdamW's moments do take in the finite
+    micro-batches' gradients, which DDP's skip (no optimizer step at all, in `train_step`) leaves out."""
+    if not hold or run.accelerator.distributed_type != DistributedType.DEEPSPEED:
+        yield
+        return
+    groups = run.optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+
+
 def train_step(run: TrainRun) -> dict | None:
     """One optimizer step: refresh (if the strategy is due), an accumulation window of micro-batches, clip per
     component, step, schedule. Returns the step's log record, or None when a non-finite loss on any process
     skipped it (on every process alike)."""
     cfg, acc, state, strategy = run.cfg, run.accelerator, run.state, run.strategy
     strategy.begin_step(state.step)
-    strategy.before_step(state.step, run.reembed)
+    before = strategy.state_dict()
+    try:
+        strategy.before_step(state.step, run.reembed)
+    except Preempted:
+        strategy.load_state_dict(before)  # as after the last step: a checkpoint now redoes the refresh
+        raise
     reader_only = reader_only_step(cfg, state.step)
     sums: dict[str, float] = {}
     finite = True
@@ -533,10 +614,12 @@ def train_step(run: TrainRun) -> dict | None:
         with acc.accumulate(run.model):
             out = run.model(run.batch(state.step, micro), strategy, run.corpus, reader_only=reader_only)
             finite = finite_on_every_process(acc, out.loss) and finite
-            acc.backward(out.loss if finite else _zero_loss(run, out.loss))
+            last = micro == run.accumulation_steps - 1
+            with engine_step_held(run, hold=last and not finite):
+                acc.backward(out.loss if finite else _zero_loss(run, out.loss))
             for key, value in {"loss": float(out.loss.detach()), **out.metrics}.items():
                 sums[key] = sums.get(key, 0.0) + value / run.accumulation_steps
-    if not finite:  # (under DeepSpeed the engine has stepped already, on the finite micro-batches)
+    if not finite:
         run.optimizer.zero_grad(set_to_none=True)
         state.nonfinite_total += 1
         state.nonfinite_in_a_row += 1
@@ -616,22 +699,34 @@ def train(
     accelerator: Accelerator | None = None,
     prefix: str | Path | None = None,
     prefix_out: str | Path | None = None,
+    overwrite: bool = False,
+    allow_changed=(),
 ) -> dict:
     """Train `cfg`'s run to `optim.max_steps`, validate on dev, save `final/`; returns the summary.
 
-    `prefix`: a shared prefix (`rlm.prefix`: the gold-passage steps, which every strategy trains alike) that
-    a fresh run continues from instead of training those steps; `prefix_out`: train only those steps and save
-    them there as a prefix."""
-    if prefix is not None:
-        place_tokenizer(prefix, cfg)
-    run = build_run(cfg, accelerator, resume=resume)
-    acc, state, output_dir = run.accelerator, run.state, Path(cfg.output_dir)
+    A folder that holds a run needs `resume` (continue its newest complete checkpoint, with the same settings
+    but those in `allow_changed`) or `overwrite` (start over). `prefix`: a shared prefix (`rlm.prefix`: the
+    gold-passage steps, which every strategy trains alike) that a fresh run continues from instead of training
+    those steps; `prefix_out`: train only those steps and save them there as a prefix. SIGTERM or SIGUSR1
+    ends the run after the current step with a checkpoint, raising `Preempted`."""
+    accelerator = accelerator or make_accelerator(cfg)
+    if prefix is not None and accelerator.is_main_process:
+        place_tokenizer(prefix, cfg)  # the other processes load it when they build the reader
+    stops = StopSignals()
+    with stops.installed():
+        run = build_run(cfg, accelerator, resume, overwrite, allow_changed, stops)
+        return train_loop(run, prefix, prefix_out)
+
+
+def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
+    """The steps from where `run` stands to the end, then the final validation and `final/`."""
+    cfg, acc, state, output_dir = run.cfg, run.accelerator, run.state, Path(run.cfg.output_dir)
     log_path = output_dir / "log.jsonl"
     prefix_log = load_prefix(run, prefix) if prefix is not None and state.step == 0 else None
     if acc.is_main_process:
         acc.init_trackers("rlm")
         if prefix_log is None:
-            _truncate_log(log_path, state.step)
+            checkpointing.repair_log(log_path, state.step)
         else:
             atomic_write_text(log_path, "".join(line + "\n" for line in prefix_log))
     stop = shared_steps(cfg) if prefix_out is not None else cfg.optim.max_steps
@@ -644,13 +739,18 @@ def train(
     run.model.train()
     t_last, steps_since_log = time.time(), 0
     while state.step < stop:
-        record = train_step(run)
+        try:
+            record = train_step(run)
+        except Preempted as err:  # mid-refresh; one process is at a point a checkpoint can be made from
+            if acc.num_processes > 1:
+                raise
+            raise Preempted(err.signum, state.step, run.save()) from None
         if record is None:
             acc.print(
                 f"step {state.step}: non-finite loss, step skipped ({state.nonfinite_in_a_row} in a row)"
             )
             if state.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
-                path = save_checkpoint(acc, output_dir, state.step, cfg.keep_last)
+                path = run.save(prune=False)  # the good checkpoints before it stay
                 raise NonFiniteLossError(
                     f"{state.nonfinite_in_a_row} non-finite losses in a row at step {state.step}; the last good "
                     f"state is saved in {path}. Lower the learning rates or use mixed_precision=no, then --resume."
@@ -673,10 +773,14 @@ def train(
             acc.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=state.step)
             with open(log_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
+        signum = run.stops.requested_anywhere(acc)
+        if signum is not None:
+            progress.close()
+            raise Preempted(signum, state.step, run.save())
         if cfg.save_every and state.step % cfg.save_every == 0:
-            save_checkpoint(acc, output_dir, state.step, cfg.keep_last)
+            run.save()
         if acc.is_main_process:  # refreshed rows that no kept checkpoint and not this step needs
-            kept = [int(p.name[len(CHECKPOINT_PREFIX) :]) for p in checkpoints(output_dir)]
+            kept = [checkpointing.checkpoint_step(p) for p in checkpoints(output_dir)]
             run.strategy.prune_refreshes(kept)
 
     progress.close()
@@ -698,8 +802,11 @@ def train(
         # Validations whose passage embeddings were reused (the tower had not moved since the last one).
         summary["validation_embeddings_reused"] = run.validation_cache.hits
     if acc.is_main_process:
-        run.raw.save_pretrained(output_dir / "final")
-        atomic_write_text(output_dir / "final" / "config.yaml", dump_config(cfg))
+        with atomic_directory(
+            output_dir / "final"
+        ) as tmp:  # whole or not at all: no new retriever beside an old reader
+            run.raw.save_pretrained(tmp)
+            atomic_write_text(tmp / "config.yaml", dump_config(cfg))
         atomic_write_json(output_dir / "summary.json", summary)
     acc.end_training()
     return summary
@@ -717,36 +824,52 @@ def check_collapse(cfg: TrainConfig, metrics: dict, step: int) -> None:
         )
 
 
-def _truncate_log(log_path: Path, step: int) -> None:
-    """Drop log records past `step`: a killed run may have logged steps its last checkpoint does not hold."""
-    if not log_path.exists():
-        return
-    keep = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    atomic_write_text(log_path, "".join(line + "\n" for line in keep))
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlm train", description="Joint training (Algorithm 2 or 1).")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """`python -m rlm.train` and `accelerate launch -m rlm.train`: `rlm train`, with its error handling."""
+    from rlm.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML run config (configs/*.yaml); defaults when omitted")
     add_override_argument(parser)
     parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in output_dir (with the same settings)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an output_dir that holds a run (its checkpoints, log and final models are deleted)",
+    )
+    parser.add_argument(
+        "--allow-changed",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: accept this setting differing from the checkpoint's (e.g. optim.max_steps to "
+        "train longer); repeat for several",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    from rlm.cli import main_process
+
     cfg = load_config(args.config, args.overrides)
     try:
-        summary = train(cfg, resume=args.resume)
-    except NonFiniteLossError as err:
-        print(f"error: {err}", file=sys.stderr)
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_changed=args.allow_changed)
+    except Preempted as err:
+        if main_process():
+            print(f"rlm train: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except (NonFiniteLossError, RepresentationCollapseError) as err:
+        if main_process():
+            print(f"error: {err}", file=sys.stderr)
         return 1
-    print(json.dumps(summary, indent=2))
+    if main_process():
+        print(json.dumps(summary, indent=2))
     return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in summary.values()) else 1
 
 

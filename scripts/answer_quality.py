@@ -123,7 +123,7 @@ def policy_rows(
         picked = [r for r, q in zip(refused, unanswerable) if q.meta["type"] == kind]
         rows[f"abstained_{kind}"] = float(np.mean([r["abstained"] for r in picked]))
     if out_of_corpus is not None:
-        outside = read_qa_jsonl(out_of_corpus)[:num_out]
+        outside = read_qa_jsonl(out_of_corpus, allow_empty_answers=True)[:num_out]
         results = answer_all(service, outside, k)
         rows["out_of_corpus_questions"] = len(outside)
         rows["out_of_corpus_source"] = str(out_of_corpus)
@@ -236,4 +236,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from rlm.errors import user_errors
+
+    try:
+        raise SystemExit(main())
+    except user_errors() as err:
+        raise SystemExit(f"error: {err}") from None

@@ -87,7 +87,7 @@ def per_phase(args) -> tuple[dict, float]:
     for name in ("stale", "corrector", "exhaustive"):
         AcceleratorState._reset_state(reset_partial_state=True)
         cfg = load_config(ROOT / "configs" / "quickstart.yaml", [*overrides, f"strategy.name={name}"])
-        run = build_run(cfg)
+        run = build_run(cfg, overwrite=True)
         # What the steps ran in: bf16 falls back to "no" on a CPU without native bf16 (rlm.precision).
         args.effective_mixed_precision = run.accelerator.mixed_precision
         timer = PhaseTimer()

@@ -170,7 +170,7 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
     if cached.exists() and json.loads(cached.read_text()).get("key") == key:
         return json.loads(cached.read_text())["result"]
     start = time.time()
-    summary = train(cfg)
+    summary = train(cfg, overwrite=True)  # the script owns this folder: a rerun starts over
     wall = time.time() - start
     log = [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
     tail = log[-max(1, len(log) // 4) :]

@@ -115,7 +115,7 @@ def train_steps(work: Path, device: str, name: str, *extra: str) -> str:
 
     fresh_accelerate_state()
     cfg = load_config(None, overrides(work, f"train_{name}", device, "data.dev=null", *extra))
-    run = build_run(cfg)
+    run = build_run(cfg, overwrite=True)
     wrong = {p.device.type for p in run.raw.parameters()} - {device}
     if wrong:
         raise RuntimeError(f"parameters on {wrong}, expected {device}")
@@ -136,7 +136,7 @@ def train_and_save(work: Path, device: str) -> Path:
 
     fresh_accelerate_state()
     cfg = load_config(None, overrides(work, "final_run", device))
-    summary = train(cfg)
+    summary = train(cfg, overwrite=True)  # the script owns this folder: a rerun starts over
     if "dev_exact_match" not in summary:
         raise RuntimeError(f"no dev metrics in {summary}")
     return work / "final_run" / "final"

@@ -41,7 +41,7 @@ def main() -> None:
     add_override_argument(parser)
     args = parser.parse_args()
     cfg = load_config(None, args.overrides)
-    run = build_run(cfg)
+    run = build_run(cfg, overwrite=True)
     acc, model = run.accelerator, run.raw.eval()
     procs = processes(acc)
     with torch.no_grad():  # a corrector that is not the identity, the same on every process

@@ -1,6 +1,7 @@
 """Run by tests/test_train_multiprocess.py under `accelerate launch`: the real `build_run` + `train_step`, with
 instruments a single process cannot have: a NaN injected on one rank only, a record of accelerate's micro-step
-counter at each optimizer step, and a digest of every parameter after the run (one JSON file per rank).
+counter at each optimizer step, whether a skipped step moved any parameter, and a digest of every parameter
+after the run (one JSON file per rank).
 
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml tests/multiprocess_train.py OUT_DIR \
         [--nan-rank R --nan-call C] --set key=value ...
@@ -27,7 +28,7 @@ def main() -> None:
     add_override_argument(parser)
     args = parser.parse_args()
     cfg = load_config(None, args.overrides)
-    run = build_run(cfg)
+    run = build_run(cfg, overwrite=True)
     acc = run.accelerator
     raw = run.raw
 
@@ -53,20 +54,23 @@ def main() -> None:
 
     run.optimizer.step = recorded_step
 
+    def params_sha256() -> str:
+        digest = hashlib.sha256()
+        for name, param in sorted(raw.named_parameters()):
+            digest.update(name.encode())
+            digest.update(param.detach().float().contiguous().numpy().tobytes())
+        return digest.hexdigest()
+
     run.model.train()
-    records, skipped_at = [], []
+    records, skipped_at, skipped_moved = [], [], []
     while run.state.step < cfg.optim.max_steps:
-        before = run.state.step
+        before, weights = run.state.step, params_sha256()
         record = train_step(run)
         if record is None:
             skipped_at.append(before)
+            skipped_moved.append(params_sha256() != weights)  # a skipped window must leave them as they were
         else:
             records.append(record)
-
-    digest = hashlib.sha256()
-    for name, param in sorted(raw.named_parameters()):
-        digest.update(name.encode())
-        digest.update(param.detach().float().contiguous().numpy().tobytes())
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "rank": acc.process_index,
@@ -76,7 +80,8 @@ def main() -> None:
         "skipped_at": skipped_at,
         "optimizer_steps": optimizer_steps,
         "forward_calls": calls["n"],
-        "params_sha256": digest.hexdigest(),
+        "params_sha256": params_sha256(),
+        "skipped_moved_params": skipped_moved,
         "torch_threads": torch.get_num_threads(),
     }
     (args.out / f"rank{acc.process_index}.json").write_text(json.dumps(result, indent=2))

@@ -16,6 +16,7 @@ from rlm.answer_policy import (
     POLICY_FILE,
     AnswerPolicy,
     AnswerSignals,
+    QuestionWords,
     auroc,
     expected_calibration_error,
     fit_answer_policy,
@@ -71,13 +72,67 @@ def test_threshold_keeps_the_asked_share_of_correct_answers_and_abstains_below_i
     assert decision.confidence < policy.threshold
 
 
-def test_a_question_scoring_below_every_answerable_one_is_out_of_corpus():
+def test_a_question_scoring_far_below_the_answerable_ones_is_out_of_corpus():
     signals, correct = synthetic_reader(500, seed=3)
     policy = fit_answer_policy(signals, correct, [True] * len(signals))
-    assert policy.min_top_score == pytest.approx(np.quantile([s.scores[0] for s in signals], 0.01))
+    # Four standard deviations under the median of N(0.55, 0.08) scores: about 0.23, below all 500 of them.
+    assert policy.min_top_score == pytest.approx(0.55 - 4 * 0.08, abs=0.04)
+    assert policy.min_top_score < min(s.scores[0] for s in signals)
     far = AnswerSignals(0.99, [policy.min_top_score - 0.2, policy.min_top_score - 0.3], True)
     decision = policy.decide(far)
     assert decision.abstained and decision.reason.startswith("the corpus has nothing on this question")
+
+
+def person_questions(n: int, seed: int):
+    """Questions of one template about n invented people, each answered (reader probability 0.95, the answer
+    in the best passage, the same retrieval scores) from a passage that names the person asked (right) or from
+    another person's passage of the same relation (wrong): only question support tells them apart, as for the
+    hard unanswerable case."""
+    rng = np.random.default_rng(seed)
+    signals, correct = [], []
+    for i in range(n):
+        name, other = f"Pel{i}a Dor{seed}x{i}", f"Qua{i}o Vem{seed}y{i}"
+        right = bool(rng.random() < 0.5)
+        passage = f"{name if right else other} works as a chemist."
+        question = f"What is the occupation of {name}?"
+        signals.append(
+            AnswerSignals.of("chemist", 0.95, [0.7, 0.6], [passage, "Fofield is a city."], question)
+        )
+        correct.append(right)
+    return signals, np.array(correct)
+
+
+def test_question_support_weights_the_words_that_name_who_is_asked():
+    asked = [
+        AnswerSignals.of("x", 0.5, [0.5], [], f"What is the occupation of Ann{i} Lee{i}?") for i in range(9)
+    ]
+    weights = QuestionWords.fit([s.question for s in asked])
+    q = asked[0].question
+    # The template's words are in every fit question and weigh little; the name is rare and weighs most.
+    assert weights.weight("occupation") < 0.1 < weights.weight("ann0") == weights.weight("never_seen")
+    about_her = weights.support(
+        q, AnswerSignals.of("chemist", 0.9, [0.5], ["Ann0 Lee0 works as a chemist."], "").answer_passages[0]
+    )
+    about_other = weights.support(
+        q, frozenset({"bob", "ray", "works", "as", "a", "chemist", "the", "occupation"})
+    )
+    assert about_her > 0.9 and about_other < 0.1
+    # The answer's passage is the one the support is measured on, not the best-ranked one.
+    read = ["Fofield is a city.", "Ann0 Lee0 is a chemist."]
+    signals = AnswerSignals.of("chemist", 0.9, [0.7, 0.6], read, "What is the occupation of Ann0 Lee0?")
+    assert not signals.answer_in_top
+    assert signals.answer_passages == (frozenset({"ann0", "lee0", "is", "a", "chemist"}),)
+    assert signals.vector(weights)[-1] > 0.9
+
+
+def test_the_policy_tells_an_answer_about_the_person_asked_from_one_about_another():
+    signals, correct = person_questions(300, seed=0)
+    policy = fit_answer_policy(signals, correct, [True] * len(signals))
+    held_out, truth = person_questions(300, seed=1)  # other people: their names were never fitted
+    confidence = np.array([policy.confidence(s) for s in held_out])
+    assert auroc(confidence, truth) == 1.0
+    answered = np.array([not policy.decide(s).abstained for s in held_out])
+    assert answered[truth].mean() >= 0.95 and not answered[~truth].any()
 
 
 def test_policy_round_trips_through_the_checkpoint_and_bad_files_are_refused(tmp_path):

@@ -150,6 +150,51 @@ def test_batched_handler_keeps_order_and_isolates_refused_questions(service):
     assert passages[0].count('class="passage"') == 2 and passages[3].count('class="passage"') == 3
 
 
+@pytest.mark.parametrize(
+    "bad_question, bad_k, message",
+    [
+        ("ok", float("nan"), r"Passages \(top-k\) must be a number from 1 to \d+; got nan"),
+        ("ok", "three", r"Passages \(top-k\) must be a number .*; got 'three'"),
+        ("ok", float("inf"), r"Passages \(top-k\) must be a number .*; got inf"),
+        (["not", "text"], 2, r"The question must be text"),
+    ],
+)
+def test_one_bad_request_is_refused_alone_and_its_batch_is_answered(service, bad_question, bad_k, message):
+    """Gradio hands respond_batch up to 8 users' requests: one API client's NaN or text k, or a question that
+    is not text, gets its own message; the other users get the answers they would have got without it."""
+    from app.demo import respond_batch
+
+    good = [service.examples[0], service.examples[1]]
+    bad_question = service.examples[2] if bad_question == "ok" else bad_question
+    alone = respond_batch(service, good, [2, 2])
+    answers, statuses, passages, results = respond_batch(
+        service, [good[0], bad_question, good[1]], [2, bad_k, 2]
+    )
+    assert re.match("⚠️ " + message, statuses[1]) and answers[1] == passages[1] == ""
+    assert re.match(message, results[1]["error"])
+    assert [answers[0], answers[2]] == alone[0] and [passages[0], passages[2]] == alone[2]
+    assert [results[0]["passages"], results[2]["passages"]] == [r["passages"] for r in alone[3]]
+
+
+def test_a_question_that_breaks_the_service_fails_only_its_own_row(service, monkeypatch, capsys):
+    from app.demo import respond_batch
+
+    answer_many = service.answer_many
+
+    def breaks_on(questions, k, best_guess=False):
+        if "boom?" in questions:
+            raise RuntimeError("simulated bug")
+        return answer_many(questions, k, best_guess=best_guess)
+
+    monkeypatch.setattr(service, "answer_many", breaks_on)
+    questions = [service.examples[0], "boom?", service.examples[1]]
+    answers, statuses, passages, results = respond_batch(service, questions, [2, 2, 2])
+    assert statuses[1].startswith("⚠️ Something went wrong") and "error" in results[1]
+    assert "simulated bug" in capsys.readouterr().err  # the traceback stays on the server's console
+    for row in (0, 2):
+        assert results[row]["question"] == questions[row] and passages[row].count('class="passage"') == 2
+
+
 def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tmp_path_factory, tmp_path):
     import numpy as np
 

@@ -97,6 +97,26 @@ def test_malformed_line_names_file_and_line(tmp_path, lines, fmt, message):
         load_corpus(_write(tmp_path / "c.txt", lines), fmt=fmt)
 
 
+@pytest.mark.parametrize(
+    "name, lines, fmt, bad_line",
+    [
+        ("c.jsonl", [b'{"id": "a", "text": "x"}', b'{"id": "b", "text": "caf\xe9"}'], None, 2),
+        ("c.jsonl", [b'{"id": "a", "text": "caf\xe9"}'], None, 1),  # the line that tells the format
+        ("c.jsonl", [b'{"id": "0", "contents": "T\\nx"}', b'{"id": "1", "contents": "\xe9"}'], None, 2),
+        ("c.tsv", [b"id\ttext\ttitle", b"1\tx\tX", b"2\ty\tCaf\xe9"], None, 3),
+        ("c.txt", [b'{"id": "a", "text": "x"}', b'{"id": "b", "text": "\xff"}'], "jsonl", 2),
+    ],
+)
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path, name, lines, fmt, bad_line):
+    """A Latin-1 corpus is the user's data to convert: one line naming where, not a UnicodeDecodeError."""
+    from rlm.errors import UserError
+
+    path = tmp_path / name
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    with pytest.raises(UserError, match=rf"{name}:{bad_line}: not UTF-8 \(byte 0x(e9|ff) at offset \d+"):
+        load_corpus(path, fmt=fmt)
+
+
 def test_format_detection_errors(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         detect_format(_write(tmp_path / "e.jsonl", []))

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from rlm.data.qa import DATASETS, load_qa_dataset, read_qa_jsonl
+from rlm.errors import UserError
 
 
 def test_registry_names():
@@ -57,3 +58,30 @@ def test_jsonl_dataset_and_errors(tmp_path):
         load_qa_dataset("squad", "dev")
     with pytest.raises(ValueError, match="rlm toy-world"):
         load_qa_dataset("toy", "dev")
+
+
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_bytes(b'{"question": "q?", "answers": ["a"]}\n\n{"question": "caf\xe9?", "answers": ["b"]}\n')
+    with pytest.raises(UserError, match=r"q\.jsonl:3: not UTF-8 \(byte 0xe9 at offset 17 of the line\)"):
+        load_qa_dataset("jsonl", "train", path)
+
+
+@pytest.mark.parametrize("answers", [[], "", ["", " "]])
+def test_a_question_without_an_answer_is_refused_at_load(tmp_path, answers):
+    path = tmp_path / "train.jsonl"
+    lines = [{"question": "q1?", "answers": ["a"]}, {"question": "q2?", "answers": answers}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(UserError, match=r"train\.jsonl:2: the question has no answer"):
+        load_qa_dataset("jsonl", "train", tmp_path)
+    # A file of unanswerable questions says so: there an empty list is the label.
+    assert [q.question for q in read_qa_jsonl(path, allow_empty_answers=True)] == ["q1?", "q2?"]
+
+
+def test_toy_unanswerable_splits_still_load_with_empty_answers(tmp_path):
+    from rlm.data.toy_world import build_toy_world
+
+    world = build_toy_world(tmp_path / "toy", num_passages=150, seed=0)
+    unanswerable = load_qa_dataset("toy", "dev_unanswerable", world.root)
+    assert unanswerable and all(q.answers == [] for q in unanswerable)
+    assert all(q.answers for q in load_qa_dataset("toy", "dev", world.root))

@@ -1,5 +1,11 @@
 """Offline tokenizers for the reader: corpus-trained BPE and the packaged MiniLM WordPiece."""
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
 from reader.tokenizer import load_tokenizer, train_tokenizer
@@ -45,3 +51,60 @@ def test_packaged_wordpiece_gets_sep_as_eos(minilm_path):
         tok.decode(tok("where was alice born?")["input_ids"], skip_special_tokens=True)
         == "where was alice born?"
     )
+
+
+def test_a_save_that_fails_half_way_leaves_no_tokenizer_folder(tmp_path, monkeypatch):
+    """A run finds its tokenizer by `tokenizer.json`: a half-written folder must never sit at `save_dir`."""
+    from transformers import PreTrainedTokenizerFast
+
+    def save_then_crash(self, folder, *args, **kwargs):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "tokenizer.json").write_text("{")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", save_then_crash)
+    with pytest.raises(OSError, match="disk full"):
+        train_tokenizer(TEXTS, vocab_size=400, save_dir=tmp_path / "tok")
+    assert list(tmp_path.iterdir()) == []
+
+
+class ThreadProcess:
+    """One process of a run, played by a thread: accelerate's `is_main_process` and `wait_for_everyone`."""
+
+    def __init__(self, index: int, barrier: threading.Barrier):
+        self.is_main_process, self.barrier = index == 0, barrier
+
+    def wait_for_everyone(self) -> None:
+        self.barrier.wait(timeout=120)
+
+
+def test_the_runs_tokenizer_is_trained_and_written_by_the_main_process_alone(tmp_path, monkeypatch):
+    from rlm import setup
+    from rlm.config import load_config
+    from rlm.data.qa import QAExample
+
+    cfg = load_config(None, [f"output_dir={tmp_path / 'run'}", "reader.vocab_size=400"])
+    corpus = [SimpleNamespace(title=text.split()[0], text=text) for text in TEXTS]
+    examples = [QAExample("q0", "Where was Alice Moreau born?", ["Lyon"], [])]
+    trained_by = []
+
+    def train_slowly(*args, **kwargs):
+        trained_by.append(threading.current_thread().name)
+        time.sleep(0.5)  # the others start before it is written: they must wait, not read half a folder
+        return train_tokenizer(*args, **kwargs)
+
+    monkeypatch.setattr(setup, "train_tokenizer", train_slowly)
+    barrier = threading.Barrier(3)
+
+    def process(index: int):
+        threading.current_thread().name = f"rank{index}"
+        return setup.reader_tokenizer(cfg, corpus, examples, ThreadProcess(index, barrier))
+
+    with ThreadPoolExecutor(3) as pool:
+        tokenizers = list(pool.map(process, range(3)))
+    assert trained_by == ["rank0"]
+    assert all(tok.get_vocab() == tokenizers[0].get_vocab() for tok in tokenizers)
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["tokenizer"]  # no temporary left beside it
+    # A resumed run (any process) loads it and trains nothing.
+    again = setup.reader_tokenizer(cfg, corpus, examples)
+    assert trained_by == ["rank0"] and again.get_vocab() == tokenizers[0].get_vocab()

@@ -21,9 +21,11 @@ from retriever.buffer import (
     corpus_fingerprint,
     embed_shards,
     finalize_buffer,
+    nonfinite_rows,
     shards_for_rank,
 )
 from retriever.encoder import SentenceEncoder
+from retriever.errors import InputError
 
 WORDS = [
     "alpha",
@@ -378,3 +380,50 @@ def test_loaded_ids_are_one_blob(encoder, tmp_path):
         finalize_buffer(
             tmp_path / "b", ["a\nb"] + IDS[1:], {**buffer.meta, "num_shards": 3, "shard_size": 10}
         )
+
+
+def test_nonfinite_rows_finds_nan_and_inf_in_any_chunk_and_nothing_else():
+    rows = np.zeros((50, 6), dtype=np.float16)
+    rows[3, 0], rows[17, 5], rows[49, 2] = np.nan, np.inf, -np.inf
+    rows[20] = 65504  # float16's largest finite value is finite
+    for array in (rows, rows.astype(np.float32), rows.astype(np.float64)):
+        for chunk_rows in (1, 7, 4096):
+            assert nonfinite_rows(array, chunk_rows).tolist() == [3, 17, 49]
+    assert nonfinite_rows(np.ones((5, 3), dtype=np.float16)).size == 0
+
+
+def test_a_tower_that_gives_nan_is_refused_naming_the_passages(encoder, tmp_path, monkeypatch):
+    """A NaN row scores NaN for every query and ranks first in every top-k: refused before its shard is
+    written, so the rerun with a working tower embeds that shard again."""
+    out = tmp_path / "b"
+    embed = encoder.embed_texts
+
+    def broken(texts):
+        vectors = embed(texts)
+        vectors[[i for i, text in enumerate(texts) if text == TEXTS[12]]] = float("nan")
+        return vectors
+
+    monkeypatch.setattr(encoder, "embed_texts", broken)
+    with pytest.raises(InputError, match=r"shard 1: 1 buffer row\(s\) hold NaN .*'doc12' \(row 12\)"):
+        build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
+    assert (out / "shard_00000.npy").exists() and not (out / "shard_00001.npy").exists()
+    monkeypatch.setattr(encoder, "embed_texts", embed)
+    buffer = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
+    assert torch.isfinite(buffer.embeddings).all()
+
+
+def test_verification_refuses_a_shard_with_nonfinite_rows(encoder, tmp_path):
+    """A shard with an intact receipt but an infinite row (written before the check, or by hand) is refused
+    when the build is finalized, and no meta.json makes it a buffer."""
+    from retriever.buffer import _write_shard
+
+    out = tmp_path / "b"
+    settings = build_settings(IDS, TEXTS, encoder, "float16", 10)
+    out.mkdir()
+    embed_shards(IDS, TEXTS, encoder, out, settings, range(3), show_progress=False)
+    array = np.load(out / "shard_00002.npy")
+    array[1, 0] = np.inf
+    _write_shard(out, 2, array)
+    with pytest.raises(InputError, match=r"shard_00002.npy: 1 buffer row.*'doc21' \(row 21\).*delete"):
+        finalize_buffer(out, IDS, settings)
+    assert not (out / "meta.json").exists()

@@ -1,8 +1,10 @@
+import re
 from pathlib import Path
 
 import pytest
 
 from rlm.config import TrainConfig, apply_override, dump_config, load_config
+from rlm.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -184,3 +186,45 @@ def test_the_old_per_strategy_config_names_say_what_replaced_them(tmp_path, monk
         load_config("configs/nq_exhaustive.yaml")
     with pytest.raises(ValueError, match=r"configs/nq_alg1.yaml --set strategy.name=corrector"):
         load_config("nq_alg1_corrector")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("keep_last=-1", "keep_last must be >= 1, got -1"),  # would delete the checkpoint just written
+        ("keep_last=0", "keep_last must be >= 1"),
+        ("log_every=0", "log_every must be >= 1"),  # was a ZeroDivisionError after the buffer build
+        ("optim.lr_reader=.nan", "optim.lr_reader must be a finite number >= 0, got nan"),
+        ("optim.lr_retriever=nan", "optim.lr_retriever must be a finite number"),
+        ("optim.lr_corrector=-1e-3", "optim.lr_corrector must be a finite number >= 0"),
+        ("beta=0", "beta must be a finite number > 0"),
+        ("reader_temperature=0", "reader_temperature must be a finite number > 0"),
+        ("reader_temperature=.inf", "reader_temperature must be a finite number > 0, got inf"),
+        (
+            "retriever.collapse_cosine=.nan",
+            r"collapse_cosine must be a finite number in \(-1, 1\] \(or null\)",
+        ),
+        ("data.max_dev_examples=0", r"data.max_dev_examples must be >= 1 \(or null\)"),
+        ("seed=-1", r"seed must be in \[0, 4294967295\]"),
+    ],
+)
+def test_bad_numbers_are_refused_when_the_config_loads(override, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, [override])
+
+
+def test_every_numeric_setting_has_a_range_and_nan_is_in_none():
+    """A numeric field added to any section without a range fails here, and each range is enforced: the value
+    just below it and NaN are refused naming the key (an int field refuses NaN as not an int)."""
+    from rlm.config import NUMERIC_RANGES, numeric_fields
+
+    assert {name for name, _ in numeric_fields(TrainConfig)} == set(NUMERIC_RANGES)
+    assert {"beta", "optim.lr_reader", "strategy.regression.ridge", "data.toy_world.seed"} <= set(
+        NUMERIC_RANGES
+    )
+    for name, interval in NUMERIC_RANGES.items():
+        low = interval[1:].split(",")[0]
+        below = str(int(low) - 1 if interval[0] == "[" else int(low))
+        for value in (below, ".nan"):
+            with pytest.raises(UserError, match=rf"{re.escape(name)}\b.*(must be|expected int|does not fit)"):
+                load_config(None, [f"{name}={value}"])

@@ -73,3 +73,23 @@ def test_deepspeed_zero2_trains_on_two_cpu_processes_and_resumes_exactly(tmp_pat
     assert sorted(resumed) == [3]
     for key in ("loss", "reader_loss", "retriever_loss", "corrector_loss"):
         assert resumed[3][key] == pytest.approx(log[3][key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_skipped_window_leaves_the_parameters_as_they_were_under_deepspeed(tmp_path):
+    """ZeRO-2 steps inside the window's last backward: a NaN on rank 1's first micro-step of optimizer step 1
+    (accumulation 2) must leave every parameter where step 0 left it, on both ranks, and the step is retried."""
+    out = tmp_path / "nan_probe"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2)]
+    cmd += ["--num_processes", "2", str(REPO / "tests" / "multiprocess_train.py"), str(out)]
+    cmd += ["--nan-rank", "1", "--nan-call", "2"]
+    extra = [e for e in EXTRA if not e.startswith(("save_every", "optim.max_steps"))]
+    cmd += as_set_args(tiny_overrides(tmp_path, "nan", *extra, "optim.max_steps=2", "save_every=0"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["skipped_at"] == [1] and r["skipped_moved_params"] == [False]
+        assert [rec["step"] for rec in r["records"]] == [1, 2]
+    assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"]

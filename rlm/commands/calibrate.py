@@ -55,7 +55,7 @@ def calibrate_checkpoint(
     from rlm.answer_policy import fit_answer_policy
     from rlm.metrics import exact_match
 
-    service = service or QAService.from_checkpoint(checkpoint)
+    service = service or QAService.from_checkpoint(checkpoint, load_policy=False)
     questions = [*examples, *unanswerable]
     if not examples:
         from rlm.errors import UserError
@@ -121,7 +121,7 @@ def fit_questions(checkpoint: Path, dataset: str, split: str, data_path, unanswe
     elif unanswerable == "auto":
         extra = load_qa_dataset("toy", f"{split}_unanswerable", data_path) if dataset == "toy" else []
     else:
-        extra = read_qa_jsonl(unanswerable)
+        extra = read_qa_jsonl(unanswerable, allow_empty_answers=True)
     extra = extra[:limit]
     source = f"{dataset}/{split}" + (f" + {len(extra)} unanswerable" if extra else "")
     return examples, extra, source

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from rlm.config import RetrieverConfig
-from rlm.errors import UserError
+from rlm.errors import UserError, check_output_folder
 
 HELP = "Embed a corpus once into a fixed passage buffer (memory-mapped shards)."
 
@@ -27,7 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sentence-transformers folder or hub name, or a saved dual encoder folder (its passage_tower is "
         "used); default: the packaged all-MiniLM-L6-v2",
     )
-    parser.add_argument("--out", required=True, help="buffer folder (an unfinished build there is resumed)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="buffer folder (an unfinished build there is resumed; a folder holding other files is refused)",
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument(
         "--max-length",
@@ -43,10 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from retriever.buffer import build_passage_buffer
+    from retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME, build_passage_buffer
     from retriever.encoder import SentenceEncoder, default_retriever_path
     from rlm.data.corpus import load_corpus
 
+    # The buffer's files (retriever/buffer.py): an unfinished build holds some of them and is resumed.
+    own = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json")
+    check_output_folder(args.out, own, "rlm embed")
     if not Path(args.corpus).exists():
         raise FileNotFoundError(f"corpus file {args.corpus} does not exist")
     corpus = load_corpus(args.corpus, fmt=args.format)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlm.errors import UserError
+from rlm.errors import UserError, check_output_folder
 
 HELP = "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."
 
@@ -32,7 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
     )
-    parser.add_argument("--save-index", help="save the index built here to this folder for reuse")
+    parser.add_argument(
+        "--save-index",
+        help="save the index built here to this folder for reuse (a folder holding other files is refused)",
+    )
     parser.add_argument(
         "--k", type=int, default=100, help="passages retrieved per question (recall@k up to k)"
     )
@@ -59,7 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ignore the checkpoint's answer policy (answer_policy.json, `rlm calibrate`): answer everything, "
         "with the reader's own probability as confidence",
     )
-    parser.add_argument("--out", help="folder for predictions.jsonl and metrics.json")
+    parser.add_argument(
+        "--out",
+        help="folder for predictions.jsonl and metrics.json (a folder holding other files is refused)",
+    )
 
 
 def _default_corpus(args) -> str | None:
@@ -72,10 +78,16 @@ def _default_corpus(args) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, evaluate, print the table."""
+    from retriever.index import INDEX_FILES
     from rlm import evaluation
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
 
+    # Before anything loads: --out would overwrite a run's own metrics.json, --save-index replaces its folder.
+    if args.out:
+        check_output_folder(args.out, ("predictions.jsonl", "metrics.json"), "rlm evaluate")
+    if args.save_index:
+        check_output_folder(args.save_index, INDEX_FILES, "rlm evaluate", option="--save-index")
     if not args.checkpoint and not args.retriever:
         raise UserError(
             "pass --checkpoint DIR (retriever/ + reader/) or --retriever PATH with --retrieval-only"

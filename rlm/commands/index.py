@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from rlm.errors import UserError
+from rlm.errors import UserError, check_output_folder
 
 HELP = "Build a faiss index over passage embeddings for inference."
 
@@ -19,7 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--embeddings", help="a [N, D] .npy file (needs --ids)")
     parser.add_argument("--ids", help="with --embeddings: text file with one passage id per line")
-    parser.add_argument("--out", required=True, help="index folder (index.faiss, ids.txt, index.json)")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="index folder (index.faiss, ids.txt, index.json), replaced whole; a folder holding other files is "
+        "refused",
+    )
     parser.add_argument(
         "--factory", default="Flat", help="faiss index_factory string, e.g. Flat, IVF1024,Flat, HNSW32"
     )
@@ -33,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from retriever.buffer import PassageBuffer
-    from retriever.index import PassageIndex
+    from retriever.index import INDEX_FILES, PassageIndex
 
+    check_output_folder(args.out, INDEX_FILES, "rlm index")  # saving replaces the folder whole
     started = time.perf_counter()
     if args.buffer:
         buffer = PassageBuffer.load(args.buffer)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from rlm.errors import check_output_folder
+
 HELP = "Generate the offline toy world: a corpus of invented facts and held-out QA splits."
 
 
@@ -13,7 +15,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from rlm.data.toy_world import QUESTION_TYPES
 
     parser.add_argument(
-        "--out", required=True, help="output folder (corpus.jsonl, train/dev/test.jsonl, world.json)"
+        "--out",
+        required=True,
+        help="output folder (corpus.jsonl, train/dev/test.jsonl, world.json); a folder holding other files "
+        "is refused",
     )
     parser.add_argument("--num-passages", type=int, default=2000, help="exact corpus size (100 to millions)")
     parser.add_argument("--seed", type=int, default=0)
@@ -46,8 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the world and print its counts."""
-    from rlm.data.toy_world import build_toy_world
+    from rlm.data.toy_world import SPLITS, build_toy_world
 
+    # Not its `<split>_unanswerable.jsonl` (made from a world later, and kept): a world rebuilt beside them
+    # with other settings would leave them asking about the old one.
+    own = ("corpus.jsonl", "world.json", *(f"{split}.jsonl" for split in SPLITS))
+    check_output_folder(args.out, own, "rlm toy-world")
     paths = build_toy_world(
         args.out,
         num_passages=args.num_passages,

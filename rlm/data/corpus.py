@@ -26,7 +26,7 @@ import numpy as np
 
 from atomicio import atomic_write_json
 from retriever.ids import IdSequence
-from rlm.errors import UserError
+from rlm.errors import UserError, not_utf8
 
 FORMATS = ("jsonl", "dpr_tsv", "pyserini")
 _DPR_HEADER = b"id\ttext\ttitle"
@@ -69,6 +69,8 @@ def detect_format(path: str | os.PathLike) -> str:
         return "dpr_tsv"
     try:
         record = json.loads(line)
+    except UnicodeDecodeError:
+        raise not_utf8(path, 1, line) from None
     except json.JSONDecodeError as err:
         raise UserError(
             f"{path}:1: cannot tell the corpus format (not JSON: {err.msg}; a DPR TSV needs the header "
@@ -239,7 +241,10 @@ class Corpus(Sequence[Passage]):
                     continue
                 if self.fmt == "dpr_tsv" and line_no == 1 and line.startswith(_DPR_HEADER):
                     continue
-                passage = self._parse(self.path, line_no, line)
+                try:
+                    passage = self._parse(self.path, line_no, line)
+                except UnicodeDecodeError:  # from inside json or a field's decode: name the line instead
+                    raise not_utf8(self.path, line_no, line) from None
                 offsets.append(start)
                 line_numbers.append(line_no)
                 pid = passage.id.encode("utf-8")

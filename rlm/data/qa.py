@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlm.errors import UserError
+from rlm.errors import UserError, not_utf8
 
 
 @dataclass
@@ -48,17 +48,25 @@ def _as_answer_list(value, path: Path, line_no: int) -> list[str]:
     raise UserError(f"{path}:{line_no}: answers must be a string or a list of strings, got {value!r}")
 
 
-def read_qa_jsonl(path: str | os.PathLike) -> list[QAExample]:
+def read_qa_jsonl(path: str | os.PathLike, allow_empty_answers: bool = False) -> list[QAExample]:
     """Read a QA JSONL file: `{question, answers | answer}` a line, plus optional `id`, `gold_passage_ids`.
 
-    Keys other than these go to `QAExample.meta`. A malformed line raises a ValueError naming file and line.
+    Keys other than these go to `QAExample.meta`. A malformed line, one that is not UTF-8, or a question
+    without an answer raises a UserError naming file and line. `allow_empty_answers` is for files of
+    questions that have no answer by design (`rlm.data.unanswerable`): there `"answers": []` is the label.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"QA file not found: {path}")
     examples, seen = [], {}
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    # Read as bytes and decode line by line: a text-mode read decodes in blocks, so its UnicodeDecodeError
+    # cannot say which line holds the bad byte.
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise not_utf8(path, line_no, raw) from None
             if not line.strip():
                 continue
             try:
@@ -75,6 +83,12 @@ def read_qa_jsonl(path: str | os.PathLike) -> list[QAExample]:
                 answers = _as_answer_list(record.pop("answer"), path, line_no)
             else:
                 raise UserError(f"{path}:{line_no}: no 'answers' (or NQ-open 'answer') key")
+            if not allow_empty_answers and not any(a.strip() for a in answers):
+                # Caught here, not as a crash in the middle of training or of an evaluation.
+                raise UserError(
+                    f"{path}:{line_no}: the question has no answer ({answers!r}); every training and "
+                    "evaluation question needs at least one non-empty answer"
+                )
             question = str(record.pop("question"))
             qid = str(record.pop("id", None) or _question_id(question, line_no))
             if qid in seen:
@@ -169,7 +183,9 @@ def _toy(split: str, path: str | None) -> list[QAExample]:
         # Questions its corpus does not answer (rlm.data.unanswerable), made beside the world on first use.
         from rlm.data.unanswerable import write_unanswerable_questions
 
-        return read_qa_jsonl(write_unanswerable_questions(path, split.split("_")[0]))
+        return read_qa_jsonl(
+            write_unanswerable_questions(path, split.split("_")[0]), allow_empty_answers=True
+        )
     if split not in ("train", "dev", "test"):
         raise UserError(
             "toy world splits are train, dev and test (and dev_unanswerable, test_unanswerable: questions its "

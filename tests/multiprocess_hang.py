@@ -1,0 +1,27 @@
+"""Run by tests/test_run_lifecycle.py under `accelerate launch`: rank 1 hangs (a stuck process) while rank 0
+waits for it at a collective, with the run's `dist_timeout_s`.
+
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml tests/multiprocess_hang.py --set ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rlm.config import add_override_argument, load_config
+from rlm.train import make_accelerator
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_override_argument(parser)
+    cfg = load_config(None, parser.parse_args().overrides)
+    accelerator = make_accelerator(cfg)
+    if accelerator.process_index == 1:
+        time.sleep(3600)
+    accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()

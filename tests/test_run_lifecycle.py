@@ -1,0 +1,464 @@
+"""What a day-long job meets between steps (issue 28): a re-queued command, preemption, a torn log, a torn or
+planted checkpoint, a full disk, a resume with other settings, a user error under the GPU entry point.
+
+Runs are the tiny ones of tests/tiny_run.py, trained in this process through `rlm.train.main` (the entry
+point `python -m rlm.train` uses) unless the test needs a process to signal or kill."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_run import as_set_args, tiny_overrides
+
+from rlm import checkpointing
+from rlm.checkpointing import MANIFEST, checkpoints, verify, write_manifest
+from rlm.preemption import EXIT_PREEMPTED
+
+REPO = Path(__file__).resolve().parents[1]
+LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
+
+
+def env() -> dict:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
+
+
+def args(root: Path, out: str, *extra: str, steps: int = 6) -> list[str]:
+    schedule = [
+        f"optim.max_steps={steps}",
+        "optim.warmup_steps=2",
+        "log_every=1",
+        "save_every=2",
+        "keep_last=2",
+    ]
+    return as_set_args(tiny_overrides(root, out, *schedule, "cpu=true", *extra))
+
+
+def train_here(argv: list[str]) -> int:
+    """`python -m rlm.train ARGV` in this process (accelerate's process-wide state reset around it), on one
+    thread as the runs in subprocesses (`OMP_NUM_THREADS=1`): their losses must agree to the last digit."""
+    from accelerate.state import AcceleratorState
+
+    from rlm.concurrent_runs import one_thread
+    from rlm.train import main
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with one_thread():
+            return main(argv)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def read_log(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+
+
+def steps_of(out: Path) -> list[int]:
+    return [checkpointing.checkpoint_step(p) for p in checkpoints(out)]
+
+
+def same_losses(got: dict, reference: dict) -> None:
+    assert sorted(got) == sorted(reference)
+    for step, record in reference.items():
+        for key in (k for k in LOSS_KEYS if k in record):
+            assert got[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-6), (step, key)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("lifecycle")
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    """An uninterrupted 6-step run: its log is what every interrupted and resumed run must reproduce."""
+    assert train_here(args(root, "reference")) == 0
+    return read_log(root / "reference" / "log.jsonl")
+
+
+# ---- 1. a rerun without --resume ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_rerun_is_refused_and_overwrite_starts_over_without_the_old_checkpoints(root, reference, capsys):
+    out = root / "rerun"
+    shutil.copytree(root / "reference", out)
+    before = (out / "log.jsonl").read_bytes()
+    assert train_here(args(root, "rerun", steps=4)) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert (out / "log.jsonl").read_bytes() == before and steps_of(out) == [4, 6]  # nothing was touched
+    # --overwrite starts over: the old run's step 6 must not survive beside the new run's checkpoints (pruning
+    # by step kept it and deleted the new run's own), nor be resumed later.
+    assert train_here([*args(root, "rerun", steps=4), "--overwrite"]) == 0
+    assert steps_of(out) == [2, 4]
+    log = read_log(out / "log.jsonl")
+    assert sorted(log) == [1, 2, 3, 4]
+    # A new run from the start: its first steps are the reference's (the lr schedules part after step 3).
+    same_losses({s: log[s] for s in (1, 2, 3)}, {s: reference[s] for s in (1, 2, 3)})
+
+
+# ---- 2. preemption ------------------------------------------------------------------------------------
+
+
+def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if log.exists() and max(read_log(log) or [0]) >= step:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (code {proc.returncode}) before step {step}")
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for step {step}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_saves_the_current_step_and_resume_gives_the_same_losses(root, reference, signum):
+    out = root / f"preempted_{signum.name}"
+    # No periodic checkpoints: all that survives is the one the signal makes.
+    cmd = [sys.executable, "-m", "rlm.train", *args(root, out.name, "save_every=0")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        wait_for_step(out / "log.jsonl", 2, proc)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    stopped = steps_of(out)
+    assert len(stopped) == 1 and 2 <= stopped[0] < 6, (stopped, stderr[-2000:])
+    assert f"stopped by {signum.name} at step {stopped[0]}" in stderr and "--resume" in stderr
+    assert "Traceback" not in stderr
+    assert train_here([*args(root, out.name, "save_every=0"), "--resume"]) == 0
+    same_losses(read_log(out / "log.jsonl"), reference)
+
+
+def launch_two(root: Path, out: str, *extra: str) -> list[str]:
+    """`accelerate launch` of `rlm.train` on two processes, as the README launches it."""
+    config = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    return [*launcher, "-m", "rlm.train", *args(root, out, "save_every=0", *extra)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_accelerate_launch_stops_both_processes_at_one_step_and_resume_matches(root):
+    """What a cluster does: SIGTERM to the launcher, which forwards it to both processes."""
+    reference = subprocess.run(
+        launch_two(root, "two_ref"), capture_output=True, text=True, env=env(), timeout=600
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = root / "two_stopped"
+    proc = subprocess.Popen(
+        launch_two(root, out.name), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
+    )
+    try:
+        wait_for_step(out / "log.jsonl", 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stopped = steps_of(out)
+    assert len(stopped) == 1 and 2 <= stopped[0] < 6, (stopped, stderr[-3000:])
+    # One line from the main process; the launcher then reports the signal in its own words.
+    assert stderr.count(f"stopped by SIGTERM at step {stopped[0]}") == 1
+    resumed = subprocess.run(
+        [*launch_two(root, out.name), "--resume"], capture_output=True, text=True, env=env(), timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    same_losses(read_log(out / "log.jsonl"), read_log(root / "two_ref" / "log.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_signal_during_a_refresh_stops_it_and_the_refresh_is_redone_on_resume(root, monkeypatch):
+    """Exhaustive re-embeds before every step; SIGTERM arrives while step 3's refresh embeds its first part:
+    the rest of the refresh is not done, the checkpoint is step 3's start, and resuming redoes the refresh."""
+    import rlm.train
+
+    extra = ("strategy.name=exhaustive", "strategy.refresh_every=1", "save_every=0")
+    assert train_here(args(root, "refresh_ref", *extra)) == 0
+    reference = read_log(root / "refresh_ref" / "log.jsonl")
+
+    embed_rows, parts = rlm.train.embed_rows, []
+    per_refresh = -(-len((root / "toy" / "corpus.jsonl").read_text().splitlines()) // 32)
+    assert per_refresh > 1
+
+    def embed_and_signal(tower, texts, rows, batch_size=64):
+        parts.append(len(rows))
+        if len(parts) == 2 * per_refresh + 1:  # refreshes before steps 1 and 2 done: step 3's first part
+            os.kill(os.getpid(), signal.SIGTERM)
+        return embed_rows(tower, texts, rows, batch_size)
+
+    monkeypatch.setattr(rlm.train, "REEMBED_PART_ROWS", 32)  # a refresh in several parts
+    monkeypatch.setattr(rlm.train, "embed_rows", embed_and_signal)
+    out = root / "refresh_stop"
+    assert train_here(args(root, out.name, *extra)) == EXIT_PREEMPTED
+    assert len(parts) == 2 * per_refresh + 1, "the refresh went on after the signal"
+    assert steps_of(out) == [3]
+    monkeypatch.undo()
+    assert train_here([*args(root, out.name, *extra), "--resume"]) == 0
+    same_losses(read_log(out / "log.jsonl"), reference)
+
+
+# ---- 3. resume trusts nothing on disk -----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_drops_a_torn_log_line_skips_a_torn_checkpoint_and_ignores_stray_folders(
+    root, reference, capsys
+):
+    out = root / "torn"
+    shutil.copytree(root / "reference", out)
+    shutil.rmtree(out / "final")
+    # A kill at step 5 of a run that saved 2 and 4 would leave this; then disk trouble tears the log's last
+    # line and the newest checkpoint's optimizer file, and someone leaves a folder of their own.
+    shutil.rmtree(out / "checkpoints" / "step_0000006")
+    shutil.copytree(root / "reference" / "checkpoints" / "step_0000004", out / "checkpoints" / "step_0000002")
+    log = out / "log.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()[:4]) + '{"step": 5, "lo')
+    optimizer = out / "checkpoints" / "step_0000004" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    (out / "checkpoints" / "step_final").mkdir()
+    assert "optimizer.bin has 100 bytes" in verify(out / "checkpoints" / "step_0000004")
+    with pytest.warns(UserWarning, match="torn last line"):
+        assert train_here([*args(root, "torn"), "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipping checkpoint" in printed and "step_0000004: optimizer.bin has 100 bytes" in printed
+    # The copy named step 2 holds step 4's state: resuming from it continues at step 4, as the log shows.
+    assert "at step 4" in printed
+    same_losses({s: r for s, r in read_log(log).items() if s > 4}, {5: reference[5], 6: reference[6]})
+
+
+def tiny_accelerator_state(tmp_path):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model
+
+
+def test_a_save_that_fails_midway_keeps_the_checkpoint_it_would_replace(tmp_path, monkeypatch):
+    accelerator, model = tiny_accelerator_state(tmp_path)
+    saved = checkpointing.save_checkpoint(accelerator, tmp_path, 5, 2, {"step": 5}, "seed: 0\n")
+    assert verify(saved) is None and checkpointing.read_state(saved) == {"step": 5}
+    weights = (saved / "model.safetensors").read_bytes()
+
+    def full_disk(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    # The same step saved again (a resumed run reaching it), and the disk fills during the write.
+    monkeypatch.setattr(checkpointing, "write_manifest", full_disk)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.raises(
+        checkpointing.UserError, match="step_0000005: the disk is full; the last complete one"
+    ):
+        checkpointing.save_checkpoint(accelerator, tmp_path, 5, 2, {"step": 5}, "seed: 0\n")
+    assert verify(saved) is None and (saved / "model.safetensors").read_bytes() == weights
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000005"]  # no temporary left
+
+
+def test_each_checkpoint_keeps_its_state_as_json_and_safetensors_without_pickles(tmp_path):
+    accelerator, _ = tiny_accelerator_state(tmp_path)
+    state = {"train": {"step": 3, "align_best": float("inf"), "align_end": None}, "rng": torch.arange(4)}
+    saved = checkpointing.save_checkpoint(accelerator, tmp_path, 3, 1, state, "seed: 0\n")
+    back = checkpointing.read_state(saved)
+    assert back["train"] == state["train"] and torch.equal(back["rng"], state["rng"])
+    assert not list(saved.glob("custom_checkpoint_*"))
+    assert set(json.loads((saved / MANIFEST).read_text())["files"]) >= {"state.json", "config.yaml"}
+
+
+# ---- 4. resume with other settings --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_with_other_settings_is_refused_by_name_unless_allowed(root, reference, capsys):
+    out = root / "changed"
+    shutil.copytree(root / "reference", out)
+    shutil.rmtree(out / "checkpoints" / "step_0000006")
+    config_before = (out / "config.yaml").read_text()
+    assert train_here([*args(root, "changed", "seed=1", "optim.batch_size=3"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.batch_size: 2 -> 3" in err and "seed: 0 -> 1" in err and "--allow-changed" in err
+    assert (out / "config.yaml").read_text() == config_before  # the run's config is not overwritten
+    # Training longer is a deliberate change: allowed by name, and said.
+    argv = [*args(root, "changed", steps=8), "--resume", "--allow-changed", "optim.max_steps"]
+    assert train_here(argv) == 0
+    assert "optim.max_steps: 6 -> 8" in capsys.readouterr().out
+    assert max(read_log(out / "log.jsonl")) == 8
+    assert "max_steps: 8" in (out / "checkpoints" / "step_0000008" / "config.yaml").read_text()
+
+
+def test_a_changed_process_count_is_a_changed_setting():
+    changed = checkpointing.changed_settings("seed: 0\nlog_every: 1\n", "seed: 0\nlog_every: 5\n", 2, 1)
+    assert changed == {"processes": (2, 1)}  # how often it logs is not what it trains
+
+
+# ---- 5. resume runs no code from a file ---------------------------------------------------------------
+
+
+class Planted:
+    """A pickle that, when loaded, creates the marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (builtins.open, (self.marker, "w"))
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_planted_pickle_in_every_file_it_reads(root, reference, tmp_path, capsys):
+    source = root / "reference" / "checkpoints" / "step_0000006"
+    pickled = sorted(p.name for p in source.iterdir() if p.suffix in checkpointing.PICKLED_SUFFIXES)
+    assert {"optimizer.bin", "random_states_0.pkl"} <= set(pickled)
+    for name in pickled:
+        out = tmp_path / name
+        (out / "checkpoints").mkdir(parents=True)
+        folder = out / "checkpoints" / source.name
+        shutil.copytree(source, folder)
+        marker = tmp_path / f"marker_{name}"
+        torch.save({"state": Planted(marker)}, folder / name)
+        write_manifest(folder)  # whoever plants it can rewrite the manifest too
+        assert train_here([*args(root, str(out)), "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"refusing to resume from {folder}" in err and f"{name}: io.open" in err
+        assert not marker.exists()
+
+
+# ---- 8. the GPU entry point ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_user_error_under_accelerate_launch_is_one_line_from_the_main_process(root, tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"),
+        "-m",
+        "rlm.train",
+        *args(root, str(tmp_path / "bad"), "strategy.name=nonsense"),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300, cwd=REPO)
+    assert done.returncode != 0
+    # The launcher reports the failed processes in its own words; no traceback comes from our code.
+    assert f"{os.sep}rlm{os.sep}" not in "".join(
+        line for line in done.stderr.splitlines() if line.strip().startswith("File ")
+    )
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "nonsense" in errors[0], done.stderr[-3000:]
+
+
+# ---- 10. a hung process -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_hung_process_ends_the_run_after_dist_timeout_s(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"),
+        str(REPO / "tests" / "multiprocess_hang.py"),
+        *as_set_args(["cpu=true", "dist_timeout_s=15", f"output_dir={tmp_path}"]),
+    ]
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600, cwd=REPO)
+    took = time.monotonic() - start
+    # Without the setting rank 0 would wait PyTorch's default 30 minutes (the subprocess timeout would fire).
+    assert done.returncode != 0 and 15 <= took < 180, (took, done.stderr[-3000:])
+
+
+# ---- 6. final/ whole or not at all --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_final_is_replaced_whole_or_not_at_all(root, reference, monkeypatch):
+    from retriever.corrector import CorrectorNetwork
+
+    out = root / "final_whole"
+    shutil.copytree(root / "reference", out)
+    before = {p.relative_to(out): p.read_bytes() for p in (out / "final").rglob("*") if p.is_file()}
+
+    def failed(*_, **__):  # the retriever and reader are written, then the disk fails
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(CorrectorNetwork, "save_pretrained", failed)
+    with pytest.raises(OSError, match="Input/output error"):
+        train_here([*args(root, out.name, steps=8), "--resume", "--allow-changed", "optim.max_steps"])
+    after = {p.relative_to(out): p.read_bytes() for p in (out / "final").rglob("*") if p.is_file()}
+    assert after == before  # the old final/ whole, no new retriever beside the old reader
+    assert not [p for p in out.iterdir() if p.name.startswith(".final")]
+
+
+# ---- 9. a stop on non-finite losses prunes nothing ----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_checkpoint_of_a_non_finite_stop_pushes_no_good_one_out(root, monkeypatch):
+    import rlm.train
+
+    finite = rlm.train.finite_on_every_process
+    state = {}
+    build_run = rlm.train.build_run
+
+    def remember_run(*a, **k):
+        state["run"] = build_run(*a, **k)
+        return state["run"]
+
+    def nan_from_step_5(accelerator, loss):
+        return finite(accelerator, loss) and state["run"].state.step < 5
+
+    monkeypatch.setattr(rlm.train, "build_run", remember_run)
+    monkeypatch.setattr(rlm.train, "finite_on_every_process", nan_from_step_5)
+    out = root / "nonfinite_stop"
+    assert train_here(args(root, out.name, "max_nonfinite_in_a_row=2", steps=8)) == 1
+    assert steps_of(out) == [2, 4, 5]  # keep_last=2 would have dropped step 2 for the stop's own
+
+
+@pytest.mark.slow
+def test_a_signal_during_the_buffer_build_stops_it_between_batches_and_a_rerun_resumes(
+    root, reference, monkeypatch
+):
+    from retriever.encoder import SentenceEncoder
+
+    embed, calls = SentenceEncoder.embed_texts, []
+
+    def embed_and_signal(self, texts, *a, **k):
+        calls.append(len(texts))
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return embed(self, texts, *a, **k)
+
+    monkeypatch.setattr(SentenceEncoder, "embed_texts", embed_and_signal)
+    out = root / "buffer_stop"
+    own_buffer = (f"buffer.dir={out / 'buffer'}", "buffer.batch_size=16")
+    assert train_here(args(root, out.name, *own_buffer)) == EXIT_PREEMPTED
+    assert len(calls) == 2 and not (out / "buffer" / "meta.json").exists()
+    monkeypatch.undo()
+    assert train_here([*args(root, out.name, *own_buffer), "--resume"]) == 0
+    same_losses(read_log(out / "log.jsonl"), reference)
