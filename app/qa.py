@@ -1,9 +1,10 @@
 """The demo's answering logic as a plain object: question -> retrieved passages -> FiD answer.
 
 `QAService.from_checkpoint(DIR)` loads a trained checkpoint (the `final/` folder of a run: `retriever/`,
-`reader/`, `config.yaml`), finds the corpus the run trained on, and embeds it once with the trained passage
-tower into a faiss index cached in the checkpoint folder. `QAService.answer(question, k)` is what the Gradio
-page calls; it has no UI code so it can be tested (and reused) without a browser.
+`reader/`, `config.yaml`) onto a device (the accelerator when there is one), finds the corpus the run trained
+on, and embeds it once with the trained passage tower into a faiss index cached in the checkpoint folder.
+`QAService.answer(question, k)` is what the Gradio page calls; it has no UI code so it can be tested (and
+reused) without a browser.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class QAService:
     # The checkpoint's calibrated confidence and abstention rule (`rlm calibrate`); None: uncalibrated, every
     # question is answered and `confidence` is the reader's own probability.
     policy: AnswerPolicy | None = None
+    # The towers and the reader answer under bf16 autocast (`rlm.evaluation.inference_bf16`).
+    bf16: bool = False
 
     @classmethod
     def from_checkpoint(
@@ -57,8 +60,13 @@ class QAService:
         corrected_buffer: bool = False,
         buffer_path: str | os.PathLike | None = None,
         load_policy: bool = True,
+        device=None,
+        bf16: bool = False,
     ) -> QAService:
-        """Load reader + retriever from `checkpoint`, the corpus from `corpus_path` or the run's config.
+        """Load reader + retriever from `checkpoint` onto `device` (None: the accelerator when there is one),
+        the corpus from `corpus_path` or the run's config. `bf16`: answer (and embed the corpus) under bf16
+        autocast where it pays (`rlm.evaluation.inference_bf16`: on a CPU without native bf16, a warning and
+        float32).
 
         The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved
         there atomically; the key hashes the passage tower's and the corpus's fingerprints, so a changed
@@ -70,7 +78,8 @@ class QAService:
         run's fixed buffer (`buffer_path`, default from its config) through its trained corrector: nothing is
         re-embedded (`rlm.corrected_index`); that index is cached in `demo_index/` too, keyed by the
         corrector's weights and the buffer's fingerprints. `load_policy=False` ignores the checkpoint's answer
-        policy (what `rlm calibrate` does before it fits a new one, which may replace an unreadable one).
+        policy (what `rlm calibrate` does before it fits a new one, which may replace an unreadable one). The
+        index is on the GPU when the models are and faiss sees one (`rlm.evaluation.index_on_gpu`).
         """
         from rlm import evaluation
         from rlm.data.corpus import load_corpus
@@ -81,7 +90,9 @@ class QAService:
                 f"checkpoint folder {root} not found: pass the final/ folder of a training run "
                 "(e.g. runs/quickstart/final; `rlm quickstart --no-serve` makes one)"
             )
-        retriever, reader, config = evaluation.load_checkpoint(root)
+        device = evaluation.inference_device(device)
+        bf16 = evaluation.inference_bf16(device, bf16)
+        retriever, reader, config = evaluation.load_checkpoint(root, device=device)
         corpus_file = Path(corpus_path) if corpus_path else corpus_from_config(config, root)
         if not corpus_file.is_file():
             raise FileNotFoundError(f"corpus file {corpus_file} not found: pass --corpus PATH")
@@ -89,11 +100,11 @@ class QAService:
         retriever.eval()
         reader.eval()
         if index_path is not None:
-            index = evaluation.load_index_for(index_path, corpus.ids)
+            index = evaluation.load_index_for(index_path, corpus.ids, use_gpu=evaluation.index_on_gpu(device))
         elif corrected_buffer:
-            index = cached_corrected_index(root, corpus, buffer_path)
+            index = cached_corrected_index(root, corpus, buffer_path, device, show_progress)
         else:
-            index = cached_index(root, retriever.passage_tower, corpus, show_progress=show_progress)
+            index = cached_index(root, retriever.passage_tower, corpus, show_progress, bf16)
         default_k = min(evaluation.reader_passages_from_config(config, default=4), MAX_K)
         examples_file = Path(examples_path) if examples_path else corpus_file.parent / "dev.jsonl"
         service = cls(
@@ -104,6 +115,7 @@ class QAService:
             default_k=default_k,
             examples=example_questions(examples_file, num_examples),
             policy=AnswerPolicy.load(root) if load_policy else None,
+            bf16=bf16,
         )
         service.warm_up()
         return service
@@ -148,10 +160,13 @@ class QAService:
         fits the policy to, so it is fitted on exactly what it will be applied to)."""
         import torch
 
+        from rlm.evaluation import autocast
+
         texts = [self.check_question(q) for q in questions]
         k = self.clamp_k(k)
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), autocast(self.reader.device, self.bf16):
+            # `encode` hands back host float32 whatever the tower's device: what faiss takes.
             queries = self.retriever.query_tower.encode(texts).numpy()
             scores, ids = self.index.search(queries, k)
             passages = [[self.corpus[self.corpus.index_of(pid)] for pid in row] for row in ids]
@@ -231,23 +246,26 @@ def corpus_from_config(config: dict, checkpoint: Path) -> Path:
     )
 
 
-def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False):
-    """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save).
+def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False, bf16: bool = False):
+    """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save), on
+    the GPU when the tower is on one and faiss sees one.
 
-    The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its scan)."""
-    from retriever.index import PassageIndex
+    The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its scan); an index of
+    passages embedded under bf16 autocast (`bf16`) has a key of its own, since its rows differ."""
     from rlm import evaluation
 
     texts = corpus.retrieval_texts()
     tower_fingerprint = passage_tower.fingerprint()
-    key = _index_key(tower_fingerprint, corpus.fingerprint)
+    key = _index_key(tower_fingerprint, corpus.fingerprint) + ("-bf16" if bf16 else "")
     folder = root / INDEX_CACHE / key
-    if not (folder / "index.faiss").is_file():
+    use_gpu = evaluation.index_on_gpu(passage_tower.device)
+    if not bf16 and not (folder / "index.faiss").is_file():
         _adopt_legacy_index(root / INDEX_CACHE, tower_fingerprint, corpus, folder)
     if (folder / "index.faiss").is_file():
-        return evaluation.load_index_for(folder, corpus.ids)
-    embeddings = evaluation.embed_corpus(passage_tower, texts, show_progress=show_progress)
-    index = PassageIndex.build(embeddings, corpus.ids)
+        return evaluation.load_index_for(folder, corpus.ids, use_gpu=use_gpu)
+    with evaluation.autocast(passage_tower.device, bf16):
+        embeddings = evaluation.embed_corpus(passage_tower, texts, show_progress=show_progress)
+    index = evaluation.build_index(embeddings, corpus.ids, use_gpu=use_gpu, show_progress=show_progress)
     try:
         index.save(folder)
     except OSError as err:  # a read-only checkpoint still serves; it just embeds again next time
@@ -255,8 +273,9 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False)
     return index
 
 
-def cached_corrected_index(root: Path, corpus, buffer_path=None):
-    """The h(B) index of the run of checkpoint `root`, cached in `root/demo_index/corrected-<key>`."""
+def cached_corrected_index(root: Path, corpus, buffer_path=None, device=None, show_progress: bool = False):
+    """The h(B) index of the run of checkpoint `root`, cached in `root/demo_index/corrected-<key>`; h runs on
+    `device` and the index goes to the GPU with it (`rlm.corrected_index.corrected_index`)."""
     import json
 
     from rlm import evaluation
@@ -268,10 +287,11 @@ def cached_corrected_index(root: Path, corpus, buffer_path=None):
             root / INDEX_CACHE / f"corrected-{corrected_index_key(root, json.loads(meta_file.read_text()))}"
         )
         if (folder / "index.faiss").is_file():
-            return evaluation.load_index_for(folder, corpus.ids)
+            return evaluation.load_index_for(folder, corpus.ids, use_gpu=evaluation.index_on_gpu(device))
     else:
         folder = None
-    built = corrected_index(root, corpus, buffer_path)  # verifies the buffer (and says what is missing)
+    # Verifies the buffer (and says what is missing).
+    built = corrected_index(root, corpus, buffer_path, device=device, show_progress=show_progress)
     print(
         f"index over h(B): {built.rows:,} rows through the corrector in {built.correct_s:.2f} s, none re-embedded"
     )

@@ -9,7 +9,9 @@ On disk (one folder):
     build.json           the build's settings while it is in progress (removed when meta.json is written)
 
 Shards are written atomically, so an interrupted build leaves only complete shards behind and a rerun with
-the same corpus, encoder and settings embeds just the missing ones. Under `accelerate launch` (or torchrun)
+the same corpus, encoder and settings embeds just the missing ones. The settings include the precision the
+passage tower ran in (`float32`, or `bf16` autocast: the default on a CUDA GPU): a bf16 buffer holds other
+values, so it is never resumed, reused or loaded as a float32 one. Under `accelerate launch` (or torchrun)
 each process embeds shards rank, rank + world, ...; the main process verifies them all (checksums, and no
 NaN or infinite row, which would rank first for every question) and writes meta.json.
 
@@ -22,11 +24,14 @@ is verified the old way once, when loaded with a new one, and then records the n
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,38 @@ BUILD_NAME = "build.json"
 IDS_NAME = "ids.txt"
 FORMAT_VERSION = 1
 DTYPES = {"float16": np.float16, "float32": np.float32}
+PRECISIONS = ("float32", "bf16")  # what the passage tower computes in while it builds a buffer
+# Buffers recorded before the precision was: their builds ran the tower in float32 (no autocast).
+_UNRECORDED = {"precision": "float32"}
+TOKENIZE_CHUNK = 4096  # texts per tokenizer call while a shard is read: bounds the Python lists' memory
+
+
+def _recorded(record: dict[str, Any], key: str) -> Any:
+    return record.get(key, _UNRECORDED.get(key))
+
+
+def resolve_precision(precision: str, device: str | torch.device) -> str:
+    """The precision a build on `device` runs the passage tower in: `precision` itself, or for "auto" bf16
+    autocast on a CUDA GPU that has it and float32 elsewhere.
+
+    On CPU "auto" keeps float32: most CPUs emulate bf16 (an AVX2-only EPYC ran a bf16 matmul ~30x slower,
+    `rlm/precision.py`), and that module, which tells, is `rlm`'s. A caller that knows its CPU runs bf16
+    natively passes "bf16"."""
+    if precision not in ("auto", *PRECISIONS):
+        raise InputError(f"precision must be auto or one of {list(PRECISIONS)}, got {precision!r}")
+    if precision != "auto":
+        return precision
+    device = torch.device(device)
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
+def _precision_autocast(device: str | torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bf16 autocast, or autocast off for float32: a caller's own autocast must not change a buffer that
+    records float32."""
+    device_type = torch.device(device).type
+    if precision == "bf16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return torch.autocast(device_type, enabled=False)
 
 
 _LEGACY_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
@@ -174,8 +211,10 @@ class PassageBuffer:
         corpus_fingerprint: str | None = None,
         device: str | torch.device = "cpu",
         legacy_corpus: tuple[Sequence[str], Sequence[str]] | None = None,
+        precision: str | None = None,
     ) -> PassageBuffer:
-        """Open a built buffer memory-mapped; refuse it when its fingerprints differ from the given ones.
+        """Open a built buffer memory-mapped; refuse it when its fingerprints, or the `precision` its passage
+        tower ran in ("float32" or "bf16"), differ from the given ones.
 
         With a non-CPU `device` the rows are copied onto it (one tensor); on CPU they stay memory-mapped.
         `legacy_corpus` = (ids, texts) of the corpus of `corpus_fingerprint`: a buffer that recorded an
@@ -207,6 +246,11 @@ class PassageBuffer:
                     f"but the {kind} given has fingerprint {expected}; rebuild it with `rlm embed` "
                     f"or point to the buffer of this {kind}"
                 )
+        if precision is not None and _recorded(meta, "precision") != precision:
+            raise InputError(
+                f"buffer {folder} was built with the passage tower in {_recorded(meta, 'precision')}, not "
+                f"{precision}; rebuild it with that precision or point to a buffer built in {precision}"
+            )
         try:
             # One blob for all ids, not a list of str (21M ids: ~0.35 GB instead of ~1.5 GB).
             ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
@@ -349,11 +393,15 @@ def build_settings(
     dtype: str = "float16",
     shard_size: int = 100_000,
     corpus_fingerprint: str | None = None,
+    precision: str = "float32",
 ) -> dict[str, Any]:
-    """What identifies a buffer build: fingerprints, count, dim, dtype, shard layout.
+    """What identifies a buffer build: fingerprints, count, dim, dtype, shard layout, and the `precision`
+    the tower runs in ("float32" or "bf16"; `resolve_precision` turns "auto" into one of them).
 
     `corpus_fingerprint` is the corpus's own (`Corpus.fingerprint`); without it the (id, text) pairs are
     hashed, one pass over every passage."""
+    if precision not in PRECISIONS:
+        raise InputError(f"precision must be one of {list(PRECISIONS)}, got {precision!r}")
     count = len(ids)
     return {
         "format_version": FORMAT_VERSION,
@@ -365,6 +413,7 @@ def build_settings(
         "shard_size": shard_size,
         "num_shards": max(1, -(-count // shard_size)),
         "max_length": int(encoder.max_length),
+        "precision": precision,
     }
 
 
@@ -382,7 +431,7 @@ def _check_or_write_build(
             previous = upgrade_legacy_fingerprint(
                 folder, BUILD_NAME, previous, settings["corpus_fingerprint"], legacy_corpus
             )
-        diff = {k: (previous.get(k), v) for k, v in settings.items() if previous.get(k) != v}
+        diff = {k: (_recorded(previous, k), v) for k, v in settings.items() if _recorded(previous, k) != v}
         if diff:
             details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
             raise InputError(
@@ -391,6 +440,9 @@ def _check_or_write_build(
             )
     elif write:
         atomic_write_text(build_file, json.dumps(settings, indent=2))
+
+
+CPU_FORWARD_ROWS = 16
 
 
 def embed_shards(
@@ -406,9 +458,15 @@ def embed_shards(
 ) -> list[int]:
     """Embed the given shards that are not already complete; returns the indices it (re)embedded.
 
-    Within a shard, texts are batched by length (longest first, so padding is small and the slowest batch
-    comes first), and rows are written back in the corpus order. `check` is called before every batch and
-    may raise to stop the build (a stop signal: the shards already written stay, and a rerun resumes).
+    A shard is tokenized whole and sorted by token length, longest first (a batch that does not fit in
+    memory fails at once), and every `batch_size` rows are one forward padded to their own longest row,
+    which the sort makes barely longer than their shortest: forwards of a few rows leave a GPU idle
+    (issue 29 estimated 40-50 minutes for 21M passages on 8 H100s with forwards of 16). Rows are written
+    back in corpus order. The tower runs in `settings["precision"]`. The next shard is read and tokenized
+    in a background thread meanwhile: a GPU embeds passages about as fast as several CPU cores tokenize
+    them (MiniLM's tokenizer: about 1,000-1,500 passages/s a core on an EPYC). `check` is called before
+    every batch and may raise to stop the build (a stop signal: the shards already written stay, and a
+    rerun resumes).
     """
     folder = Path(out_dir)
     count, dim, shard_size, dtype = (
@@ -417,32 +475,63 @@ def embed_shards(
         settings["shard_size"],
         settings["dtype"],
     )
+    precision = _recorded(settings, "precision")
     todo = []
     for s in shard_indices:
         rows = min(shard_size, count - s * shard_size)
         if not _shard_is_complete(folder, s, rows, dim, dtype):
             todo.append(s)
     total = sum(min(shard_size, count - s * shard_size) for s in todo)
-    with eval_mode(encoder), tqdm(total=total, unit="psg", desc="embed", disable=not show_progress) as bar:
-        for s in todo:
-            start, stop = s * shard_size, min((s + 1) * shard_size, count)
-            shard_texts = [str(texts[i]) for i in range(start, stop)]
-            order = sorted(range(len(shard_texts)), key=lambda i: -len(shard_texts[i]))
-            out = np.empty((stop - start, dim), dtype=DTYPES[dtype])
-            for b in range(0, len(order), batch_size):
-                if check is not None:
-                    check()
-                rows = order[b : b + batch_size]
-                with torch.inference_mode():
-                    vectors = encoder.embed_texts([shard_texts[i] for i in rows])
-                out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
-                bar.update(len(rows))
-            bad = nonfinite_rows(out)
-            if len(bad):  # refused before it is written, so a rerun embeds this shard again
-                raise _nonfinite_error(
-                    f"{folder}: shard {s}", start + bad, ids, "fix the tower or the dtype and rerun the build"
-                )
-            _write_shard(folder, s, out)
+    stopping = threading.Event()
+
+    def read_tokens(s: int) -> list[np.ndarray]:
+        tokens: list[np.ndarray] = []
+        stop = min((s + 1) * shard_size, count)
+        for start in range(s * shard_size, stop, TOKENIZE_CHUNK):
+            if stopping.is_set():  # the build stopped: no one will read this shard
+                break
+            chunk = [str(texts[i]) for i in range(start, min(start + TOKENIZE_CHUNK, stop))]
+            tokens.extend(encoder.tokenize_unpadded(chunk))
+        return tokens
+
+    device = encoder.device
+    # A CPU runs forwards of about 16 rows fastest (docs/results/bench_buffer_build.md, AVX2 EPYC: 34.7
+    # passages/s at 16, 29.8 at 64, 18.3 at 512); a GPU wants the whole batch in one forward.
+    step = batch_size if device.type != "cpu" else min(batch_size, CPU_FORWARD_ROWS)
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-tokenize")
+    try:
+        with (
+            eval_mode(encoder),
+            tqdm(total=total, unit="psg", desc="embed", disable=not show_progress) as bar,
+        ):
+            pending = reader.submit(read_tokens, todo[0]) if todo else None
+            for n, s in enumerate(todo):
+                tokens = pending.result()
+                pending = reader.submit(read_tokens, todo[n + 1]) if n + 1 < len(todo) else None
+                order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
+                out = np.empty((len(tokens), dim), dtype=DTYPES[dtype])
+                for b in range(0, len(order), step):
+                    if check is not None:
+                        check()
+                    rows = order[b : b + step]
+                    batch = encoder.pad_token_rows([tokens[i] for i in rows])
+                    with torch.inference_mode(), _precision_autocast(device, precision):
+                        vectors = encoder(**{k: v.to(device) for k, v in batch.items()})
+                    out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
+                    bar.update(len(rows))
+                bad = nonfinite_rows(out)
+                if len(bad):  # refused before it is written, so a rerun embeds this shard again
+                    raise _nonfinite_error(
+                        f"{folder}: shard {s}",
+                        s * shard_size + bad,
+                        ids,
+                        "fix the tower or the dtype and rerun the build",
+                    )
+                _write_shard(folder, s, out)
+    finally:
+        # A stopped build must not wait for the next shard's tokens (a stop signal has a grace period).
+        stopping.set()
+        reader.shutdown(wait=False, cancel_futures=True)
     return todo
 
 
@@ -492,9 +581,11 @@ def build_passage_buffer(
     show_progress: bool = True,
     corpus_fingerprint: str | None = None,
     check: Callable[[], None] | None = None,
+    precision: str = "auto",
 ) -> PassageBuffer:
     """Embed `texts` with `encoder` (a SentenceEncoder: the passage tower) into a buffer folder; resumable
-    (`check`: see `embed_shards`).
+    (`check`: see `embed_shards`). `precision`: "float32", "bf16" (autocast) or "auto" (`resolve_precision`:
+    bf16 on a CUDA GPU, float32 on CPU), recorded with the buffer's settings.
 
     A complete buffer with the same fingerprints and settings is returned as is; an unfinished one is
     resumed. `accelerator` (an `accelerate.Accelerator` or `PartialState`) splits the shards over its
@@ -509,7 +600,10 @@ def build_passage_buffer(
     if len(ids) == 0:
         raise InputError("cannot build a passage buffer from an empty corpus")
     folder = Path(out_dir)
-    settings = build_settings(ids, texts, encoder, dtype, shard_size, corpus_fingerprint=corpus_fingerprint)
+    precision = resolve_precision(precision, encoder.device if accelerator is None else accelerator.device)
+    settings = build_settings(
+        ids, texts, encoder, dtype, shard_size, corpus_fingerprint=corpus_fingerprint, precision=precision
+    )
     rank, world = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
     is_main = accelerator is None or accelerator.is_main_process
 
@@ -519,20 +613,21 @@ def build_passage_buffer(
 
     if (folder / META_NAME).exists():
         meta = json.loads((folder / META_NAME).read_text())
-        if all(meta.get(k) == v for k, v in settings.items() if k != "corpus_fingerprint"):
+        if all(_recorded(meta, k) == v for k, v in settings.items() if k != "corpus_fingerprint"):
             # Only a buffer that is otherwise the one asked for is worth the old-style pass.
             meta = upgrade_legacy_fingerprint(
                 folder, META_NAME, meta, settings["corpus_fingerprint"], (ids, texts)
             )
-        same = all(
-            _corpus_matches(meta, v) if k == "corpus_fingerprint" else meta.get(k) == v
+        diff = {
+            k: (_recorded(meta, k), v)
             for k, v in settings.items()
-        )
-        if not same:
+            if not (_corpus_matches(meta, v) if k == "corpus_fingerprint" else _recorded(meta, k) == v)
+        }
+        if diff:
+            details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
             raise InputError(
-                f"{folder} already holds a complete buffer with other settings (encoder "
-                f"{meta.get('encoder_fingerprint')} vs {settings['encoder_fingerprint']}, corpus "
-                f"{meta.get('corpus_fingerprint')} vs {settings['corpus_fingerprint']}); use another --out folder"
+                f"{folder} already holds a complete buffer with other settings ({details}); "
+                "use another --out folder"
             )
         return PassageBuffer.load(folder)
     if is_main:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
 from retriever.errors import InputError
@@ -28,6 +29,7 @@ INDEX_NAME = "index.faiss"
 IDS_NAME = "ids.txt"
 META_NAME = "index.json"
 INDEX_FILES = (INDEX_NAME, IDS_NAME, META_NAME)  # all that `save` writes
+ADD_ROWS = 65_536  # rows per `add`, so that building a 21M-passage index reports its progress
 
 
 def _faiss():
@@ -123,8 +125,12 @@ class PassageIndex:
         use_gpu: bool | None = None,
         train_sample: int = 262_144,
         seed: int = 0,
+        show_progress: bool = False,
     ) -> PassageIndex:
-        """Index `embeddings` [N, D] (float32) with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`."""
+        """Index `embeddings` [N, D] (float32) with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`.
+
+        `use_gpu`: None puts it on the GPU(s) when faiss sees any (faiss-gpu), True insists, False keeps it on
+        the host."""
         embeddings = _as_float32(embeddings)
         if len(ids) != embeddings.shape[0]:
             raise ValueError(f"{embeddings.shape[0]} embeddings but {len(ids)} ids")
@@ -135,7 +141,11 @@ class PassageIndex:
             if embeddings.shape[0] > train_sample:
                 sample = embeddings[np.sort(rng.choice(embeddings.shape[0], train_sample, replace=False))]
             index.train(sample)
-        index.add(embeddings)
+        n = embeddings.shape[0]
+        with tqdm(total=n, desc="index", unit="psg", disable=not show_progress) as bar:
+            for start in range(0, n, ADD_ROWS):
+                index.add(embeddings[start : start + ADD_ROWS])
+                bar.update(min(ADD_ROWS, n - start))
         return cls(index, ids, factory, on_gpu)
 
     @classmethod
@@ -144,9 +154,10 @@ class PassageIndex:
         buffer,
         factory: str = "Flat",
         use_gpu: bool | None = None,
-        chunk_size: int = 65_536,
+        chunk_size: int = ADD_ROWS,
         train_sample: int = 262_144,
         seed: int = 0,
+        show_progress: bool = False,
     ) -> PassageIndex:
         """Index a `PassageBuffer`, streaming its shards (row i of the buffer is row i of the index)."""
         index, on_gpu = cls._empty(buffer.dim, factory, use_gpu)
@@ -157,8 +168,10 @@ class PassageIndex:
             import torch
 
             index.train(_as_float32(buffer.rows(torch.from_numpy(rows)).float().cpu().numpy()))
-        for _, chunk in buffer.iter_chunks(chunk_size):
-            index.add(_as_float32(chunk.float().cpu().numpy()))
+        with tqdm(total=len(buffer), desc="index", unit="psg", disable=not show_progress) as bar:
+            for _, chunk in buffer.iter_chunks(chunk_size):
+                index.add(_as_float32(chunk.float().cpu().numpy()))
+                bar.update(chunk.shape[0])
         return cls(index, buffer.ids, factory, on_gpu)
 
     @staticmethod

@@ -11,6 +11,9 @@ Devices: the buffer may stay where it is (host memory, memory-mapped) while the 
 accelerator. Rows are read where the buffer is and moved to the queries' device; every returned tensor is
 on the queries' device. h gets the rows in its parameters' dtype (bf16 under DeepSpeed) unless an autocast
 is in force.
+
+Precision: scores are float32 products of float32 operands whatever autocast is in force (h itself runs
+under it); only an explicit `compute_dtype` lowers them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,24 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     if dtype in (torch.bfloat16, torch.float16):
         return torch.autocast(device_type=device.type, dtype=dtype)
     return contextlib.nullcontext()
+
+
+def full_precision(device: torch.device):
+    """A block where autocast lowers no matmul, for scores and logits: under bf16 autocast (accelerate's
+    `mixed_precision: bf16` wraps the whole step in it) cosines near 0.5-1 come out in steps of 1/256, a
+    query's top-32 holds a handful of distinct values, ties at the k-th slot go to the lowest rows, and
+    beta * s (~16) carries steps of 0.125 into the losses."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _score_matrix(queries: Tensor, vectors: Tensor, dtype: torch.dtype) -> Tensor:
+    """<q_b, v_n> [B, n] float32, computed in `dtype` (float32: whatever autocast is in force)."""
+    if dtype == torch.float32:
+        with full_precision(queries.device):
+            return queries.float() @ vectors.float().T
+    return (queries.to(dtype) @ vectors.to(dtype).T).float()
 
 
 def _correct(corrector: nn.Module | None, vectors: Tensor) -> Tensor:
@@ -109,7 +130,7 @@ def score_rows(
     unique_rows, inverse = rows.clamp(min=0).unique(return_inverse=True)
     with torch.no_grad(), _autocast(queries.device, dtype):
         vectors = _correct(corrector, buf.rows(unique_rows).to(device=queries.device, dtype=dtype))
-        scores = (queries.detach().to(dtype) @ vectors.to(dtype).T).float()
+        scores = _score_matrix(queries.detach(), vectors, dtype)
     return scores.gather(1, inverse.reshape(rows.shape).to(scores.device))
 
 
@@ -157,8 +178,8 @@ def corrected_topk(
     - `num_random` adds that many uniform random rows, the same ones for the whole batch (Appendix B.1),
       except that a query whose set already holds one of them gets the next random row instead.
     All columns are ordered by the ordering contract (scores descending, then row ascending); scores
-    are float32 in the query's device. Computed without grad; `compute_dtype` (e.g. torch.bfloat16) is
-    used for h and the scoring matmul.
+    are float32 in the query's device, computed in float32 whatever the autocast. Computed without grad;
+    `compute_dtype` (e.g. torch.bfloat16) is used for h and the scoring matmul instead.
     """
     buf = _as_buffer(buffer)
     if queries.dim() != 2 or queries.shape[1] != buf.dim:
@@ -180,7 +201,7 @@ def corrected_topk(
         q = queries.detach().to(dtype)
         for start, chunk in buf.iter_chunks(chunk_size):
             vectors = _correct(corrector, chunk.to(device=device, dtype=dtype, non_blocking=True))
-            scores = (q @ vectors.to(dtype).T).float()
+            scores = _score_matrix(q, vectors, dtype)
             cand_scores, cand_rows = _chunk_candidates(scores, start, keep)
             run_scores, run_rows = _merge(run_scores, run_rows, cand_scores, cand_rows, keep)
     return complete_selection(

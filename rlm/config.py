@@ -43,6 +43,7 @@ def parse_yaml(text: str) -> Any:
 
 
 READER_ARCHS = ("t5", "warm_start")
+REPORT_TO = ("tensorboard", "wandb", "all", "none")
 
 
 @dataclass
@@ -278,6 +279,9 @@ class TrainConfig:
     # single-process work between collectives (hashing a 32 GB buffer, writing a checkpoint) must fit in it; a
     # dead or hung process ends the run after it instead of never.
     dist_timeout_s: int = 3600
+    # Where metrics go besides log.jsonl: accelerate's trackers (TensorBoard under <output_dir>/rlm; Weights &
+    # Biases with the `wandb` extra, its run id kept in the checkpoint so a resumed run continues the same run).
+    report_to: str = "tensorboard"  # "tensorboard" | "wandb" | "all" | "none"
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
@@ -298,6 +302,8 @@ class TrainConfig:
             _check_range(name, _lookup(self, name), NUMERIC_RANGES[name], optional)
         if self.reader.arch not in READER_ARCHS:
             raise UserError(f"reader.arch must be one of {READER_ARCHS}, got {self.reader.arch!r}")
+        if self.report_to not in REPORT_TO:
+            raise UserError(f"report_to must be one of {REPORT_TO}, got {self.report_to!r}")
         from rlm.strategies import strategy_class  # the registry says what each strategy takes part in
 
         strategy = strategy_class(self.strategy.name)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from rlm.errors import UserError
 
@@ -48,13 +49,16 @@ def run_buffer_dir(checkpoint: str | Path, buffer_dir: str | Path | None = None)
     return Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
 
 
-def corrected_rows(corrector, buffer, chunk_size: int = 65536) -> np.ndarray:
-    """h(B) [N, D] float32, chunk by chunk (the buffer stays memory-mapped; extra memory O(chunk x hidden))."""
+def corrected_rows(corrector, buffer, chunk_size: int = 65536, show_progress: bool = False) -> np.ndarray:
+    """h(B) [N, D] float32 on the host, chunk by chunk on the corrector's device (the buffer stays
+    memory-mapped; extra memory O(chunk x hidden))."""
     out = np.empty((len(buffer), buffer.dim), dtype=np.float32)
-    dtype = next(corrector.parameters()).dtype
-    with torch.no_grad():
+    weight = next(corrector.parameters())
+    with torch.no_grad(), tqdm(total=len(buffer), desc="h(B)", unit="psg", disable=not show_progress) as bar:
         for offset, block in buffer.iter_chunks(chunk_size):
-            out[offset : offset + block.shape[0]] = corrector(block.to(dtype)).float().numpy()
+            rows = corrector(block.to(weight.device, weight.dtype))
+            out[offset : offset + block.shape[0]] = rows.float().cpu().numpy()
+            bar.update(block.shape[0])
     return out
 
 
@@ -64,15 +68,19 @@ def corrected_index(
     buffer_dir: str | Path | None = None,
     factory: str = "Flat",
     verify_encoder: bool = True,
+    device=None,
+    show_progress: bool = False,
 ) -> CorrectedIndex:
     """A faiss index over h(B) for `corpus`, from the run of `checkpoint` (its `corrector/` and its buffer).
 
     `verify_encoder` rebuilds the run's starting retriever from its config to check B's encoder fingerprint
-    (a few seconds for a base-size tower); the corpus fingerprint is always checked.
+    (a few seconds for a base-size tower); the corpus fingerprint is always checked. h runs on `device` (None:
+    the accelerator when there is one) and the index goes to the GPU with it (`rlm.evaluation.index_on_gpu`).
     """
     from retriever.buffer import PassageBuffer
     from retriever.corrector import CorrectorNetwork
     from retriever.index import PassageIndex
+    from rlm.evaluation import index_on_gpu, inference_device
 
     root = Path(checkpoint)
     if not (root / "corrector").is_dir():
@@ -97,14 +105,17 @@ def corrected_index(
         ) from None
     if len(buffer) != len(corpus):
         raise UserError(f"buffer {folder} has {len(buffer)} rows but the corpus has {len(corpus)}")
-    corrector = CorrectorNetwork.from_pretrained(root / "corrector").eval()
+    device = inference_device(device)
+    corrector = CorrectorNetwork.from_pretrained(root / "corrector").eval().to(device)
     if corrector.dim != buffer.dim:
         raise UserError(f"corrector of dimension {corrector.dim} does not fit buffer rows of {buffer.dim}")
     start = time.perf_counter()
-    vectors = corrected_rows(corrector, buffer)
+    vectors = corrected_rows(corrector, buffer, show_progress=show_progress)
     correct_s = time.perf_counter() - start
     start = time.perf_counter()
-    index = PassageIndex.build(vectors, corpus.ids, factory=factory)
+    index = PassageIndex.build(
+        vectors, corpus.ids, factory=factory, use_gpu=index_on_gpu(device), show_progress=show_progress
+    )
     return CorrectedIndex(index, folder, len(buffer), correct_s, time.perf_counter() - start)
 
 

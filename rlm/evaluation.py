@@ -5,6 +5,11 @@ The pieces are separate functions so that the trainer's validation, the hard-sub
 `rlm evaluate` command share them: `load_checkpoint`, `embed_corpus`, `build_index`, `retrieve`,
 `retrieval_metrics`, `read`, `evaluate_reader`, `run_evaluation` (all of it) and `format_table`.
 
+Where it runs: `load_checkpoint` puts the towers and the reader on a device (`inference_device`: the
+accelerator when there is one), every entry point after it follows their device, and a faiss index built for
+models on a GPU goes to the GPU when faiss sees one (`index_on_gpu`). `inference_bf16` and `autocast` turn on
+bfloat16 autocast for the towers and the reader where it pays (an accelerator, or a CPU with native bf16).
+
 A checkpoint is a folder with `retriever/` (`DualEncoder.save_pretrained`) and `reader/`
 (`FiDReader.save_pretrained`); `config.yaml` next to them (written by `rlm train`) supplies how many
 passages the reader was trained to read.
@@ -12,14 +17,17 @@ passages the reader was trained to read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from atomicio import atomic_write_text
 from rlm.data.qa import QAExample
@@ -48,13 +56,61 @@ class EvaluationResult:
     metrics_path: Path | None = None
 
 
+def inference_device(device=None):
+    """`device` as a torch.device; None: the accelerator (CUDA) when there is one, else the CPU."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def inference_bf16(device, requested: bool, support=None) -> bool:
+    """Whether to run the towers and the reader under bf16 autocast on `device` when `requested`.
+
+    On an accelerator, yes. On a CPU only where bf16 is native (AVX512-BF16 or AMX, `rlm.precision`):
+    elsewhere it is emulated and many times slower than float32, so the run stays in float32 with a
+    `CpuBf16Warning`.
+    `support`: the CPU's `Bf16Support` when already known (tests)."""
+    from rlm.precision import CpuBf16Warning, cpu_bf16_support
+
+    if not requested or inference_device(device).type != "cpu":
+        return requested
+    support = support or cpu_bf16_support(probe=False)
+    if support.native:
+        return True
+    warnings.warn(
+        f"--bf16 ignored: bf16 is slow on this CPU ({support.describe()}); running in float32",
+        CpuBf16Warning,
+        stacklevel=2,
+    )
+    return False
+
+
+def autocast(device, enabled: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on `device`'s type when `enabled`, else nothing (an autocast the caller opened stays)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.autocast(device_type=inference_device(device).type, dtype=torch.bfloat16)
+
+
+def index_on_gpu(device) -> bool | None:
+    """`use_gpu` of a faiss index serving models on `device`: on a GPU when they are on one and faiss sees one
+    (None: faiss-cpu keeps it on the host), on the host otherwise (`--device cpu` keeps faiss off the GPU)."""
+    return None if inference_device(device).type == "cuda" else False
+
+
 def load_checkpoint(
     ckpt: str | os.PathLike | None,
     need_reader: bool = True,
     retriever_path: str | None = None,
     need_retriever: bool = True,
+    device=None,
 ):
-    """(DualEncoder | None, FiDReader | None, config dict) from a checkpoint folder.
+    """(DualEncoder | None, FiDReader | None, config dict) from a checkpoint folder, the models on `device`
+    (None: the accelerator when there is one, `inference_device`).
 
     `retriever_path` replaces `<ckpt>/retriever` (e.g. the packaged MiniLM, to evaluate the initial
     retriever); `ckpt` may then be None for retrieval-only runs. `need_retriever=False` skips loading it
@@ -89,6 +145,10 @@ def load_checkpoint(
                 "or use --retrieval-only"
             )
         reader = FiDReader.from_pretrained(str(root / "reader"))
+    device = inference_device(device)
+    for model in (retriever, reader):
+        if model is not None:
+            model.to(device)
     return retriever, reader, config
 
 
@@ -106,23 +166,30 @@ def embed_corpus(
     return passage_tower.encode(texts, batch_size=batch_size, show_progress=show_progress).numpy()
 
 
-def build_index(embeddings: np.ndarray, ids: Sequence[str], factory: str = "Flat"):
-    """A `retriever.index.PassageIndex` over the embeddings (inner product)."""
+def build_index(
+    embeddings: np.ndarray,
+    ids: Sequence[str],
+    factory: str = "Flat",
+    use_gpu: bool | None = None,
+    show_progress: bool = False,
+):
+    """A `retriever.index.PassageIndex` over the embeddings (inner product); `use_gpu`: `index_on_gpu`."""
     from retriever.index import PassageIndex
 
     # The ids as they are (a corpus's IdSequence stays one blob): no list of every id string.
-    return PassageIndex.build(embeddings, ids, factory=factory)
+    return PassageIndex.build(embeddings, ids, factory=factory, use_gpu=use_gpu, show_progress=show_progress)
 
 
-def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str]):
+def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str], use_gpu: bool | None = None):
     """Load a saved `PassageIndex` and refuse it when its passage ids are not the corpus's, row for row.
 
     Only ids are compared: an index built over a same-id corpus with different texts is not detected.
+    `use_gpu`: as for `build_index`.
     """
     from retriever.ids import first_mismatch
     from retriever.index import PassageIndex
 
-    index = PassageIndex.load(index_dir)
+    index = PassageIndex.load(index_dir, use_gpu=use_gpu)
     if index.ntotal != len(corpus_ids):
         raise UserError(
             f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
@@ -138,11 +205,19 @@ def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str]):
     return index
 
 
-def retrieve(query_tower, index, questions: Sequence[str], k: int = 100, batch_size: int = 64) -> Retrieved:
+def retrieve(
+    query_tower,
+    index,
+    questions: Sequence[str],
+    k: int = 100,
+    batch_size: int = 64,
+    show_progress: bool = False,
+) -> Retrieved:
     """Top-k passages per question by inner product of the query tower's embeddings with the index."""
     if not questions:
         return Retrieved([], [])
-    queries = query_tower.encode(list(questions), batch_size=batch_size).numpy()
+    # `encode` hands back host float32 whatever the tower's device and autocast: what faiss takes.
+    queries = query_tower.encode(list(questions), batch_size=batch_size, show_progress=show_progress).numpy()
     scores, ids = index.search(queries, k)
     return Retrieved(ids=ids, scores=[row[: len(i)].tolist() for row, i in zip(scores, ids)])
 
@@ -197,11 +272,12 @@ def read(
     num_beams: int = 1,
     passage_ids: Sequence[Sequence[str]] | None = None,
     with_confidence: bool = False,
+    show_progress: bool = False,
 ) -> list[str] | list[tuple[str, float]]:
     """The reader's answers from the top `num_passages` retrieved passages; closed book when `retrieved` is None.
 
     `passage_ids` (e.g. from `with_gold_passages`) replaces the retrieved lists. `with_confidence`: (answer,
-    the reader's probability of it) pairs instead of answers.
+    the reader's probability of it) pairs instead of answers. The reader runs on its own device.
     """
     questions = [ex.question for ex in examples]
     if passage_ids is None:
@@ -213,9 +289,23 @@ def read(
             [(p.title, p.text) for p in (corpus[corpus.index_of(pid)] for pid in ids)] for ids in passage_ids
         ]
     answer = reader.answer_with_confidence if with_confidence else reader.answer
-    return answer(
-        questions, passages, max_new_tokens=max_new_tokens, num_beams=num_beams, batch_size=batch_size
-    )
+    step = batch_size or max(len(questions), 1)
+    answers = []
+    # Batch by batch here rather than in the reader, for a progress bar over a dev set's hours of generation.
+    with tqdm(total=len(questions), desc="read", unit="q", disable=not show_progress) as bar:
+        for start in range(0, len(questions), step):
+            stop = start + step
+            answers.extend(
+                answer(
+                    questions[start:stop],
+                    passages[start:stop],
+                    max_new_tokens=max_new_tokens,
+                    num_beams=num_beams,
+                    batch_size=step,
+                )
+            )
+            bar.update(len(questions[start:stop]))
+    return answers
 
 
 def decide_all(
@@ -298,7 +388,10 @@ def run_evaluation(
 
     Modes: full (retriever + reader), retrieval-only (reader None: recall only), closed book (reader only,
     no passages), gold passages (the reader reads the top `num_passages` with the gold passages swapped in,
-    `with_gold_passages`; or the gold passages alone when no retriever is given). `index` is reused when given, else the corpus is embedded with the passage tower.
+    `with_gold_passages`; or the gold passages alone when no retriever is given). `index` is reused when
+    given, else the corpus is embedded with the passage tower (into a faiss index on the GPU when the tower is
+    on one, `index_on_gpu`). The models run where they are (`load_checkpoint(device=...)`); `show_progress`:
+    progress bars over the corpus, the index, the questions and the reading.
     With `out_dir`, writes `predictions.jsonl` (question, gold answers, prediction, retrieved ids and
     scores) and `metrics.json`, atomically.
 
@@ -322,15 +415,15 @@ def run_evaluation(
     if not closed_book and retriever is not None:
         start = time.perf_counter()
         if index is None:
-            embeddings = embed_corpus(
-                retriever.passage_tower, corpus.retrieval_texts(), embed_batch_size, show_progress
+            tower = retriever.passage_tower
+            embeddings = embed_corpus(tower, corpus.retrieval_texts(), embed_batch_size, show_progress)
+            index = build_index(
+                embeddings, corpus.ids, use_gpu=index_on_gpu(tower.device), show_progress=show_progress
             )
-            index = build_index(embeddings, corpus.ids)
             timings["embed_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
-        retrieved = retrieve(
-            retriever.query_tower, index, [ex.question for ex in examples], k, embed_batch_size
-        )
+        questions = [ex.question for ex in examples]
+        retrieved = retrieve(retriever.query_tower, index, questions, k, embed_batch_size, show_progress)
         timings["retrieve_seconds"] = time.perf_counter() - start
         metrics.update(retrieval_metrics(corpus, examples, retrieved, [kk for kk in RECALL_KS if kk <= k]))
     predictions = read_ids = None
@@ -348,6 +441,7 @@ def run_evaluation(
             num_beams=num_beams,
             passage_ids=read_ids,
             with_confidence=True,
+            show_progress=show_progress,
         )
         timings["read_seconds"] = time.perf_counter() - start
         predictions = [answer for answer, _ in answered]

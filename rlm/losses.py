@@ -13,9 +13,10 @@ NEG_INF = -1e4  # large but finite: keeps softmax and its gradient NaN-free in f
 
 
 def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    logits = logits.float()
     if mask is not None:
         logits = logits.masked_fill(~mask, NEG_INF)
-    return F.log_softmax(logits.float(), dim=-1)
+    return F.log_softmax(logits, dim=-1)
 
 
 def perplexity_distillation_loss(
@@ -30,7 +31,7 @@ def perplexity_distillation_loss(
     the reader scoring each passage alone. P_a(y|x) = P(a|y,x) / sum_y' P(a|y',x) is the softmax of the log
     likelihoods (temperature 1 is the paper's form); it is a fixed target, so no gradient reaches the reader.
     """
-    target_logp = masked_log_softmax(answer_logprobs.detach() / temperature, mask)
+    target_logp = masked_log_softmax(answer_logprobs.detach().float() / temperature, mask)
     retriever_logp = masked_log_softmax(retriever_logits, mask)
     target_p = target_logp.exp()
     kl = target_p * (target_logp - retriever_logp)

@@ -14,6 +14,7 @@ import torch
 
 from reader.scoring import score_passages
 from retriever.corrector import corrector_ce_loss, corrector_mse_loss
+from retriever.search import full_precision
 from rlm.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
 
 
@@ -38,8 +39,10 @@ class StepOutput:
 
 
 def _scores(queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
-    """<q_b, p_bk> for queries [B, D] and passages [B, K, D] -> [B, K]."""
-    return torch.einsum("bd,bkd->bk", queries, passages.to(queries.dtype))
+    """<q_b, p_bk> for queries [B, D] and passages [B, K, D] -> [B, K] float32, whatever the autocast: the
+    towers and h may run in bf16, but beta * s rounded to bf16 would move the losses in steps of 0.125."""
+    with full_precision(queries.device):
+        return torch.einsum("bd,bkd->bk", queries.float(), passages.float())
 
 
 def _rows_or_zero(rows: torch.Tensor) -> torch.Tensor:
@@ -62,7 +65,7 @@ def corrector_quality(fresh_logits: torch.Tensor, other_logits: torch.Tensor, ma
 def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fresh_logits, beta, cfg):
     """Step 7: the corrector's loss on S_x, from detached queries and detached targets; plus drift metrics."""
     # B_y: the fixed buffer rows, read from wherever B lives (host memory) onto the step's device.
-    stale = strategy.buffer.rows(_rows_or_zero(rows)).to(device=queries.device, dtype=queries.dtype)
+    stale = strategy.buffer.rows(_rows_or_zero(rows)).to(device=queries.device, dtype=torch.float32)
     stale_logits = beta * _scores(queries.detach(), stale)
     drift = (fresh_passages.detach().float() - stale.float()).norm(dim=-1)[mask].mean()
     metrics = {

@@ -38,6 +38,7 @@ from retriever.search import (
     complete_selection,
     correct_buffer,
     corrected_topk,
+    full_precision,
     sort_desc_then_row,
     two_stage_corrected_topk,
 )
@@ -66,13 +67,17 @@ def auto_index_factory(rows: int) -> str:
 @dataclass
 class Processes:
     """This process's place among the data-parallel processes, and the collectives a sharded search needs:
-    `gather` all-gathers a tensor along dim 0 (same shape on every process), `barrier` waits for all."""
+    `gather` all-gathers a tensor along dim 0 (same shape on every process), `barrier` waits for all.
+
+    `device` is where `gather`'s tensors must live: NCCL takes only tensors on this process's GPU, gloo takes
+    host tensors too (None: where they are, which a CPU-only 2-process test cannot tell apart)."""
 
     rank: int = 0
     world: int = 1
     gather: Callable[[Tensor], Tensor] = field(default=_all_gather_identity)
     barrier: Callable[[], None] = field(default=_no_barrier)
     gather_object: Callable[[list], list] = field(default=list)  # concatenates every process's list, in order
+    device: torch.device | None = None
 
     def part(self, n: int) -> tuple[int, int]:
         """This process's contiguous share [start, stop) of n rows."""
@@ -233,6 +238,10 @@ class SelectionStrategy:
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
         """Called before optimizer step `step` (0-based); refreshing strategies re-embed here."""
 
+    def refreshes_at(self, step: int) -> bool:
+        """Whether `before_step(step)` replaces the scanned rows before anything reads them."""
+        return False
+
     def search_space(self) -> PassageBuffer | torch.Tensor:
         """All rows the queries are scored against at this step (row i = corpus row i)."""
         return self.buffer
@@ -370,14 +379,19 @@ class SelectionStrategy:
 
     def prune_refreshes(self, checkpoint_steps: Sequence[int]) -> None:
         """Delete the refreshed rows (`refresh_dir/step_<s>`) that neither this step nor a kept checkpoint
-        needs; the main process calls it after saving a checkpoint."""
+        needs; the main process calls it after every step, with the steps of the checkpoints it keeps.
+
+        A checkpoint taken after s optimizer steps references the refresh done before the latest step < s, but
+        a run resumed from it reads those rows only if step s does not refresh first (or if no step s follows).
+        With checkpoints every 2R steps, each one falls on a refresh: only the current refresh is kept, not
+        also the two the kept checkpoints reference (3 x 32 GB for 21M x 768 fp16 rows)."""
         if self.refresh_dir is None or not self.refresh_dir.is_dir():
             return
         found = sorted(int(p.name[5:]) for p in self.refresh_dir.glob("step_*") if p.name[5:].isdigit())
-        # A checkpoint taken after s optimizer steps holds the refresh done before the latest step < s.
-        keep = {self.refresh_step} | {
-            max((r for r in found if r < s), default=None) for s in checkpoint_steps
-        }
+        keep = {self.refresh_step}
+        for s in checkpoint_steps:
+            if not (s < self.max_steps and self.refreshes_at(s)):
+                keep.add(max((r for r in found if r < s), default=None))
         for r in found:
             if r not in keep:
                 shutil.rmtree(self.refresh_dir / f"step_{r:07d}", ignore_errors=True)
@@ -423,7 +437,8 @@ class InBatchStrategy(SelectionStrategy):
             raise ValueError("in_batch selects the batch's labels: algorithm 1 only")
         include = include.to(queries.device)
         rows = self.buffer.rows(include).to(device=queries.device, dtype=torch.float32)
-        return TopK(torch.einsum("bd,bmd->bm", queries.float(), rows), include)
+        with full_precision(queries.device):
+            return TopK(torch.einsum("bd,bmd->bm", queries.float(), rows), include)
 
 
 class ClosedBookStrategy(SelectionStrategy):
@@ -488,10 +503,14 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         super().__init__(*args, **kwargs)
         self.fresh: PassageBuffer | torch.Tensor | None = None  # None until the first refresh
         self._mine: Tensor | None = None  # this process's share of the fresh rows, in memory
+        self._unopened = False  # a loaded checkpoint's refreshed rows, not opened yet (`_open_loaded`)
 
     @abc.abstractmethod
     def due(self, step: int) -> bool:
         """Whether the buffer is re-embedded before optimizer step `step`."""
+
+    def refreshes_at(self, step: int) -> bool:
+        return self.due(step)
 
     def prepare_refresh(self, step: int, embed_rows: EmbedRows) -> int:
         """Work a refresh does before its rows are computed; returns the passages it re-embedded (each once,
@@ -521,8 +540,10 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         self.refresh_step = step
         self.reembedded += reembedded
         self._resident = None
+        self._unopened = False
 
     def search_space(self) -> PassageBuffer | torch.Tensor:
+        self._open_loaded()
         return self.buffer if self.fresh is None else self.fresh
 
     def _scanned(self):
@@ -538,18 +559,24 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         super().load_state_dict(state)
         self.refresh_step = state.get("refresh_step")
         self._resident = None
+        self.fresh = self._mine = None
         if "fresh" in state:
             self.fresh = state["fresh"]
             self._mine = None if self.sharded else self.fresh
-        elif self.refresh_step is None:
-            self.fresh = self._mine = None
-        else:
-            n = len(self.buffer)
-            folder = self.refresh_dir / f"step_{self.refresh_step:07d}"
-            refreshed = _Refreshed.open(folder, self.procs, self.sharded, n)
-            self.fresh = refreshed.whole
-            start, stop = self.procs.part(n) if self.sharded else (0, n)
-            self._mine = refreshed.whole.rows(torch.arange(start, stop))
+        # The files are opened when first scanned: a checkpoint taken just before a refresh is resumed by
+        # that refresh, which never reads them, and `prune_refreshes` has deleted them for that reason.
+        self._unopened = "fresh" not in state and self.refresh_step is not None
+
+    def _open_loaded(self) -> None:
+        if not self._unopened:
+            return
+        n = len(self.buffer)
+        folder = self.refresh_dir / f"step_{self.refresh_step:07d}"
+        refreshed = _Refreshed.open(folder, self.procs, self.sharded, n)
+        self.fresh = refreshed.whole
+        start, stop = self.procs.part(n) if self.sharded else (0, n)
+        self._mine = refreshed.whole.rows(torch.arange(start, stop))
+        self._unopened = False
 
 
 class ExhaustiveStrategy(_RefreshingStrategy):
@@ -614,13 +641,14 @@ class RegressionStrategy(ExhaustiveStrategy):
         procs, count = self.procs, len(rows)
         start, stop = procs.part(count)
         mine = embed_rows(rows[start:stop].tolist()) if stop > start else None
-        device = mine.device if mine is not None else (self.device or torch.device("cpu"))
+        # The passage tower hands back host float32, and NCCL gathers device tensors only.
+        device = procs.device or self.device or (mine.device if mine is not None else torch.device("cpu"))
         per = -(
             -count // procs.world
         )  # the gather needs one shape on every process: pad to the largest share
         padded = torch.zeros(per, self.buffer.dim, device=device)
         if mine is not None:
-            padded[: stop - start] = mine.float()
+            padded[: stop - start] = mine.to(device=device, dtype=torch.float32)
         gathered = procs.gather(padded)
         shares = [Processes(r, procs.world).part(count) for r in range(procs.world)]
         return torch.cat([gathered[r * per : r * per + (b - a)] for r, (a, b) in enumerate(shares)])
@@ -662,11 +690,15 @@ class SNMStrategy(SelectionStrategy):
         super().__init__(*args, **kwargs)
         self.rows: torch.Tensor | None = None  # [M] corpus rows of the current subset
         self.subset: torch.Tensor | None = None  # this process's share of their fresh embeddings
+        self._unopened = False  # a loaded checkpoint's subset, not opened yet (`_open_loaded`)
+
+    def refreshes_at(self, step: int) -> bool:
+        # A subset is needed from step 0; it is resampled every R retriever updates after that.
+        trained = step - self.start_step
+        return step == 0 or (trained > 0 and trained % self.cfg.refresh_every == 0 and step <= self.stop_step)
 
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
-        trained = step - self.start_step
-        # A subset is needed from step 0; it is resampled every R retriever updates after that.
-        if step > 0 and (trained <= 0 or trained % self.cfg.refresh_every or step > self.stop_step):
+        if not self.refreshes_at(step):
             return
         m = min(self.cfg.snm_size, len(self.buffer))
         self.rows = torch.randperm(len(self.buffer), generator=self.generator)[:m].sort().values
@@ -680,8 +712,10 @@ class SNMStrategy(SelectionStrategy):
         self.refresh_step = step
         self.reembedded += m
         self._resident = None
+        self._unopened = False
 
     def search_space(self) -> PassageBuffer | torch.Tensor:
+        self._open_loaded()
         if self.subset is None:
             raise RuntimeError("SNM subset not sampled yet: call before_step first")
         return self.subset
@@ -690,6 +724,7 @@ class SNMStrategy(SelectionStrategy):
         return self.buffer
 
     def _scanned(self):
+        self._open_loaded()
         if self.subset is None:
             raise RuntimeError("SNM subset not sampled yet: call before_step first")
         if not self.sharded:
@@ -698,6 +733,7 @@ class SNMStrategy(SelectionStrategy):
         return _Sized(len(self.rows)), self.rows, self.subset
 
     def _topk(self, queries, corrector, k):
+        self._open_loaded()
         if self.sharded and self._resident is None:
             start, stop = self.procs.part(len(self.rows))
             subset = self.subset if self.device is None else self.subset.to(self.device)
@@ -714,14 +750,19 @@ class SNMStrategy(SelectionStrategy):
         super().load_state_dict(state)
         self.rows, self.refresh_step = state["rows"], state.get("refresh_step")
         self._resident = None
-        if "subset" in state:
-            self.subset = state["subset"]
-        elif self.rows is not None:
-            m = len(self.rows)
-            folder = self.refresh_dir / f"step_{self.refresh_step:07d}"
-            refreshed = _Refreshed.open(folder, self.procs, self.sharded, m)
-            start, stop = self.procs.part(m) if self.sharded else (0, m)
-            self.subset = refreshed.whole.rows(torch.arange(start, stop))
+        self.subset = state.get("subset")
+        # Opened when first scanned, as `_RefreshingStrategy` does: a resample first never reads it.
+        self._unopened = "subset" not in state and self.rows is not None
+
+    def _open_loaded(self) -> None:
+        if not self._unopened:
+            return
+        m = len(self.rows)
+        folder = self.refresh_dir / f"step_{self.refresh_step:07d}"
+        refreshed = _Refreshed.open(folder, self.procs, self.sharded, m)
+        start, stop = self.procs.part(m) if self.sharded else (0, m)
+        self.subset = refreshed.whole.rows(torch.arange(start, stop))
+        self._unopened = False
 
 
 class _Sized:

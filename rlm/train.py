@@ -22,12 +22,14 @@ import math
 import os
 import sys
 import time
+import uuid
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import (
     DistributedDataParallelKwargs,
@@ -70,12 +72,17 @@ class TrainState:
     align_end: int | None = None
     align_best: float = float("inf")
     align_stalled: int = 0
+    tracker_run_id: str | None = None  # W&B's run id, so a resumed run logs into the same run
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
 
     def load_state_dict(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+class DeepSpeedClippingWarning(UserWarning):
+    """DeepSpeed clips one global gradient norm where DDP clips each component."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -288,6 +295,27 @@ class TrainRun:
         return make_batch(self.train_examples, indices, self.corpus, cfg.algorithm, gold_passages=gold_phase)
 
 
+def trackers(report_to: str) -> list[str] | None:
+    """accelerate's `log_with` for `report_to`; W&B is an extra (`pip install .[wandb]`)."""
+    wanted = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}.get(
+        report_to, []
+    )
+    if "wandb" in wanted:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError(
+                f"report_to={report_to} needs Weights & Biases: pip install 'rlm-corrector[wandb]'"
+            ) from None
+    return wanted or None
+
+
+def tracked_config(cfg: TrainConfig) -> dict:
+    """The run config as trackers store hyperparameters: flat keys, numbers, text and booleans only."""
+    flat = checkpointing.flat_config(yaml.safe_load(dump_config(cfg)) or {})
+    return {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in flat.items()}
+
+
 def launched_with_deepspeed() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
@@ -308,12 +336,20 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         # the CPU flags, the same on every process of a machine (checked below); the probe is only reported.
         choice = cpu_mixed_precision("bf16", force=cfg.force_cpu_bf16, support=cpu_bf16_support())
         mixed_precision, message = choice.mixed_precision, choice.warning
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher is not None and launcher != cfg.mixed_precision and os.environ.get("RANK", "0") == "0":
+        # One place decides: the run config (saved with every checkpoint and compared on resume).
+        warnings.warn(
+            f"the accelerate launcher config asks for mixed_precision={launcher}; the run config's "
+            f"mixed_precision={cfg.mixed_precision} is used (set it with --set mixed_precision=...)",
+            stacklevel=2,
+        )
     accelerator = Accelerator(
         mixed_precision=mixed_precision,
         # Without CUDA, accelerate must be told it is on CPU, or torchrun ranks run as unrelated processes;
         # under DeepSpeed that would silently train plain DDP instead (DeepSpeed finds the CPU itself).
         cpu=(cfg.cpu or not cuda) and not deepspeed,
-        log_with="tensorboard",
+        log_with=trackers(cfg.report_to),
         project_dir=cfg.output_dir,
         # The schedule is stepped once per optimizer step by the loop: accelerate's own stepping advances it
         # once per process per step, W times too fast with W processes.
@@ -349,6 +385,15 @@ def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps:
         # DeepSpeed clips inside its step, with one global norm (per-component clipping is not possible there).
         "gradient_clipping": optim_cfg.max_grad_norm,
     }
+    if optim_cfg.max_grad_norm > 0 and accelerator.is_main_process:
+        warnings.warn(
+            "under DeepSpeed the gradients of reader, retriever and corrector are clipped together, to one "
+            f"global norm of {optim_cfg.max_grad_norm} (DDP clips each component alone): a large corrector "
+            "gradient (loss weight corrector.weight) shrinks the reader's and retriever's steps too. The norm "
+            "is logged as grad_norm_global; docs/training.md compares the two on the toy world.",
+            DeepSpeedClippingWarning,
+            stacklevel=2,
+        )
     for key, value in wanted.items():
         have = ds.get(key, "auto")
         if have in ("auto", None):
@@ -496,6 +541,7 @@ def processes(accelerator: Accelerator) -> Processes:
         accelerator.gather,
         accelerator.wait_for_everyone,
         gather_object,
+        device=accelerator.device,  # NCCL gathers only tensors on this process's GPU
     )
 
 
@@ -552,7 +598,9 @@ def clip_per_component(accelerator: Accelerator, optimizer, max_norm: float) -> 
     DeepSpeed the engine clips (one global norm, `gradient_clipping` in its config) inside its step.
     """
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        return {}
+        # The engine has stepped already (in the window's last backward); its one norm is what it clipped.
+        norm = optimizer_engine_norm(accelerator)
+        return {} if norm is None else {"grad_norm_global": norm}
     accelerator.unscale_gradients()  # fp16: clip the true gradients (a no-op otherwise)
     norms = {}
     for group in optimizer.param_groups:
@@ -561,6 +609,13 @@ def clip_per_component(accelerator: Accelerator, optimizer, max_norm: float) -> 
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
             norms[f"grad_norm_{group['name']}"] = float(norm)
     return norms
+
+
+def optimizer_engine_norm(accelerator: Accelerator) -> float | None:
+    """The global gradient norm DeepSpeed's last step clipped with (None when it reports none)."""
+    engines = [m for m in accelerator._models if hasattr(m, "get_global_grad_norm")]
+    norm = engines[0].get_global_grad_norm() if engines else None
+    return None if norm is None else float(norm)
 
 
 def _zero_loss(run: TrainRun, loss: torch.Tensor) -> torch.Tensor:
@@ -640,7 +695,7 @@ def train_step(run: TrainRun) -> dict | None:
     state.step += 1
     record = {
         "step": state.step,
-        **{k: round(v, 6) for k, v in sums.items()},
+        **{k: round(v, 6) for k, v in mean_over_processes(acc, sums).items()},
         **{k: round(v, 6) for k, v in norms.items()},
         **strategy.pop_metrics(),
         **lrs,
@@ -651,6 +706,21 @@ def train_step(run: TrainRun) -> dict | None:
     if align:
         check_alignment(run, record)
     return record
+
+
+LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
+
+
+def mean_over_processes(accelerator: Accelerator, sums: dict[str, float]) -> dict[str, float]:
+    """The step's losses averaged over every process's micro-batches (what the step optimised), not rank 0's
+    alone; other figures stay this process's. Every process has the same loss keys: they follow the step's
+    phase, which all share."""
+    keys = [k for k in LOSS_KEYS if k in sums]
+    if accelerator.num_processes == 1 or not keys:
+        return sums
+    local = torch.tensor([sums[k] for k in keys], dtype=torch.float32, device=accelerator.device)
+    mean = accelerator.reduce(local, reduction="mean")
+    return {**sums, **dict(zip(keys, mean.tolist()))}
 
 
 def alignment_questions(run: TrainRun, limit: int = 256) -> list[str]:
@@ -723,8 +793,14 @@ def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
     cfg, acc, state, output_dir = run.cfg, run.accelerator, run.state, Path(run.cfg.output_dir)
     log_path = output_dir / "log.jsonl"
     prefix_log = load_prefix(run, prefix) if prefix is not None and state.step == 0 else None
+    if state.tracker_run_id is None or prefix_log is not None:  # a new run; a resumed one keeps its W&B run
+        state.tracker_run_id = uuid.uuid4().hex[:12]
     if acc.is_main_process:
-        acc.init_trackers("rlm")
+        acc.init_trackers(
+            "rlm",
+            config=tracked_config(cfg),
+            init_kwargs={"wandb": {"id": state.tracker_run_id, "resume": "allow", "dir": str(output_dir)}},
+        )
         if prefix_log is None:
             checkpointing.repair_log(log_path, state.step)
         else:
@@ -801,15 +877,30 @@ def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
             summary.update(run.validate(selection=True))  # what the final reader-only phase read
         # Validations whose passage embeddings were reused (the tower had not moved since the last one).
         summary["validation_embeddings_reused"] = run.validation_cache.hits
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        use_fp32_master_weights(run)  # every process: the gather is collective
     if acc.is_main_process:
-        with atomic_directory(
-            output_dir / "final"
-        ) as tmp:  # whole or not at all: no new retriever beside an old reader
+        # Whole or not at all: never a new retriever beside an old reader.
+        with atomic_directory(output_dir / "final") as tmp:
             run.raw.save_pretrained(tmp)
             atomic_write_text(tmp / "config.yaml", dump_config(cfg))
         atomic_write_json(output_dir / "summary.json", summary)
+    # Every process ends together: one that tears down its process group while another is still at work (the
+    # main process writing final/) can leave that one waiting on a rendezvous store that is gone.
+    acc.wait_for_everyone()
     acc.end_training()
     return summary
+
+
+def use_fp32_master_weights(run: TrainRun) -> None:
+    """Under DeepSpeed the module holds the step's precision (bf16 with mixed precision) and the optimizer the
+    fp32 master weights; `final/` gets the latter (gathered from the ZeRO partitions), as an fp32 run would.
+    Called after the last step and validation: the module is not trained further."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for param in run.raw.parameters():
+        master = safe_get_full_fp32_param(param) if param.requires_grad else None
+        param.data = (master if master is not None else param.data).to(param.device, torch.float32)
 
 
 def check_collapse(cfg: TrainConfig, metrics: dict, step: int) -> None:
@@ -852,12 +943,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --resume: accept this setting differing from the checkpoint's (e.g. optim.max_steps to "
         "train longer); repeat for several",
     )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (the file, the defaults and every --set) as YAML and exit",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from rlm.cli import main_process
 
     cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
     try:
         summary = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_changed=args.allow_changed)
     except Preempted as err:

@@ -4,8 +4,9 @@ The corpus (or the hard subcorpus H_k, Kim et al., when `data.dev_subcorpus` nam
 is embedded with the current passage tower, each dev question retrieves its top passages by exact inner
 product, and the reader answers from the top `reader.num_passages` (Algorithm 2). With several processes the
 work is sharded: each embeds and searches 1/W of the passages (the top-k lists are merged across processes,
-as in training's selection) and reads 1/W of the questions, so no process waits for another's whole corpus.
-Every process returns the same figures. The metrics are those of `rlm evaluate`, so the figures agree.
+as in training's selection), brings 1/W of the questions to that search and reads them, so no process waits
+for another's whole corpus. The per-question results are gathered, and every process returns the same
+figures. The metrics are those of `rlm evaluate`, so the figures agree.
 With the training strategy, the passages come from its top-k instead (h(B) for the corrector, as `rlm
 evaluate --index corrected` reads them), reported as `dev_selection_*`.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from retriever.alignment import alignment_metrics
+from retriever.search import TopK
 from rlm.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
 from rlm.strategies import Processes, ShardedRows, strategy_class
 
@@ -73,7 +75,8 @@ def sharded_retrieve(
 ) -> Retrieved:
     """Exact top-k passages per question, this process embedding and scanning only its share of the corpus
     (or taking it from `cache` when the passage tower is the one that embedded it; `corpus_key` names which
-    corpus or subcorpus `corpus` is). `queries`: the questions' embeddings when the caller has them."""
+    corpus or subcorpus `corpus` is). `queries`: the questions' embeddings when the caller has them. Every
+    process gets every question's passages."""
     start, stop = procs.part(len(corpus))
     texts = corpus.retrieval_texts()
     tower = retriever.passage_tower
@@ -86,14 +89,40 @@ def sharded_retrieve(
         queries = retriever.query_tower.encode(list(questions), batch_size=batch_size)
     if device is not None:
         queries = queries.to(device)
-    top = ShardedRows(passages, torch.arange(start, stop), procs).topk(queries, None, k, chunk_size=65536)
+    rows = ShardedRows(passages, torch.arange(start, stop), procs)
+    top = _per_question(queries, procs, lambda mine: rows.topk(mine, None, k, chunk_size=65536))
     return _as_retrieved(top, corpus)
 
 
-def selection_retrieve(strategy, corrector, corpus, queries: torch.Tensor, k: int) -> Retrieved:
+def selection_retrieve(
+    strategy, corrector, corpus, queries: torch.Tensor, k: int, procs: Processes | None = None
+) -> Retrieved:
     """Top-k passages per query by the training strategy's own scoring (h(B) for the corrector, the buffer as
-    last refreshed for the others): nothing re-embedded. Every process passes every dev question's query."""
-    return _as_retrieved(strategy.top(queries, corrector, k), corpus)
+    last refreshed for the others): nothing re-embedded. Every process gets every query's passages; with
+    `procs`, each brings only its share of the queries to the strategy's search."""
+    top = _per_question(queries, procs or Processes(), lambda mine: strategy.top(mine, corrector, k))
+    return _as_retrieved(top, corpus)
+
+
+def _per_question(queries: torch.Tensor, procs: Processes, search) -> TopK:
+    """`search` (collective) on this process's share of the queries, the shares gathered back in order.
+
+    A sharded top-k all-gathers the queries it is given: were every process to pass every query, each would
+    score all of them W times over (at a 21M-passage validation, gigabytes of transient scores per process).
+    The shares are padded to one length because the gathers need the same shape on every process."""
+    if procs.world == 1:
+        return search(queries)
+    n = queries.shape[0]
+    first, last = procs.part(n)
+    per = -(-n // procs.world)
+    mine = queries[first:last]
+    if last - first < per:
+        mine = torch.cat([mine, mine.new_zeros(per - (last - first), *queries.shape[1:])])
+    top = search(mine)
+    # Process r's share is questions [r * per, (r + 1) * per): in process order, the first n rows are all.
+    scores = procs.gather(top.scores.contiguous())[:n]
+    indices = procs.gather(top.indices.contiguous())[:n]
+    return TopK(scores, indices)
 
 
 def _as_retrieved(top, corpus) -> Retrieved:
@@ -136,7 +165,7 @@ def validate(
         queries = model.retriever.query_tower.encode(questions, batch_size=cfg.buffer.batch_size)
         if strategy is not None:
             queries = queries.to(device) if device is not None else queries
-            retrieved = selection_retrieve(strategy, model.corrector, corpus, queries, max(ks))
+            retrieved = selection_retrieve(strategy, model.corrector, corpus, queries, max(ks), procs)
             metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
             return _prefixed(
                 _read(model, corpus, dev_examples, cfg, retrieved, procs, batch_size, metrics),

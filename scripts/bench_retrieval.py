@@ -126,15 +126,13 @@ def bench_two_stage(
         start = time.perf_counter()
         index = PassageIndex.from_buffer(buf, factory, train_sample=min(n, 40 * nlist))
         build_seconds = time.perf_counter() - start
-        if nprobe is not None:
-            import faiss
-
-            faiss.ParameterSpace().set_index_parameter(index.index, "nprobe", nprobe)
         for candidates in (256, 1024):
+            # nprobe goes through PassageIndex.search_rows, which reaches a GPU clone's IVF lists as well
+            # (faiss's CPU ParameterSpace does not know a GpuIndexIVF).
             seconds, top = best_of(
                 2,
-                lambda i=index, c=candidates: two_stage_corrected_topk(
-                    queries, buf, net, K, i, num_candidates=c
+                lambda i=index, c=candidates, p=nprobe: two_stage_corrected_topk(
+                    queries, buf, net, K, i, num_candidates=c, nprobe=p
                 ),
             )
             results.append(

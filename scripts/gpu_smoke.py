@@ -1,187 +1,811 @@
-"""End-to-end smoke test of the paper-scale code paths on whatever device is at hand, a few minutes on one GPU.
+"""Smoke test of the paper-scale code paths on the device at hand: one run on one GPU, each stage asserted.
 
-One PASS/FAIL line per stage: the fixed buffer, two real training steps of every strategy (Algorithm 2, and
-Algorithm 1 with top-k + uniform negatives shared across the batch), bf16 autocast, a 2-process DDP run when
-two GPUs are visible (or `--ddp` on CPU), validation, a faiss index on the GPU (faiss-gpu) and the demo's
-`QAService.answer` on the trained checkpoint. Tiny models on a 120-passage toy world: this checks placement,
-dtypes and plumbing, not accuracy.
+Stages (each PASS, FAIL or SKIP with its reason; the script exits 1 when any fails):
 
-    bash scripts/gpu_smoke.sh                 # on a CUDA machine
+- `buffer`: the fixed buffer B built by `rlm.train.build_run`, as training builds it (on the GPU, in the
+  precision a build there records).
+- `strategy <name>`: every registered strategy through two optimizer steps of the real loop, its refresh
+  before step 1 (where it has one) and a selection at each step; parameters, module inputs, scanned rows and
+  the selection on the device.
+- `train features`: gradient checkpointing, accumulation 2, `strategy.cache_corrected_mb=0` (h over every row
+  at every selection, the 21M path), `data.dev_subcorpus=build`, `save_every=1`; then `resume`: the step-2
+  checkpoint removed, `python -m rlm.train --resume` repeats step 2 with the same losses.
+- `deepspeed zero-2, 1 process` (one NCCL process: CUDA only); with two or more GPUs also `ddp, sharded
+  buffer` (every GPU, exhaustive with its refresh split across them; `--ddp`: 2 CPU processes) and
+  `deepspeed zero-2, every GPU`.
+- `timed selection`: top-32 of 32 queries (8 ranks x 4 questions, all-gathered) over 2.63M fp16 rows, one
+  rank's share of 21M passages on 8 GPUs, through the paper's corrector (768 -> 8192 -> 768): seconds and
+  `max_memory_allocated`. `selection fp32 vs bf16`: the same selection under bf16 autocast, its overlap.
+- `rlm evaluate` and `QAService` on the trained checkpoint, their models asserted on the device; `faiss index
+  on GPU`.
+
+Tiny models on a 120-passage toy world (the tests' tiny run, `tests/tiny_run.py`; on CUDA the packaged
+MiniLM): this checks placement, dtypes and plumbing, not accuracy. Writes `gpu_smoke.json` and `gpu_smoke.md`
+(one row per stage) to `--out`; `docs/results/gpu_smoke.md` says what a GPU run must show.
+
+    bash scripts/gpu_smoke.sh                 # on a CUDA machine (a few minutes on one GPU)
     bash scripts/gpu_smoke.sh --device cpu    # the same stages on CPU (tests/test_gpu_smoke.py runs this)
 """
 
-from __future__ import annotations
-
 import argparse
+import contextlib
+import datetime
+import gc
+import importlib.util
+import io
+import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import time
 import traceback
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGORITHM2 = ("corrector", "stale", "exhaustive", "snm", "regression", "two_round", "frozen", "closed_book")
-TINY = [
-    "data.toy_world.num_passages=120",
-    "data.max_dev_examples=8",
-    "strategy.k=4",
-    "strategy.refresh_every=1",
-    "strategy.snm_size=30",
-    "strategy.regression.samples=30",
-    "retriever.passage_max_length=40",
-    "retriever.query_max_length=24",
-    "reader.d_model=32",
-    "reader.d_ff=64",
-    "reader.num_layers=1",
-    "reader.num_decoder_layers=1",
-    "reader.num_heads=2",
-    "reader.d_kv=16",
-    "reader.vocab_size=500",
-    "reader.max_passage_length=40",
-    "reader.max_answer_length=8",
-    "optim.batch_size=2",
-    "optim.max_steps=2",
-    "optim.warmup_steps=1",
-    "save_every=0",
-    "log_every=1",
-]
+MARKER = ".gpu_smoke"  # a work folder holding it is this script's to empty
+
+# The paper's NQ setting (configs/nq.yaml): 21,015,324 passages over 8 GPUs is 2,626,916 rows per rank.
+PAPER_ROWS = 2_630_000
+PAPER_DIM = 768  # GTR-base
+PAPER_HIDDEN = 8192  # the corrector's hidden width, Appendix B.1
+PAPER_QUERIES = 32  # 4 questions per GPU per micro-step, all-gathered over 8 ranks
+PAPER_K = 32
+CPU_SELECTION_ROWS = 20_000
+CPU_OVERLAP_ROWS = 2_048  # bf16 is emulated on most CPUs (6x the float32 time measured on an AVX2 EPYC)
+RESUME_RTOL = 1e-5  # tests/test_train_resume.py's tolerance
+TOY_PASSAGES = 120  # tests/tiny_run.py's toy world
+
+ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
+
+
+def load_tiny_run():
+    """tests/tiny_run.py, loaded by path: tests/ is no package, and no folder of scripts or tests may go on
+    sys.path (scripts/evaluate.py would shadow the `evaluate` library)."""
+    spec = importlib.util.spec_from_file_location("tiny_run", ROOT / "tests" / "tiny_run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Skip(Exception):
+    """The stage needs what this machine lacks; the message says what."""
+
+
+@dataclass
+class Outcome:
+    measured: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageResult:
+    name: str
+    status: str  # PASS, FAIL or SKIP
+    seconds: float
+    measured: str
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Stages:
-    """Runs each stage, prints one PASS/FAIL line for it, and keeps going after a failure."""
+    """Runs each stage, prints one line for it and keeps going after a failure."""
 
     def __init__(self):
-        self.failed: list[str] = []
+        self.results: list[StageResult] = []
 
-    def run(self, name: str, fn, *args, **kwargs):
+    def run(self, name: str, fn, *args) -> StageResult:
         start = time.perf_counter()
         try:
-            detail = fn(*args, **kwargs)
+            outcome = fn(*args)
+            result = StageResult(name, "PASS", 0.0, outcome.measured, outcome.details)
+        except Skip as why:
+            result = StageResult(name, "SKIP", 0.0, str(why))
         except Exception as err:  # noqa: BLE001 (a smoke test reports every failure and goes on)
-            self.failed.append(name)
-            print(
-                f"FAIL {name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                flush=True,
-            )
+            first = str(err).splitlines()[0] if str(err) else ""
+            result = StageResult(name, "FAIL", 0.0, f"{type(err).__name__}: {first}")
             traceback.print_exc(file=sys.stderr)
-            return None
-        note = f": {detail}" if detail else ""
-        print(f"PASS {name} ({time.perf_counter() - start:.1f}s){note}", flush=True)
-        return detail
+        result.seconds = round(time.perf_counter() - start, 2)
+        print(f"{result.status} {name} ({result.seconds:.1f}s): {result.measured}", flush=True)
+        self.results.append(result)
+        return result
+
+    def passed(self, name: str) -> bool:
+        return any(r.name == name and r.status == "PASS" for r in self.results)
+
+    @property
+    def failed(self) -> list[str]:
+        return [r.name for r in self.results if r.status == "FAIL"]
 
 
-def overrides(work: Path, out: str, device: str, *extra: str) -> list[str]:
-    return [
-        f"output_dir={work / out}",
-        f"buffer.dir={work / 'buffer'}",
-        f"data.toy_world.dir={work / 'toy'}",
-        f"cpu={'true' if device == 'cpu' else 'false'}",
-        *TINY,
-        *extra,
-    ]
+def check(condition: bool, message: str) -> None:
+    """An assertion that `python -O` keeps."""
+    if not condition:
+        raise AssertionError(message)
 
 
 def fresh_accelerate_state() -> None:
+    """accelerate keeps one process-wide state; every in-process run here starts its own."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def check_device(device: str) -> str:
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("no CUDA device visible (use --device cpu to run the stages on CPU)")
-    if device == "cuda":
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    return f"torch {torch.__version__}"
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def build_buffer(work: Path, device: str) -> str:
-    from rlm.config import load_config
-    from rlm.setup import build_components
-
-    cfg = load_config(None, overrides(work, "buffer_run", device, "data.dev=null"))
-    parts = build_components(cfg)
-    return f"{len(parts.buffer)} x {parts.buffer.dim} {parts.buffer.dtype}"
-
-
-def train_steps(work: Path, device: str, name: str, *extra: str) -> str:
-    """Two optimizer steps of the real loop; every trained parameter on the device, every loss finite."""
-    from rlm.config import load_config
-    from rlm.train import build_run, train_step
-
-    fresh_accelerate_state()
-    cfg = load_config(None, overrides(work, f"train_{name}", device, "data.dev=null", *extra))
-    run = build_run(cfg, overwrite=True)
-    wrong = {p.device.type for p in run.raw.parameters()} - {device}
-    if wrong:
-        raise RuntimeError(f"parameters on {wrong}, expected {device}")
-    run.model.train()
-    records = [train_step(run) for _ in range(cfg.optim.max_steps)]
-    if any(r is None for r in records):
-        raise RuntimeError("a step was skipped for a non-finite loss")
-    losses = [r["loss"] for r in records]
-    if not all(math.isfinite(x) for x in losses):
-        raise RuntimeError(f"non-finite losses {losses}")
-    return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, re-embedded {records[-1]['reembedded']}"
+def tensors_in(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in tensors_in(item)]
+    return []
 
 
-def train_and_save(work: Path, device: str) -> Path:
-    """`rlm.train.train` end to end (validation at the end, the final checkpoint) with the corrector."""
-    from rlm.config import load_config
-    from rlm.train import train
+class InputDevices:
+    """The device types of every tensor that reaches the given modules' forward while active.
 
-    fresh_accelerate_state()
-    cfg = load_config(None, overrides(work, "final_run", device))
-    summary = train(cfg, overwrite=True)  # the script owns this folder: a rerun starts over
-    if "dev_exact_match" not in summary:
-        raise RuntimeError(f"no dev metrics in {summary}")
-    return work / "final_run" / "final"
+    Hooked on the modules that hold the weights (the HF models inside the towers and the reader, and h): the
+    reader's own forward may take host tensors, which it moves, but what reaches the weights must be there."""
 
+    def __init__(self, modules):
+        self.modules = [m for m in modules if m is not None]
+        self.seen: set[str] = set()
+        self.handles = []
 
-def ddp_two_processes(work: Path, device: str) -> str:
-    config = "ddp.yaml" if device == "cuda" else "cpu_2proc.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    cmd += [str(ROOT / "configs" / "accelerate" / config), "--num_processes", "2", "-m", "rlm.train"]
-    for item in overrides(work, "ddp", device, "data.dev=null", "strategy.shard_buffer=true"):
-        cmd += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
-    if done.returncode != 0:
-        raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-    if "buffer sharded across 2 processes" not in done.stdout:
-        raise RuntimeError("the run did not start two processes")
-    return "2 processes, buffer sharded"
+    def _hook(self, module, args, kwargs):
+        self.seen.update(t.device.type for t in tensors_in([args, kwargs]))
+
+    def __enter__(self):
+        self.handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.modules]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
 
 
-def faiss_index(device: str) -> str:
-    import numpy as np
+@contextlib.contextmanager
+def computed_on():
+    """The device types of every module output computed while active, by any module (those built inside the
+    block too): where the work of a block that builds its own models ran."""
+    seen: set[str] = set()
 
-    from retriever.index import PassageIndex
+    def hook(module, args, output):
+        seen.update(t.device.type for t in tensors_in(output))
 
-    rng = np.random.default_rng(0)
-    vectors = rng.standard_normal((1000, 64)).astype("float32")
-    index = PassageIndex.build(vectors, [str(i) for i in range(1000)], use_gpu=device == "cuda")
-    _, ids = index.search(vectors[:5], 3)
-    if [row[0] for row in ids] != [str(i) for i in range(5)]:
-        raise RuntimeError("a vector is not its own nearest neighbour")
-    if device == "cuda" and not index.on_gpu:
-        raise RuntimeError("the index stayed on CPU (is faiss-gpu installed? pip install '.[gpu]')")
-    return "on GPU" if index.on_gpu else "on CPU"
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
-def qa_service(checkpoint: Path) -> str:
-    from app.qa import QAService
+def record_selections(strategy) -> list:
+    """Every `strategy.select` result of the steps that follow (an instance attribute over the method)."""
+    calls = []
+    method = strategy.select
 
-    service = QAService.from_checkpoint(checkpoint)
-    question = service.examples[0] if service.examples else "Where was the founder born?"
-    result = service.answer(question, k=2)
-    if len(result["passages"]) != 2:
-        raise RuntimeError(f"expected 2 passages, got {len(result['passages'])}")
-    return f"{question!r} -> {result['answer']!r} ({result['latency_ms']:.0f} ms)"
+    def select(*args, **kwargs):
+        top = method(*args, **kwargs)
+        calls.append(top)
+        return top
+
+    strategy.select = select
+    return calls
+
+
+def weight_modules(model) -> list:
+    towers = {id(t): t for t in (model.retriever.query_tower, model.retriever.passage_tower)}.values()
+    return [
+        *(t.model for t in towers),
+        model.reader.model if model.reader is not None else None,
+        model.corrector,
+    ]
+
+
+def read_log(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+class Smoke:
+    """The stages, sharing one work folder: a toy world, a tiny retriever and its buffer, the runs."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        self.work: Path = args.work.resolve()
+        self.tiny = load_tiny_run()
+        self.minilm = (args.retriever or ("minilm" if self.cuda else "tiny")) == "minilm"
+        # What a paper-scale run trains in (configs/nq.yaml): bf16 where the GPU has it; CPUs without native
+        # bf16 fall back to float32 anyway (rlm.precision).
+        self.precision = "bf16" if self.cuda and torch.cuda.is_bf16_supported() else "no"
+        self.selection_rows = args.selection_rows or (PAPER_ROWS if self.cuda else CPU_SELECTION_ROWS)
+        self.overlap_rows = args.overlap_rows or (self.selection_rows if self.cuda else CPU_OVERLAP_ROWS)
+        self.gpus = torch.cuda.device_count() if self.cuda else 0
+        self._rows: torch.Tensor | None = None
+        self._corrector = None
+
+    # ---- shared pieces ----------------------------------------------------------------------------------
+
+    def overrides(self, out: str, *extra: str) -> list[str]:
+        common = [
+            f"cpu={'false' if self.cuda else 'true'}",
+            f"mixed_precision={self.precision}",
+            "data.max_dev_examples=8",
+            "optim.max_steps=2",
+            "optim.warmup_steps=1",
+            "strategy.refresh_every=1",
+            "strategy.snm_size=30",
+            "strategy.regression.samples=30",
+            "log_every=1",
+            "save_every=0",
+            "report_to=none",
+        ]
+        return self.tiny.tiny_overrides(self.work, out, *common, *extra, minilm=self.minilm)
+
+    def config(self, out: str, *extra: str):
+        from rlm.config import load_config
+
+        return load_config(None, self.overrides(out, *extra))
+
+    def build(self, cfg):
+        from rlm.train import build_run
+
+        fresh_accelerate_state()
+        return build_run(cfg, overwrite=True)  # the script owns these folders: a rerun starts over
+
+    def check_placement(self, run) -> str:
+        """Every parameter on the device; the scanned rows on it too where training keeps them there."""
+        found = {p.device.type for p in run.raw.parameters()}
+        check(found == {self.device.type}, f"parameters on {found}, expected {self.device.type}")
+        rows = run.strategy.device
+        if self.cuda and run.strategy.uses_passages:
+            check(rows is not None and rows.type == "cuda", f"scanned rows on {rows}, expected the GPU")
+        if not run.strategy.uses_passages:
+            return "no rows scanned"
+        return "rows streamed from host memory" if rows is None else f"rows on {rows}"
+
+    def check_selection(self, top, k: int) -> str:
+        scores, rows = top
+        check(scores.dtype == torch.float32, f"selection scores are {scores.dtype}, expected float32")
+        for name, t in (("scores", scores), ("rows", rows)):
+            check(t.device.type == self.device.type, f"selected {name} on {t.device}, not {self.device}")
+        check(rows.shape[1] >= k, f"selected {tuple(rows.shape)}, expected at least {k} per query")
+        check(bool(torch.isfinite(scores).all()), "non-finite selection scores")
+        dtype = str(scores.dtype).removeprefix("torch.")
+        return f"[{rows.shape[0]}, {rows.shape[1]}] {dtype} on {scores.device}"
+
+    def train_steps(self, run, steps: int) -> tuple[list[dict], list, set[str]]:
+        from rlm.train import train_step
+
+        selections = record_selections(run.strategy)
+        run.model.train()
+        with InputDevices(weight_modules(run.raw)) as inputs:
+            records = [train_step(run) for _ in range(steps)]
+        check(all(r is not None for r in records), "a step was skipped for a non-finite loss")
+        losses = [r["loss"] for r in records]
+        check(all(math.isfinite(x) for x in losses), f"non-finite losses {losses}")
+        check(inputs.seen == {self.device.type}, f"module inputs on {inputs.seen}, expected {self.device}")
+        return records, selections, inputs.seen
+
+    # ---- stages -----------------------------------------------------------------------------------------
+
+    def device_stage(self) -> Outcome:
+        from rlm.benchmarking import cpu_name, load_average
+        from rlm.precision import cpu_bf16_support
+
+        details = {"torch": torch.__version__, "cpu": cpu_name(), "load_average": load_average()}
+        if self.cuda:
+            check(torch.cuda.is_available(), "no CUDA device visible (--device cpu runs the stages on CPU)")
+            names = [torch.cuda.get_device_name(i) for i in range(self.gpus)]
+            total = torch.cuda.get_device_properties(0).total_memory / 2**30
+            details.update(gpus=names, cuda=torch.version.cuda, gpu_memory_gib=round(total, 1))
+            details["bf16"] = torch.cuda.is_bf16_supported()
+            measured = f"{self.gpus} x {names[0]} ({total:.0f} GiB), CUDA {torch.version.cuda}"
+        else:
+            support = cpu_bf16_support(probe=False)
+            details["cpu_bf16_native"] = support.native
+            measured = f"{details['cpu']}, native bf16: {'yes' if support.native else 'no'}"
+        details["training_precision"] = self.precision
+        precision = "float32" if self.precision == "no" else self.precision
+        return Outcome(f"{measured}; torch {torch.__version__}; training in {precision}", details)
+
+    def buffer_stage(self) -> Outcome:
+        from retriever.buffer import resolve_precision
+
+        cfg = self.config("buffer_run", "strategy.name=corrector")
+        buffer_dir = Path(cfg.buffer.dir)
+        check(not (buffer_dir / "meta.json").exists(), f"{buffer_dir} exists: the build would be skipped")
+        start = time.perf_counter()
+        with computed_on() as devices:  # the passage tower's embedding is the only forward pass in a build
+            run = self.build(cfg)
+        seconds = time.perf_counter() - start
+        meta = json.loads((buffer_dir / "meta.json").read_text())
+        check(devices == {self.device.type}, f"the buffer was embedded on {devices or 'nothing'}")
+        check(meta["count"] == len(run.corpus), f"{meta['count']} rows for {len(run.corpus)} passages")
+        wanted = resolve_precision("auto", self.device)
+        check(meta["precision"] == wanted, f"buffer built in {meta['precision']}, expected {wanted}")
+        details = {k: meta[k] for k in ("count", "dim", "dtype", "precision")} | {
+            "embedded_on": sorted(devices)
+        }
+        return Outcome(
+            f"{meta['count']} x {meta['dim']} {meta['dtype']} embedded by build_run on {self.device.type} "
+            f"({meta['precision']}) in {seconds:.1f} s; {self.check_placement(run)}",
+            details,
+        )
+
+    def strategy_stage(self, name: str) -> Outcome:
+        cls = self.strategy_classes()[name]
+        algorithm = ["algorithm=1"] if 2 not in cls.algorithms else []
+        run = self.build(self.config(f"strategy_{name}", f"strategy.name={name}", *algorithm))
+        placement = self.check_placement(run)
+        strategy = run.strategy
+        refreshing = strategy.refreshes_at(1)
+        records, selections, _ = self.train_steps(run, 2)
+        reembedded = records[-1]["reembedded"]
+        if refreshing:
+            check(strategy.refresh_step == 1, f"last refresh before step {strategy.refresh_step}, not 1")
+            check(reembedded > 0, "a refresh that re-embedded nothing")
+            files = Path(run.cfg.output_dir) / "refresh" / "step_0000001"
+            check(any(files.glob("*.npy")), f"no refreshed rows written to {files}")
+        else:
+            check(reembedded == 0, f"{reembedded} passages re-embedded by a strategy that never refreshes")
+        if strategy.uses_passages:
+            check(len(selections) == 2, f"{len(selections)} selections in 2 steps")
+            # in_batch selects each question's label alone (the batch's labels are scored together).
+            selected = self.check_selection(selections[-1], 1 if strategy.shares_batch else strategy.k)
+        else:
+            check(not selections, "closed book selected passages")
+            selected = "nothing (closed book)"
+        refresh = f"refresh before step 1: {reembedded} re-embedded" if refreshing else "no refresh"
+        loss = f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}"
+        details = {"algorithm": run.cfg.algorithm, "reembedded": reembedded, "refreshed": refreshing}
+        return Outcome(f"{loss}; {refresh}; selected {selected}; {placement}", details)
+
+    @staticmethod
+    def strategy_classes() -> dict:
+        from rlm.strategies import STRATEGY_CLASSES
+
+        return STRATEGY_CLASSES
+
+    FEATURES = (
+        "data.dev=toy",
+        "data.dev_subcorpus=build",
+        "data.dev_subcorpus_k=5",
+        "strategy.name=corrector",
+        "strategy.cache_corrected_mb=0",
+        "gradient_checkpointing=true",
+        "optim.gradient_accumulation_steps=2",
+        "save_every=1",
+        "eval_every=2",
+        "report_to=tensorboard",
+    )
+
+    def features_stage(self) -> Outcome:
+        from rlm.train import train_loop
+        from rlm.validation import subcorpus_path
+
+        cfg = self.config("features", *self.FEATURES)
+        run = self.build(cfg)
+        check(run.accumulation_steps == 2, f"accumulation {run.accumulation_steps}, expected 2")
+        check(run.raw.reader.is_gradient_checkpointing, "gradient checkpointing is off in the reader")
+        subcorpus = subcorpus_path(cfg).read_text().split()
+        check(0 < len(subcorpus) < len(run.corpus), f"hard subcorpus of {len(subcorpus)} passages")
+        placement = self.check_placement(run)
+        selections = record_selections(run.strategy)
+        with InputDevices(weight_modules(run.raw)) as inputs:
+            summary = train_loop(run)
+        check(inputs.seen == {self.device.type}, f"module inputs on {inputs.seen}, expected {self.device}")
+        # cache_corrected_mb=0: h ran over every row inside each selection, as it must at 21M rows.
+        check(run.strategy._h_cache is None, "h(B) was cached despite strategy.cache_corrected_mb=0")
+        check(len(selections) == 4, f"{len(selections)} selections in 2 steps of 2 micro-batches")
+        selected = self.check_selection(selections[-1], run.strategy.k)
+        log = read_log(Path(cfg.output_dir) / "log.jsonl")
+        check(sorted(log) == [1, 2], f"log steps {sorted(log)}")
+        check(all(math.isfinite(r["loss"]) for r in log.values()), "non-finite losses")
+        check("dev_exact_match" in log[2], "no validation on the hard subcorpus at step 2")
+        saved = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir())
+        check(saved == ["step_0000001", "step_0000002"], f"checkpoints {saved}")
+        check("dev_exact_match" in summary, f"no final validation in {summary}")
+        details = {"losses": [log[s]["loss"] for s in (1, 2)], "subcorpus": len(subcorpus)}
+        return Outcome(
+            f"accumulation 2, reader checkpointing on, h over all {len(run.corpus)} rows at each of 4 "
+            f"selections (nothing cached); hard dev subcorpus {len(subcorpus)} of {len(run.corpus)} passages "
+            f"validated at step 2; checkpoints {', '.join(saved)}; selected {selected}; {placement}",
+            details,
+        )
+
+    def resume_stage(self) -> Outcome:
+        from rlm.train import main as train_main
+
+        if not self.stages.passed("train features"):
+            raise Skip("needs the `train features` run, which failed")
+        folder = self.work / "features"
+        before = read_log(folder / "log.jsonl")
+        shutil.rmtree(folder / "checkpoints" / "step_0000002")
+        fresh_accelerate_state()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = train_main(
+                ["--resume", *self.tiny.as_set_args(self.overrides("features", *self.FEATURES))]
+            )
+        sys.stdout.write(printed.getvalue())
+        check(code == 0, f"python -m rlm.train --resume exited {code}")
+        check("resumed from" in printed.getvalue() and "step_0000001" in printed.getvalue(), "did not resume")
+        after = read_log(folder / "log.jsonl")
+        check(sorted(after) == [1, 2], f"log steps {sorted(after)} after the resume")
+        from rlm.train import LOSS_KEYS
+
+        keys = [k for k in LOSS_KEYS if k in before[2]]
+        diffs = {k: abs(after[2][k] - before[2][k]) / max(abs(before[2][k]), 1e-12) for k in keys}
+        worst = max(diffs.values())
+        check(worst <= RESUME_RTOL, f"step 2 after the resume differs: {diffs}")
+        identical = all(after[2][k] == before[2][k] for k in keys)
+        shown = "identical" if identical else f"max rel. difference {worst:.1e}"
+        return Outcome(
+            f"resumed from step_0000001; step 2 {', '.join(keys)} {shown} ({before[2]['loss']:.6f})",
+            {"identical": identical, "max_rel_diff": worst, "keys": keys},
+        )
+
+    def launch(self, config: str, processes: int, out: str, *extra: str) -> tuple[dict[int, dict], str]:
+        """`accelerate launch --config_file configs/accelerate/<config> -m rlm.train`, as users launch it."""
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+        cmd += [str(ACCELERATE_CONFIGS / config), "--num_processes", str(processes), "-m", "rlm.train"]
+        cmd += self.tiny.as_set_args(self.overrides(out, *extra))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+        output = done.stdout + done.stderr
+        if done.returncode != 0:
+            sys.stderr.write(output[-6000:])
+            raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+        log = read_log(self.work / out / "log.jsonl")
+        check(sorted(log) == [1, 2], f"log steps {sorted(log)}")
+        check(all(math.isfinite(r["loss"]) for r in log.values()), "non-finite losses")
+        return log, output
+
+    def deepspeed_stage(self, processes: int) -> Outcome:
+        if not self.cuda:
+            raise Skip(
+                "DeepSpeed over NCCL needs CUDA (tests/test_train_deepspeed.py runs ZeRO-2 on CPU, gloo)"
+            )
+        if processes > self.gpus:
+            raise Skip(f"needs {processes} GPUs, {self.gpus} visible")
+        out = f"deepspeed_{processes}"
+        log, output = self.launch(
+            "deepspeed_zero2.yaml", processes, out, "strategy.name=corrector", "save_every=2"
+        )
+        check(
+            all("grad_norm_global" in r for r in log.values()), "no DeepSpeed step (grad_norm_global) logged"
+        )
+        checkpoint = self.work / out / "checkpoints" / "step_0000002"
+        shards = sorted(p.name for p in checkpoint.rglob("*zero_pp_rank_*optim_states.pt"))
+        check(len(shards) == processes, f"ZeRO optimizer shards {shards}, expected one per process")
+        check((self.work / out / "final" / "corrector" / "model.safetensors").exists(), "no final/ written")
+        found = re.search(r"with backend (\w+)", output)  # DeepSpeed's own line, where it prints one
+        backend = found.group(1) if found else "not printed"
+        losses = [log[s]["loss"] for s in (1, 2)]
+        return Outcome(
+            f"{processes} process(es), loss {losses[0]:.3f} -> {losses[1]:.3f}, one global grad norm "
+            f"{log[2]['grad_norm_global']:.3f}; {', '.join(shards)}; backend {backend}",
+            {"losses": losses, "shards": shards, "backend": backend},
+        )
+
+    def ddp_stage(self) -> Outcome:
+        if self.cuda and self.gpus < 2:
+            raise Skip(f"needs 2 or more GPUs, {self.gpus} visible")
+        if not self.cuda and not self.args.ddp:
+            raise Skip("needs 2 or more GPUs (--ddp runs it on 2 CPU processes, gloo)")
+        processes, config = (self.gpus, "ddp.yaml") if self.cuda else (2, "cpu_2proc.yaml")
+        extra = ("strategy.name=exhaustive", "strategy.shard_buffer=true")
+        log, output = self.launch(config, processes, "ddp", *extra)
+        check(f"buffer sharded across {processes} processes" in output, "the buffer was not sharded")
+        files = sorted((self.work / "ddp" / "refresh" / "step_0000001").glob("rank*.npy"))
+        check(len(files) == processes, f"refresh files {[f.name for f in files]}, expected one per process")
+        check(log[2]["reembedded"] == TOY_PASSAGES, f"re-embedded {log[2]['reembedded']}")
+        return Outcome(
+            f"{processes} processes, buffer sharded, refresh split into {len(files)} files, "
+            f"loss {log[1]['loss']:.3f} -> {log[2]['loss']:.3f}",
+            {"processes": processes},
+        )
+
+    def paper_rows(self, n: int) -> torch.Tensor:
+        """n unit-norm 768-d rows in fp16 (the buffer's dtype) on the device, drawn once and sliced after."""
+        import torch.nn.functional as F
+
+        if self._rows is None or len(self._rows) < n:
+            self._rows = None  # freed before the larger one is drawn
+            generator = torch.Generator(device=self.device).manual_seed(0)
+            rows = torch.empty(n, PAPER_DIM, dtype=torch.float16, device=self.device)
+            for start in range(0, n, 1 << 20):  # a float32 block at a time: 2.63M rows at once are 8 GB
+                size = min(1 << 20, n - start)
+                block = torch.randn(size, PAPER_DIM, generator=generator, device=self.device)
+                rows[start : start + size] = F.normalize(block, dim=-1).half()
+            self._rows = rows
+        return self._rows[:n]
+
+    def paper_corrector(self):
+        from rlm.benchmarking import corrector_moving
+
+        if self._corrector is None:
+            # A fresh h is the identity (zero output layer) and would select exactly what B selects under any
+            # precision; this one moves rows by 0.2, as a trained one does (docs/results/bench_retrieval.md).
+            self._corrector = corrector_moving(PAPER_DIM, PAPER_HIDDEN, move=0.2).to(self.device)
+        return self._corrector
+
+    def paper_queries(self) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        generator = torch.Generator(device=self.device).manual_seed(1)
+        queries = torch.randn(PAPER_QUERIES, PAPER_DIM, generator=generator, device=self.device)
+        return F.normalize(queries, dim=-1)
+
+    def select(self, n: int, bf16: bool) -> tuple[Any, float, dict]:
+        """The top-32 over n rows as a training selection runs it (`corrected_topk`, the buffer's chunk size),
+        timed after a warm-up; on CUDA with the peak memory it allocated."""
+        from retriever.search import corrected_topk
+        from rlm.config import BufferConfig
+
+        chunk = BufferConfig().chunk_size
+        rows, corrector, queries = self.paper_rows(n), self.paper_corrector(), self.paper_queries()
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        )
+        with autocast:
+            # CUDA's lazy start (context, cuBLAS handles) outside the timing; a tenth of the rows at most, which
+            # on CPU, where the rows fit in one chunk, would otherwise double the stage.
+            warm = rows[: max(1, min(chunk, n // 10))]
+            corrected_topk(queries, warm, corrector, PAPER_K, chunk_size=chunk)
+            synchronize(self.device)
+            memory = {}
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                memory["before_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
+            start = time.perf_counter()
+            top = corrected_topk(queries, rows, corrector, PAPER_K, chunk_size=chunk)
+            synchronize(self.device)
+            seconds = time.perf_counter() - start
+        if self.cuda:
+            memory["max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            memory["selection_gib"] = memory["max_allocated_gib"] - memory["before_gib"]
+        scores, indices = top
+        check(tuple(indices.shape) == (PAPER_QUERIES, PAPER_K), f"selected {tuple(indices.shape)}")
+        check(scores.dtype == torch.float32, f"scores in {scores.dtype} (bf16={bf16}), expected float32")
+        check(scores.device.type == self.device.type, f"scores on {scores.device}")
+        check(bool((scores[:, :-1] >= scores[:, 1:]).all()), "scores not in descending order")
+        check(int(indices.min()) >= 0 and int(indices.max()) < n, "a selected row out of range")
+        return top, seconds, {k: round(v, 2) for k, v in memory.items()}
+
+    def memory_text(self, memory: dict) -> str:
+        if not memory:
+            return "max_memory_allocated: CUDA only"
+        return (
+            f"max_memory_allocated {memory['max_allocated_gib']:.2f} GiB "
+            f"({memory['selection_gib']:.2f} GiB above what was allocated before)"
+        )
+
+    def timed_selection_stage(self) -> Outcome:
+        n = self.selection_rows
+        _, seconds, memory = self.select(n, bf16=False)
+        projected = seconds * PAPER_ROWS / n
+        details = {
+            "rows": n,
+            "seconds": round(seconds, 3),
+            "projected_seconds": round(projected, 2),
+            **memory,
+        }
+        scale = "" if n == PAPER_ROWS else f", {projected:.2f} s projected to {PAPER_ROWS:,} rows (linear)"
+        return Outcome(
+            f"top-{PAPER_K} of {PAPER_QUERIES} queries over {n:,} x {PAPER_DIM} fp16 rows through h "
+            f"({PAPER_DIM} -> {PAPER_HIDDEN} -> {PAPER_DIM}), fp32: {seconds:.3f} s{scale}; "
+            f"{self.memory_text(memory)}",
+            details,
+        )
+
+    def overlap_stage(self) -> Outcome:
+        from rlm.benchmarking import overlap
+
+        n = self.overlap_rows
+        fp32, _, _ = self.select(n, bf16=False)
+        bf16, seconds, memory = self.select(n, bf16=True)
+        both = overlap(bf16.indices.cpu(), fp32.indices.cpu())
+        worst = min(overlap(a[None], b[None]) for a, b in zip(bf16.indices.cpu(), fp32.indices.cpu()))
+        top1 = float((bf16.indices[:, 0] == fp32.indices[:, 0]).float().mean())
+        shift = float((bf16.scores - fp32.scores).abs().mean())
+        details = {
+            "rows": n,
+            "overlap": round(both, 4),
+            "min_overlap": round(worst, 4),
+            "top1_agreement": round(top1, 4),
+            "mean_abs_score_shift": shift,
+            "bf16_seconds": round(seconds, 3),
+            **{f"bf16_{k}": v for k, v in memory.items()},
+        }
+        timing = f"; bf16 selection {seconds:.3f} s, {self.memory_text(memory)}" if self.cuda else ""
+        return Outcome(
+            f"{n:,} rows, scores float32 under both; overlap@{PAPER_K} {both:.3f} (worst query {worst:.3f}), "
+            f"top-1 agreement {top1:.3f}, mean |score shift| {shift:.1e}{timing}",
+            details,
+        )
+
+    @property
+    def checkpoint(self) -> Path:
+        final = self.work / "features" / "final"
+        if not (final / "reader").is_dir():
+            raise Skip("needs the checkpoint of `train features` / `resume`, which failed")
+        return final
+
+    def evaluate_stage(self) -> Outcome:
+        from rlm import evaluation
+        from rlm.cli import main as rlm_main
+
+        checkpoint, out = self.checkpoint, self.work / "evaluate"
+        bf16 = self.cuda
+        args = ["evaluate", "--checkpoint", str(checkpoint), "--dataset", "toy", "--data-path"]
+        args += [str(self.work / "toy"), "--max-examples", "8", "--k", "5", "--index", "corrected"]
+        args += [
+            "--device",
+            str(self.device),
+            "--out",
+            str(out),
+            "--no-progress",
+            *(["--bf16"] if bf16 else []),
+        ]
+        loaded = []
+        load_checkpoint = evaluation.load_checkpoint
+
+        def spy(*a, **kw):
+            models = load_checkpoint(*a, **kw)
+            loaded.append(models)
+            return models
+
+        printed = io.StringIO()
+        evaluation.load_checkpoint = spy
+        try:
+            with contextlib.redirect_stdout(printed):
+                code = rlm_main(args)
+        finally:
+            evaluation.load_checkpoint = load_checkpoint
+        sys.stdout.write(printed.getvalue())
+        check(code == 0, f"rlm evaluate exited {code}")
+        retriever, reader, _ = loaded[0]
+        found = {p.device.type for m in (retriever, reader) for p in m.parameters()}
+        check(found == {self.device.type}, f"rlm evaluate loaded models on {found}")
+        said = f"running on {self.device}" + (" under bf16 autocast" if bf16 else " in float32")
+        check(said in printed.getvalue(), f"rlm evaluate did not say {said!r}")
+        check("index over h(B)" in printed.getvalue(), "rlm evaluate did not retrieve over h(B)")
+        metrics = json.loads((out / "metrics.json").read_text())
+        check(metrics["num_questions"] == 8, f"{metrics['num_questions']} questions evaluated")
+        return Outcome(
+            f"--device {self.device}{' --bf16' if bf16 else ''} --index corrected: models on "
+            f"{self.device.type}, printed {said!r}; 8 questions, EM {metrics['exact_match']:.3f}, "
+            f"answer recall@5 {metrics['recall@5']:.3f}",
+            {"metrics": metrics, "bf16": bf16},
+        )
+
+    def qa_service_stage(self) -> Outcome:
+        from app.qa import QAService
+
+        bf16 = self.cuda
+        service = QAService.from_checkpoint(self.checkpoint, device=self.device, bf16=bf16)
+        found = {p.device.type for m in (service.retriever, service.reader) for p in m.parameters()}
+        check(found == {self.device.type}, f"QAService models on {found}")
+        check(service.bf16 == bf16, f"QAService bf16={service.bf16}, asked {bf16}")
+        question = service.examples[0] if service.examples else "Where was the founder born?"
+        result = service.answer(question, k=2)
+        check(len(result["passages"]) == 2, f"expected 2 passages, got {len(result['passages'])}")
+        index = "GPU" if service.index.on_gpu else "host"
+        return Outcome(
+            f"device={self.device}, bf16={bf16}: models on {self.device.type}, faiss index on {index}; "
+            f"{question!r} -> {result['answer']!r} ({result['latency_ms']:.0f} ms)",
+            {"bf16": service.bf16, "index_on_gpu": bool(service.index.on_gpu)},
+        )
+
+    def faiss_stage(self) -> Outcome:
+        import numpy as np
+
+        from retriever.index import PassageIndex
+
+        if not self.cuda:
+            raise Skip("no GPU (--device cpu)")
+        import faiss
+
+        if not (hasattr(faiss, "get_num_gpus") and faiss.get_num_gpus() > 0):
+            raise Skip("faiss sees no GPU (faiss-cpu installed; pip install '.[gpu]' for faiss-gpu)")
+        vectors = np.random.default_rng(0).standard_normal((1000, 64)).astype("float32")
+        index = PassageIndex.build(vectors, [str(i) for i in range(1000)], use_gpu=True)
+        _, ids = index.search(vectors[:5], 3)
+        check(
+            [row[0] for row in ids] == [str(i) for i in range(5)], "a vector is not its own nearest neighbour"
+        )
+        check(index.on_gpu, "the index stayed on the host")
+        return Outcome(f"on {faiss.get_num_gpus()} GPU(s)")
+
+    # ---- the run ----------------------------------------------------------------------------------------
+
+    def run(self) -> Stages:
+        self.stages = stages = Stages()
+        if stages.run("device", self.device_stage).status == "FAIL":
+            return stages
+        stages.run("buffer", self.buffer_stage)
+        names = self.args.strategies.split(",") if self.args.strategies else list(self.strategy_classes())
+        for name in names:
+            stages.run(f"strategy {name}", self.strategy_stage, name)
+        stages.run("train features", self.features_stage)
+        stages.run("resume", self.resume_stage)
+        stages.run("deepspeed zero-2, 1 process", self.deepspeed_stage, 1)
+        stages.run("ddp, sharded buffer", self.ddp_stage)
+        stages.run("deepspeed zero-2, every GPU", self.deepspeed_stage, max(self.gpus, 2))
+        stages.run("timed selection", self.timed_selection_stage)
+        stages.run("selection fp32 vs bf16", self.overlap_stage)
+        stages.run("rlm evaluate", self.evaluate_stage)
+        stages.run("QAService", self.qa_service_stage)
+        stages.run("faiss index on GPU", self.faiss_stage)
+        return stages
+
+
+def claim_work_folder(work: Path) -> None:
+    """Empty a work folder this script made before; refuse one that holds anything else."""
+    if work.exists() and any(work.iterdir()):
+        if not (work / MARKER).exists():
+            raise SystemExit(f"error: {work} holds files this script did not write; pass another --work")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("scripts/gpu_smoke.py empties this folder on every run\n")
+
+
+def render_markdown(report: dict) -> str:
+    lines = [
+        f"# GPU smoke run, {report['date']}",
+        "",
+        f"`{report['command']}` on {report['machine']}: **{report['result']}**",
+        "",
+        "| stage | result | s | measured |",
+        "| --- | --- | ---: | --- |",
+    ]
+    for stage in report["stages"]:
+        measured = stage["measured"].replace("|", "\\|")
+        lines.append(f"| {stage['name']} | {stage['status']} | {stage['seconds']:.1f} | {measured} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(stages: Stages, smoke: Smoke, out: Path, argv: list[str]) -> tuple[Path, Path]:
+    from atomicio import atomic_write_json, atomic_write_text
+
+    device = next((r for r in stages.results if r.name == "device"), None)
+    failed = stages.failed
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(["bash scripts/gpu_smoke.sh", *argv]),
+        "device": smoke.args.device,
+        "machine": device.measured if device and device.status == "PASS" else "(the device stage failed)",
+        "result": f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed",
+        "passed": not failed,
+        "settings": {
+            "selection_rows": smoke.selection_rows,
+            "overlap_rows": smoke.overlap_rows,
+            "retriever": "minilm" if smoke.minilm else "tiny",
+            "training_precision": smoke.precision,
+        },
+        "stages": [asdict(r) for r in stages.results],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "gpu_smoke.json", report)
+    atomic_write_text(out / "gpu_smoke.md", render_markdown(report))
+    return out / "gpu_smoke.json", out / "gpu_smoke.md"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,56 +813,37 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "gpu_smoke")
-    parser.add_argument("--ddp", action="store_true", help="run the 2-process stage on CPU too")
-    parser.add_argument("--strategies", default=",".join(ALGORITHM2), help="Algorithm 2 strategies to step")
+    parser.add_argument(
+        "--work", type=Path, default=ROOT / "runs" / "gpu_smoke", help="emptied and reused on every run"
+    )
+    parser.add_argument("--out", type=Path, help="where gpu_smoke.json and .md go (default: WORK/report)")
+    parser.add_argument(
+        "--selection-rows",
+        type=int,
+        help=f"rows of the timed selection (default {PAPER_ROWS:,} on cuda, {CPU_SELECTION_ROWS:,} on cpu)",
+    )
+    parser.add_argument(
+        "--overlap-rows",
+        type=int,
+        help="rows of the fp32 vs bf16 selection "
+        f"(default: --selection-rows on cuda, {CPU_OVERLAP_ROWS:,} on cpu)",
+    )
+    parser.add_argument(
+        "--retriever", choices=("tiny", "minilm"), help="tests/tiny_run.py's (cpu default) or MiniLM (cuda)"
+    )
+    parser.add_argument("--ddp", action="store_true", help="on cpu: run the DDP stage on 2 processes (gloo)")
+    parser.add_argument("--strategies", help="comma-separated strategies to step (default: every one)")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    stages = Stages()
-    if stages.run(f"device {args.device}", check_device, args.device) is None:
-        print("1 stage failed: device")
-        return 1
-    stages.run("buffer", build_buffer, args.work, args.device)
-    for name in args.strategies.split(","):
-        stages.run(
-            f"train algorithm 2 [{name}]", train_steps, args.work, args.device, name, f"strategy.name={name}"
-        )
-    alg1 = (
-        "algorithm=1",
-        "strategy.name=corrector",
-        "strategy.num_random=4",
-        "strategy.share_across_batch=true",
-    )
-    stages.run(
-        "train algorithm 1 [corrector, top-k + uniform, shared]",
-        train_steps,
-        args.work,
-        args.device,
-        "alg1",
-        *alg1,
-    )
-    if args.device == "cuda" and torch.cuda.is_bf16_supported():
-        stages.run(
-            "train bf16 autocast [corrector]",
-            train_steps,
-            args.work,
-            args.device,
-            "bf16",
-            "mixed_precision=bf16",
-        )
-    if (args.device == "cuda" and torch.cuda.device_count() >= 2) or args.ddp:
-        stages.run("ddp 2 processes [corrector, sharded buffer]", ddp_two_processes, args.work, args.device)
-    else:
-        print("SKIP ddp 2 processes: fewer than 2 GPUs visible (--ddp runs it on CPU)")
-    checkpoint = stages.run("train + validate + save [corrector]", train_and_save, args.work, args.device)
-    stages.run("faiss index", faiss_index, args.device)
-    if checkpoint is not None:
-        stages.run("QAService.answer", qa_service, Path(checkpoint))
-    if stages.failed:
-        print(f"{len(stages.failed)} stage(s) failed: {', '.join(stages.failed)}")
-        return 1
-    print("all stages passed")
-    return 0
+    claim_work_folder(args.work.resolve())
+    smoke = Smoke(args)
+    stages = smoke.run()
+    json_path, md_path = write_report(stages, smoke, (args.out or smoke.work / "report").resolve(), argv)
+    failed = stages.failed
+    print(f"wrote {json_path} and {md_path}")
+    print(f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_bench_scale_quick_one_and_two_processes(tmp_path):
     args = [
         "--quick",
         "--sizes",
-        "4000,8000",
+        "4000",  # one size: each (size, processes) pair costs ~40 s of process start-up on a 2-core CPU
         "--encode-passages",
         "8",
         "--slice-hidden",
@@ -43,7 +43,7 @@ def test_bench_scale_quick_one_and_two_processes(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())
-    assert [s["n"] for s in results["sizes"]] == [4000, 8000]
+    assert [s["n"] for s in results["sizes"]] == [4000]
     for size in results["sizes"]:
         assert [run["world"] for run in size["runs"]] == [1, 2]
         # The merged top-k of 2 processes (rank 0's queries) is the 1-process top-k, stale and corrected.
@@ -52,14 +52,14 @@ def test_bench_scale_quick_one_and_two_processes(tmp_path):
         assert [p["row_range"] for p in two] == [[0, size["n"] // 2], [size["n"] // 2, size["n"]]]
         assert all(p["world"] == 2 and p["threads"] == 1 for p in two)
     # Per process, every figure is there; the slices were measured once (smallest N) and scaled everywhere.
-    assert len(results["summary"]) == 4
+    assert len(results["summary"]) == 2
     for row in results["summary"]:
         assert row["rows"] == row["n"] // row["world"]
         assert row["buffer_bytes_scanned"] == row["rows"] * 768 * 2
         assert row["corrected_wall_s"] > 0 and row["corrected_cpu_s"] > 0 and row["stale_wall_s"] > 0
         assert row["peak_rss_selection_bytes"] > 0 and row["refresh_s"] > 0
         assert set(row["scaled"]) == {"3072", "8192"} and set(row["loss_ms"]) == {"768", "3072", "8192"}
-    assert [r["n"] for r in results["ratios"]] == [4000, 8000]
+    assert [r["n"] for r in results["ratios"]] == [4000]
     assert results["encoder"]["passages"] == 8 and results["encoder"]["passages_per_s"] > 0
     proj = results["projection"]
     assert proj["rows_per_process"] == 2_625_000 and proj["accumulation"] == 4
@@ -68,7 +68,7 @@ def test_bench_scale_quick_one_and_two_processes(tmp_path):
     assert [v["accumulation"] for v in results["projection_variants"]] == [4, 1]
     assert len(results["goals"]) == 2 + 4 + 1
     table = out.with_suffix(".md").read_text()
-    assert "| 4k | 1 | 4,000 |" in table and "| 8k | 2 | 4,000 |" in table
+    assert "| 4k | 1 | 4,000 |" in table and "| 4k | 2 | 2,000 |" in table
     assert "t_sel   = r * (4*D*H" in table and "## Goals" in table and "Timings are noisy" in table
     assert out.with_suffix(".png").stat().st_size > 0
     assert not any(work.glob("buffer_*")), "the buffers are deleted without --keep"

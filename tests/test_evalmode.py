@@ -40,7 +40,7 @@ def test_encoding_building_answering_and_scoring_hand_the_module_back_in_train_m
         raise RuntimeError("boom")
 
     encoder = SentenceEncoder.from_pretrained(str(tiny_retriever(tmp_path / "tiny"))).train()
-    monkeypatch.setattr(encoder, "embed_texts", fail)
+    monkeypatch.setattr(encoder, "forward", fail)  # what both encode and the buffer build call
     for call in (
         lambda: encoder.encode(["Lyon is a city."]),
         lambda: build_passage_buffer(

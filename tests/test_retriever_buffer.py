@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,7 @@ from retriever.buffer import (
     embed_shards,
     finalize_buffer,
     nonfinite_rows,
+    resolve_precision,
     shards_for_rank,
 )
 from retriever.encoder import SentenceEncoder
@@ -396,18 +399,21 @@ def test_a_tower_that_gives_nan_is_refused_naming_the_passages(encoder, tmp_path
     """A NaN row scores NaN for every query and ranks first in every top-k: refused before its shard is
     written, so the rerun with a working tower embeds that shard again."""
     out = tmp_path / "b"
-    embed = encoder.embed_texts
+    forward = encoder.forward
+    target = encoder.tokenize([TEXTS[12]])["input_ids"][0]
 
-    def broken(texts):
-        vectors = embed(texts)
-        vectors[[i for i, text in enumerate(texts) if text == TEXTS[12]]] = float("nan")
+    def broken(input_ids, attention_mask):
+        vectors = forward(input_ids, attention_mask)
+        width = min(len(target), input_ids.shape[1])
+        hit = (input_ids[:, :width] == target[:width]).all(dim=1) & (attention_mask.sum(dim=1) == len(target))
+        vectors[hit] = float("nan")
         return vectors
 
-    monkeypatch.setattr(encoder, "embed_texts", broken)
+    monkeypatch.setattr(encoder, "forward", broken)
     with pytest.raises(InputError, match=r"shard 1: 1 buffer row\(s\) hold NaN .*'doc12' \(row 12\)"):
         build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
     assert (out / "shard_00000.npy").exists() and not (out / "shard_00001.npy").exists()
-    monkeypatch.setattr(encoder, "embed_texts", embed)
+    monkeypatch.setattr(encoder, "forward", forward)
     buffer = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
     assert torch.isfinite(buffer.embeddings).all()
 
@@ -427,3 +433,156 @@ def test_verification_refuses_a_shard_with_nonfinite_rows(encoder, tmp_path):
     with pytest.raises(InputError, match=r"shard_00002.npy: 1 buffer row.*'doc21' \(row 21\).*delete"):
         finalize_buffer(out, IDS, settings)
     assert not (out / "meta.json").exists()
+
+
+def test_each_batch_is_one_forward_of_the_shard_sorted_by_token_length(encoder, tmp_path, monkeypatch):
+    """A shard is sorted by token length as a whole and each batch is one forward padded to its own longest
+    row: not split into forwards of 16 (which left a GPU idle), and padded little. A CPU, fastest at forwards
+    of 16 rows, splits a batch into those."""
+    import retriever.buffer
+
+    forward = encoder.forward
+    calls = []
+
+    def recording(input_ids, attention_mask):
+        calls.append((input_ids.shape[1], attention_mask.sum(dim=1).tolist()))
+        return forward(input_ids, attention_mask)
+
+    monkeypatch.setattr(encoder, "forward", recording)
+    build_passage_buffer(
+        IDS, TEXTS, encoder, tmp_path / "cpu", batch_size=20, shard_size=23, show_progress=False
+    )
+    assert [len(lengths) for _, lengths in calls] == [16, 7]
+    calls.clear()
+    monkeypatch.setattr(retriever.buffer, "CPU_FORWARD_ROWS", 10**6)  # as on an accelerator: whole batches
+    buffer = build_passage_buffer(
+        IDS, TEXTS, encoder, tmp_path / "b", batch_size=20, shard_size=23, show_progress=False
+    )
+    assert [len(lengths) for _, lengths in calls] == [20, 3]
+    assert all(width == max(lengths) for width, lengths in calls)
+    lengths = [n for _, batch in calls for n in batch]
+    assert lengths == sorted(lengths, reverse=True)
+    monkeypatch.setattr(encoder, "forward", forward)
+    torch.testing.assert_close(buffer.embeddings.float(), encoder.encode(TEXTS), atol=2e-3, rtol=0)
+
+
+def test_auto_precision_is_bf16_on_a_cuda_gpu_and_float32_elsewhere(monkeypatch):
+    assert resolve_precision("auto", "cpu") == "float32"
+    assert resolve_precision("bf16", "cpu") == "bf16" and resolve_precision("float32", "cuda") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert resolve_precision("auto", "cuda:1") == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert resolve_precision("auto", "cuda") == "float32"
+    with pytest.raises(InputError, match="precision must be"):
+        resolve_precision("fp16", "cpu")
+
+
+def test_a_bf16_buffer_is_never_taken_for_a_float32_one(encoder, tmp_path):
+    """bf16 autocast gives other values: the precision is one of the buffer's settings, so a bf16 buffer is
+    not loaded where float32 is asked for, not returned by a float32 build, and not resumed as one."""
+    fp32 = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "fp32", shard_size=10, show_progress=False)
+    bf16 = build_passage_buffer(
+        IDS, TEXTS, encoder, tmp_path / "bf16", shard_size=10, precision="bf16", show_progress=False
+    )
+    assert fp32.meta["precision"] == "float32" and bf16.meta["precision"] == "bf16"
+    assert not torch.equal(fp32.embeddings, bf16.embeddings)
+    torch.testing.assert_close(bf16.embeddings.float(), fp32.embeddings.float(), atol=5e-2, rtol=0)
+    assert PassageBuffer.load(tmp_path / "bf16", precision="bf16").meta["precision"] == "bf16"
+    with pytest.raises(InputError, match="built with the passage tower in bf16, not float32"):
+        PassageBuffer.load(tmp_path / "bf16", precision="float32")
+    with pytest.raises(InputError, match="complete buffer with other settings.*precision: folder has bf16"):
+        build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "bf16", shard_size=10, show_progress=False)
+    out = tmp_path / "unfinished"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_passage_buffer(
+            IDS,
+            FailingTexts(TEXTS, len(TEXTS) + 10),
+            encoder,
+            out,
+            shard_size=10,
+            precision="bf16",
+            show_progress=False,
+        )
+    with pytest.raises(InputError, match="unfinished build with other settings.*precision: folder has bf16"):
+        build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
+
+
+def test_buffers_recorded_before_the_precision_are_float32(encoder, tmp_path):
+    """Their builds ran the tower in float32 (no autocast): they load, complete and resume as float32 ones."""
+    out = tmp_path / "b"
+    built = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["precision"]
+    (out / "meta.json").write_text(json.dumps(meta))
+    assert len(PassageBuffer.load(out, precision="float32")) == len(IDS)
+    with pytest.raises(InputError, match="in float32, not bf16"):
+        PassageBuffer.load(out, precision="bf16")
+    again = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
+    assert torch.equal(again.embeddings, built.embeddings)
+
+    unfinished = tmp_path / "unfinished"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        build_passage_buffer(
+            IDS, FailingTexts(TEXTS, len(TEXTS) + 10), encoder, unfinished, shard_size=10, show_progress=False
+        )
+    record = json.loads((unfinished / "build.json").read_text())
+    del record["precision"]
+    (unfinished / "build.json").write_text(json.dumps(record))
+    resumed = build_passage_buffer(IDS, TEXTS, encoder, unfinished, shard_size=10, show_progress=False)
+    assert torch.equal(resumed.embeddings, built.embeddings)
+
+
+def test_a_callers_autocast_does_not_change_a_float32_build(encoder, tmp_path):
+    plain = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "plain", shard_size=10, show_progress=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = build_passage_buffer(
+            IDS, TEXTS, encoder, tmp_path / "inside", shard_size=10, show_progress=False
+        )
+    assert inside.meta["precision"] == "float32" and torch.equal(inside.embeddings, plain.embeddings)
+
+
+def test_a_stopped_build_does_not_wait_for_the_next_shard_being_read(encoder, tmp_path):
+    """The next shard is read and tokenized in a background thread; a stop signal raised between batches
+    ends the build at once, not after that read (a scheduler's grace period is short)."""
+    release = threading.Event()
+
+    class SlowTexts:
+        def __len__(self):
+            return len(TEXTS)
+
+        def __getitem__(self, i):
+            if i >= 10:  # shard 1 and after: a read that takes as long as the test lets it
+                release.wait(60)
+            return TEXTS[i]
+
+    class Stop(Exception):
+        pass
+
+    checks = []
+
+    def check():
+        checks.append(len(checks))
+        if len(checks) == 2:
+            raise Stop
+
+    started = time.perf_counter()
+    try:
+        with pytest.raises(Stop):
+            build_passage_buffer(
+                IDS,
+                SlowTexts(),
+                encoder,
+                tmp_path / "b",
+                batch_size=5,
+                shard_size=10,
+                corpus_fingerprint="test:slow",
+                check=check,
+                show_progress=False,
+            )
+        assert time.perf_counter() - started < 30
+    finally:
+        release.set()
+    for thread in threading.enumerate():
+        if thread.name.startswith("buffer-tokenize"):
+            thread.join(timeout=30)
+            assert not thread.is_alive()

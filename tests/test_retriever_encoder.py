@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -93,6 +94,30 @@ def test_length_buckets_give_the_one_pass_embeddings_and_gradients(tiny_gtr):
     torch.testing.assert_close(bucketed, one_pass, atol=1e-5, rtol=0)
     torch.testing.assert_close(grad_bucketed, grad_one, atol=1e-5, rtol=1e-4)
     tiny_gtr.zero_grad(set_to_none=True)
+
+
+def test_unpadded_token_rows_pad_back_to_what_tokenize_gives(tiny_gtr):
+    """The buffer build tokenizes a shard once and pads each batch itself: it must feed the tower exactly the
+    ids and mask `tokenize` would, on either padding side, for any subset of rows."""
+    import copy
+
+    long_text = " ".join(["word"] * 200)  # truncated to max_length
+    texts = [*TEXTS, long_text, ""]
+    rows = tiny_gtr.tokenize_unpadded(texts)
+    assert [r.dtype for r in rows] == [np.int32] * len(texts) and len(rows[-2]) == tiny_gtr.max_length
+    for side in ("right", "left"):
+        tower = copy.copy(tiny_gtr)
+        tower.tokenizer = copy.deepcopy(tiny_gtr.tokenizer)
+        tower.tokenizer.padding_side = side
+        for subset in ([0, 1, 2, 3, 4, 5], [2, 5], [1]):
+            ours = tower.pad_token_rows([rows[i] for i in subset])
+            theirs = tower.tokenize([texts[i] for i in subset])
+            assert ours.keys() == theirs.keys()
+            for key in ours:
+                assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), (
+                    side,
+                    key,
+                )
 
 
 def test_fingerprint_changes_with_weights(tiny_gtr, tmp_path):

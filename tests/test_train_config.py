@@ -42,6 +42,22 @@ def test_paper_configs_use_the_papers_settings():
     assert load_config().strategy.snm_size == 1_000_000
 
 
+def test_paper_configs_share_one_buffer_per_corpus_and_passage_tower():
+    """configs/{nq,tqa,hotpotqa,nq_alg1}.yaml and every baseline of them name a buffer folder that holds the
+    corpus and the tower in its name, and configs that share a folder embed the same corpus with the same
+    tower (a mismatch would be refused by the fingerprints at load, but only after a wasted start)."""
+    owners = {}
+    for name in ("nq", "tqa", "hotpotqa", "nq_alg1"):
+        for strategy in ("corrector", "exhaustive", "stale" if name == "nq_alg1" else "frozen"):
+            cfg = load_config(CONFIGS / f"{name}.yaml", [f"strategy.name={strategy}"])
+            folder = cfg.buffer.dir
+            assert folder and Path(folder).parts[:2] == ("runs", "buffers"), (name, folder)
+            assert Path(cfg.data.corpus).stem in folder and cfg.retriever.path.rsplit("/", 1)[-1] in folder
+            what = (cfg.data.corpus, cfg.retriever.path, cfg.retriever.passage_max_length, cfg.buffer.dtype)
+            owners.setdefault(folder, set()).add(what)
+    assert all(len(what) == 1 for what in owners.values()), owners
+
+
 def assert_128_questions_per_step(cfg):
     """The paper's 128 questions per optimizer step, whatever the number of processes that divides it."""
     for processes in (1, 2, 8):

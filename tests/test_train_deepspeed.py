@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_run import as_set_args, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def read_log(path: Path) -> dict[int, dict]:
 
 
 def test_deepspeed_zero2_trains_on_two_cpu_processes_and_resumes_exactly(tmp_path):
-    launch(tmp_path, "full")
+    full = launch(tmp_path, "full")
     log = read_log(tmp_path / "full" / "log.jsonl")
     assert sorted(log) == list(range(1, STEPS + 1))
     checkpoint = tmp_path / "full" / "checkpoints" / "step_0000002"
@@ -62,6 +63,16 @@ def test_deepspeed_zero2_trains_on_two_cpu_processes_and_resumes_exactly(tmp_pat
     ]
     assert (tmp_path / "full" / "final" / "corrector" / "model.safetensors").exists()
     assert log[1]["lr_reader"] == pytest.approx(0.5e-3) and log[2]["lr_reader"] == pytest.approx(1e-3)
+    # One global norm clips the three components together under DeepSpeed: it is logged (and warned of).
+    assert all(log[s]["grad_norm_global"] > 0 for s in log) and "grad_norm_reader" not in log[1]
+    assert full.stderr.count("DeepSpeedClippingWarning") == 1  # from the main process
+    # final/ holds the fp32 master weights, not the bf16 module's: values bf16 cannot represent occur.
+    from safetensors.torch import load_file
+
+    reader = load_file(str(tmp_path / "full" / "final" / "reader" / "model.safetensors"))
+    weights = torch.cat([t.flatten() for t in reader.values() if t.is_floating_point()])
+    assert weights.dtype == torch.float32
+    assert (weights != weights.to(torch.bfloat16).float()).float().mean() > 0.5
 
     # Resume from the step-2 checkpoint: step 3 must repeat the uninterrupted run's losses.
     (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)

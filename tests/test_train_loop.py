@@ -151,7 +151,8 @@ class _Fixed:
 )
 def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, name, options, per_refresh):
     """Refreshed rows are fp16 files under <output_dir>/refresh that checkpoints reference (not pickle); the
-    ones no kept checkpoint needs are deleted; a run resumed from step 2 repeats steps 3-4's losses."""
+    ones no kept checkpoint needs are deleted; a run resumed from step 2 repeats steps 3-4's losses (its
+    first step refreshes, so it needs none of the files)."""
     import json
     import shutil
 
@@ -175,20 +176,20 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, na
     train(config(f"full_{name}"))
     full = tmp_path / f"full_{name}"
     log = {r["step"]: r for r in map(json.loads, (full / "log.jsonl").read_text().splitlines())}
-    # Refreshes before steps 1, 2 and 3; checkpoints after 2 and 4 steps need those before 1 and 3.
-    assert sorted(p.name for p in (full / "refresh").iterdir()) == ["step_0000001", "step_0000003"]
+    # Refreshes before steps 1, 2 and 3. The checkpoint after 2 steps is resumed by step 2's refresh and
+    # needs no rows; the one after the last step reads those of step 3.
+    assert sorted(p.name for p in (full / "refresh").iterdir()) == ["step_0000003"]
     assert log[4]["reembedded"] == 3 * per_refresh
     state = (full / "checkpoints" / "step_0000002" / "state.safetensors").stat().st_size
     assert state < 20_000, "the refreshed rows were saved into the checkpoint"
 
-    # The same run folder as after a kill at step 3: checkpoint 2 and the refresh it references.
+    # The same run folder as after a kill at step 3: checkpoint 2, and no refresh it needs.
     resumed = tmp_path / f"resumed_{name}"
     # Moved, not copied, and the full run's other weights deleted: a MiniLM run's checkpoints are ~0.5 GB each.
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.move(full / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
     shutil.rmtree(full / "checkpoints")
     shutil.rmtree(full / "final")
-    shutil.copytree(full / "refresh" / "step_0000001", resumed / "refresh" / "step_0000001")
     shutil.copytree(full / "tokenizer", resumed / "tokenizer")
     AcceleratorState._reset_state(reset_partial_state=True)
     train(config(f"resumed_{name}"), resume=True)

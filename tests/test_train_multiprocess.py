@@ -87,6 +87,11 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_windows_stay_aligned(root
         assert [rec["lr_reader"] for rec in r["records"]] == pytest.approx(expected, rel=1e-9)
         assert r["forward_calls"] == 2 * (steps + 1)
     assert ranks[0]["params_sha256"] == ranks[1]["params_sha256"], "the ranks' weights diverged"
+    # The logged losses are the step's, averaged over both ranks' micro-batches, not rank 0's alone.
+    for a, b in zip(ranks[0]["records"], ranks[1]["records"]):
+        assert all(a[k] == b[k] for k in ("loss", "reader_loss", "retriever_loss", "corrector_loss")), a[
+            "step"
+        ]
 
 
 def read_log(path: Path) -> dict[int, dict]:

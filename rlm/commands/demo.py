@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from rlm.commands.evaluate import add_device_arguments
 from rlm.errors import UserError
 
 HELP = "Serve the Gradio QA demo over a trained checkpoint (reader + retriever + faiss index)."
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
+    add_device_arguments(parser)
 
 
 def serve_checkpoint(checkpoint, host: str = "127.0.0.1", port: int = 7860, **options) -> None:
@@ -52,9 +54,12 @@ def start_demo(
     index: str | None = None,
     corrected_buffer: bool = False,
     buffer: str | None = None,
+    device: str | None = None,
+    bf16: bool = False,
+    show_progress: bool = True,
 ):
-    """Load the checkpoint and serve its page without blocking (warmed up); returns the Gradio app, whose
-    `block_thread()` waits until interrupted."""
+    """Load the checkpoint onto `device` (None: the accelerator when there is one) and serve its page without
+    blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted."""
     from pathlib import Path
 
     import torch
@@ -74,10 +79,12 @@ def start_demo(
         checkpoint,
         corpus,
         examples,
-        show_progress=True,
+        show_progress=show_progress,
         index_path=index,
         corrected_buffer=corrected_buffer,
         buffer_path=buffer,
+        device=device,
+        bf16=bf16,
     )
     from app.demo import serve  # gradio takes seconds to import: only once loading worked
 
@@ -97,5 +104,8 @@ def run(args: argparse.Namespace) -> int:
         index=args.index,
         corrected_buffer=args.corrected_buffer,
         buffer=args.buffer,
+        device=args.device,
+        bf16=args.bf16,
+        show_progress=not args.no_progress,
     )
     return 0

@@ -66,6 +66,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         help="folder for predictions.jsonl and metrics.json (a folder holding other files is refused)",
     )
+    add_device_arguments(parser)
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--device`, `--bf16` and `--no-progress`, as `rlm evaluate` and `rlm demo` take them."""
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where the towers, the reader and the corrector run: cpu, cuda, cuda:1 ... (default: cuda when "
+        "available); on cuda the faiss index goes to the GPU too when faiss-gpu is installed",
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 autocast for the towers and the reader (on CPU only where bf16 is native, else float32 "
+        "with a warning)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _default_corpus(args) -> str | None:
@@ -113,13 +131,36 @@ def run(args: argparse.Namespace) -> int:
     if args.no_retriever and not args.gold_passages:
         raise UserError("--no-retriever only goes with --gold-passages")
     without_retriever = args.closed_book or args.no_retriever
+    device = evaluation.inference_device(args.device)
+    bf16 = evaluation.inference_bf16(device, args.bf16)
+    progress = not args.no_progress
     retriever, reader, config = evaluation.load_checkpoint(
         args.checkpoint,
         need_reader=need_reader,
         retriever_path=None if without_retriever else args.retriever,
         need_retriever=not without_retriever,
+        device=device,
     )
+    print(f"running on {device}" + (" under bf16 autocast" if bf16 else " in float32"))
+    with evaluation.autocast(device, bf16):
+        result, policy = _evaluate(args, examples, corpus, retriever, reader, config, device, progress)
+    mode = (
+        "closed book" if args.closed_book else "retrieval only" if args.retrieval_only else "retrieve + read"
+    )
+    print(evaluation.format_table(result.metrics, f"{args.dataset}/{args.split} ({mode})"))
+    if policy is None and reader is not None:
+        print("(no answer policy in the checkpoint: nothing abstained; `rlm calibrate` fits one)")
+    if result.metrics_path is not None:
+        print(f"\nwrote {result.predictions_path} and {result.metrics_path}")
+    return 0
+
+
+def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool):
+    """The index (built, loaded or over h(B)), then `run_evaluation`: (its result, the answer policy used)."""
+    from rlm import evaluation
+
     index = None
+    use_gpu = evaluation.index_on_gpu(device)
     if args.buffer and args.index != "corrected":
         raise UserError("--buffer only goes with --index corrected")
     if args.index == "corrected" and retriever is not None:
@@ -127,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
         if not args.checkpoint:
             raise UserError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
-        built = corrected_index(args.checkpoint, corpus, args.buffer)
+        built = corrected_index(args.checkpoint, corpus, args.buffer, device=device, show_progress=progress)
         index = built.index
         print(
             f"index over h(B): {built.rows:,} rows of {built.buffer_dir} through the corrector in "
@@ -136,12 +177,12 @@ def run(args: argparse.Namespace) -> int:
         if args.save_index:
             index.save(args.save_index)
     elif args.index and retriever is not None:
-        index = evaluation.load_index_for(args.index, corpus.ids)
+        index = evaluation.load_index_for(args.index, corpus.ids, use_gpu=use_gpu)
     elif args.save_index and retriever is not None:
         embeddings = evaluation.embed_corpus(
-            retriever.passage_tower, corpus.retrieval_texts(), show_progress=True
+            retriever.passage_tower, corpus.retrieval_texts(), show_progress=progress
         )
-        index = evaluation.build_index(embeddings, corpus.ids)
+        index = evaluation.build_index(embeddings, corpus.ids, use_gpu=use_gpu, show_progress=progress)
         index.save(args.save_index)
     num_passages = args.num_passages or evaluation.reader_passages_from_config(config)
     policy = None
@@ -162,15 +203,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         num_beams=args.num_beams,
         out_dir=args.out,
-        show_progress=True,
+        show_progress=progress,
         policy=policy,
     )
-    mode = (
-        "closed book" if args.closed_book else "retrieval only" if args.retrieval_only else "retrieve + read"
-    )
-    print(evaluation.format_table(result.metrics, f"{args.dataset}/{args.split} ({mode})"))
-    if policy is None and reader is not None:
-        print("(no answer policy in the checkpoint: nothing abstained; `rlm calibrate` fits one)")
-    if result.metrics_path is not None:
-        print(f"\nwrote {result.predictions_path} and {result.metrics_path}")
-    return 0
+    return result, policy
