@@ -173,9 +173,10 @@ def train_runs(
                 )
                 bar.update(steps - bar.n)
     except BaseException:
-        # One run failed (or the user stopped us): the others would only finish for nothing.
+        # One run failed (or the user stopped us): the others would only finish for nothing. SIGKILL, not
+        # SIGTERM: a training run takes SIGTERM as "checkpoint this step and stop" (rlm.preemption).
         for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.terminate()
+            process.kill()
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

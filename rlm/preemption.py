@@ -31,6 +31,10 @@ class Preempted(Exception):
         where = f"saved {checkpoint}" if checkpoint else "resume continues from the last checkpoint"
         super().__init__(f"stopped by {name} at step {step}: {where}; rerun the command with --resume")
 
+    def __reduce__(self):
+        # Pickled back from a worker process (rlm.concurrent_runs): rebuilt from its fields, not its message.
+        return (type(self), (self.signum, self.step, self.checkpoint))
+
 
 class StopSignals:
     """Records SIGTERM/SIGUSR1 while active (installed only in the main thread; elsewhere a no-op)."""

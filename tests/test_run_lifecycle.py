@@ -462,3 +462,19 @@ def test_a_signal_during_the_buffer_build_stops_it_between_batches_and_a_rerun_r
     monkeypatch.undo()
     assert train_here([*args(root, out.name, *own_buffer), "--resume"]) == 0
     same_losses(read_log(out / "log.jsonl"), reference)
+
+
+def test_a_preemption_survives_the_trip_back_from_a_worker_process():
+    """`rlm.concurrent_runs` returns a worker's exception pickled: a Preempted must unpickle whole (one that
+    did not hung the quickstart's process pool)."""
+    import pickle
+
+    from rlm.preemption import Preempted
+
+    again = pickle.loads(pickle.dumps(Preempted(signal.SIGTERM, 7, "runs/x/checkpoints/step_0000007")))
+    assert (again.signum, again.step, again.checkpoint) == (
+        signal.SIGTERM,
+        7,
+        "runs/x/checkpoints/step_0000007",
+    )
+    assert "stopped by SIGTERM at step 7" in str(again)
