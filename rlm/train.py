@@ -888,6 +888,12 @@ def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
     # Every process ends together: one that tears down its process group while another is still at work (the
     # main process writing final/) can leave that one waiting on a rendezvous store that is gone.
     acc.wait_for_everyone()
+    if acc.num_processes > 1:
+        # gloo's worker thread frees a finished collective's tensors under the GIL; the process group's
+        # destructor (when the DDP wrapper goes) joins that thread holding the GIL: a deadlock seen at exit
+        # on a 2-machine run (py-spy: ~ProcessGroupGloo -> thread::join vs ~AsyncBarrierWork -> decref).
+        # Give the thread a moment to drain before anything is torn down.
+        time.sleep(0.5)
     acc.end_training()
     return summary
 
