@@ -446,15 +446,15 @@ def test_a_signal_during_the_buffer_build_stops_it_between_batches_and_a_rerun_r
 ):
     from retriever.encoder import SentenceEncoder
 
-    embed, calls = SentenceEncoder.embed_texts, []
+    forward, calls = SentenceEncoder.forward, []
 
-    def embed_and_signal(self, texts, *a, **k):
-        calls.append(len(texts))
+    def forward_and_signal(self, *a, **k):  # the build runs the tower's forward once per batch
+        calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
-        return embed(self, texts, *a, **k)
+        return forward(self, *a, **k)
 
-    monkeypatch.setattr(SentenceEncoder, "embed_texts", embed_and_signal)
+    monkeypatch.setattr(SentenceEncoder, "forward", forward_and_signal)
     out = root / "buffer_stop"
     own_buffer = (f"buffer.dir={out / 'buffer'}", "buffer.batch_size=16")
     assert train_here(args(root, out.name, *own_buffer)) == EXIT_PREEMPTED
