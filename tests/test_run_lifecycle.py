@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_train_multiprocess import env
 from tiny_run import as_set_args, tiny_overrides
 
 from rlm import checkpointing
@@ -29,14 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
 
 
-def env() -> dict:
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-    }
+def two_processes(*program: str) -> list[str]:
+    """`accelerate launch` of PROGRAM on two CPU processes, as the README launches it."""
+    config = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *program]
 
 
 def args(root: Path, out: str, *extra: str, steps: int = 6) -> list[str]:
@@ -152,10 +149,8 @@ def test_a_stop_signal_saves_the_current_step_and_resume_gives_the_same_losses(r
 
 
 def launch_two(root: Path, out: str, *extra: str) -> list[str]:
-    """`accelerate launch` of `rlm.train` on two processes, as the README launches it."""
-    config = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    return [*launcher, "-m", "rlm.train", *args(root, out, "save_every=0", *extra)]
+    """`rlm.train` on two processes."""
+    return two_processes("-m", "rlm.train", *args(root, out, "save_every=0", *extra))
 
 
 @pytest.mark.slow
@@ -352,16 +347,7 @@ def test_resume_refuses_a_planted_pickle_in_every_file_it_reads(root, reference,
 
 @pytest.mark.slow
 def test_a_user_error_under_accelerate_launch_is_one_line_from_the_main_process(root, tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"),
-        "-m",
-        "rlm.train",
-        *args(root, str(tmp_path / "bad"), "strategy.name=nonsense"),
-    ]
+    cmd = two_processes("-m", "rlm.train", *args(root, str(tmp_path / "bad"), "strategy.name=nonsense"))
     done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300, cwd=REPO)
     assert done.returncode != 0
     # The launcher reports the failed processes in its own words; no traceback comes from our code.
@@ -377,15 +363,8 @@ def test_a_user_error_under_accelerate_launch_is_one_line_from_the_main_process(
 
 @pytest.mark.slow
 def test_a_hung_process_ends_the_run_after_dist_timeout_s(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"),
-        str(REPO / "tests" / "multiprocess_hang.py"),
-        *as_set_args(["cpu=true", "dist_timeout_s=15", f"output_dir={tmp_path}"]),
-    ]
+    hang = as_set_args(["cpu=true", "dist_timeout_s=15", f"output_dir={tmp_path}"])
+    cmd = two_processes(str(REPO / "tests" / "multiprocess_hang.py"), *hang)
     start = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600, cwd=REPO)
     took = time.monotonic() - start
