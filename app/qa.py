@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlm.answer_policy import AnswerPolicy, AnswerSignals, Decision
 from rlm.errors import UserError
-from rlm.metrics import has_answer
+from rlm.inference.answer_policy import AnswerPolicy, AnswerSignals, Decision
+from rlm.inference.metrics import has_answer
 
 MAX_QUESTION_CHARS = 300
 MAX_K = 20
@@ -45,7 +45,7 @@ class QAService:
     # The checkpoint's calibrated confidence and abstention rule (`rlm calibrate`); None: uncalibrated, every
     # question is answered and `confidence` is the reader's own probability.
     policy: AnswerPolicy | None = None
-    # The towers and the reader answer under bf16 autocast (`rlm.evaluation.inference_bf16`).
+    # The towers and the reader answer under bf16 autocast (`rlm.inference.evaluation.inference_bf16`).
     bf16: bool = False
 
     @classmethod
@@ -65,7 +65,7 @@ class QAService:
     ) -> QAService:
         """Load reader + retriever from `checkpoint` onto `device` (None: the accelerator when there is one),
         the corpus from `corpus_path` or the run's config. `bf16`: answer (and embed the corpus) under bf16
-        autocast where it pays (`rlm.evaluation.inference_bf16`: on a CPU without native bf16, a warning and
+        autocast where it pays (`rlm.inference.evaluation.inference_bf16`: on a CPU without native bf16, a warning and
         float32).
 
         The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved
@@ -76,13 +76,13 @@ class QAService:
         --encoder <checkpoint>/retriever` then `rlm index`: the way for a corpus too large to embed here);
         its passage ids must be the corpus's, row for row. `corrected_buffer` retrieves over h(B) instead, the
         run's fixed buffer (`buffer_path`, default from its config) through its trained corrector: nothing is
-        re-embedded (`rlm.corrected_index`); that index is cached in `demo_index/` too, keyed by the
+        re-embedded (`rlm.inference.corrected_index`); that index is cached in `demo_index/` too, keyed by the
         corrector's weights and the buffer's fingerprints. `load_policy=False` ignores the checkpoint's answer
         policy (what `rlm calibrate` does before it fits a new one, which may replace an unreadable one). The
-        index is on the GPU when the models are and faiss sees one (`rlm.evaluation.index_on_gpu`).
+        index is on the GPU when the models are and faiss sees one (`rlm.inference.evaluation.index_on_gpu`).
         """
-        from rlm import evaluation
         from rlm.data.corpus import load_corpus
+        from rlm.inference import evaluation
 
         root = Path(checkpoint)
         if not root.is_dir():
@@ -160,7 +160,7 @@ class QAService:
         fits the policy to, so it is fitted on exactly what it will be applied to)."""
         import torch
 
-        from rlm.evaluation import autocast
+        from rlm.inference.evaluation import autocast
 
         texts = [self.check_question(q) for q in questions]
         k = self.clamp_k(k)
@@ -252,7 +252,7 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False,
 
     The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its scan); an index of
     passages embedded under bf16 autocast (`bf16`) has a key of its own, since its rows differ."""
-    from rlm import evaluation
+    from rlm.inference import evaluation
 
     texts = corpus.retrieval_texts()
     tower_fingerprint = passage_tower.fingerprint()
@@ -275,11 +275,11 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False,
 
 def cached_corrected_index(root: Path, corpus, buffer_path=None, device=None, show_progress: bool = False):
     """The h(B) index of the run of checkpoint `root`, cached in `root/demo_index/corrected-<key>`; h runs on
-    `device` and the index goes to the GPU with it (`rlm.corrected_index.corrected_index`)."""
+    `device` and the index goes to the GPU with it (`rlm.inference.corrected_index.corrected_index`)."""
     import json
 
-    from rlm import evaluation
-    from rlm.corrected_index import corrected_index, corrected_index_key, run_buffer_dir
+    from rlm.inference import evaluation
+    from rlm.inference.corrected_index import corrected_index, corrected_index_key, run_buffer_dir
 
     meta_file = run_buffer_dir(root, buffer_path) / "meta.json"
     if (root / "corrector").is_dir() and meta_file.is_file():

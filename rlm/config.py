@@ -65,7 +65,7 @@ class DataConfig:
     dev_split: str = "dev"
     max_train_examples: int | None = None
     max_dev_examples: int | None = 200
-    # Validate during training on a hard subcorpus H_k (rlm.hard_subcorpus): an ids file, or "build" (H_k of
+    # Validate during training on a hard subcorpus H_k (rlm.training.hard_subcorpus): an ids file, or "build" (H_k of
     # the initial retriever, from the fixed buffer, written once to <output_dir>/dev_subcorpus.txt). The
     # figure at the end of training is always on the whole corpus.
     dev_subcorpus: str | None = None
@@ -304,7 +304,9 @@ class TrainConfig:
             raise UserError(f"reader.arch must be one of {READER_ARCHS}, got {self.reader.arch!r}")
         if self.report_to not in REPORT_TO:
             raise UserError(f"report_to must be one of {REPORT_TO}, got {self.report_to!r}")
-        from rlm.strategies import strategy_class  # the registry says what each strategy takes part in
+        from rlm.training.strategies import (
+            strategy_class,  # the registry says what each strategy takes part in
+        )
 
         strategy = strategy_class(self.strategy.name)
         if self.algorithm not in strategy.algorithms:
@@ -334,7 +336,7 @@ class TrainConfig:
         if self.strategy.first_stage not in ("index", "scan"):
             raise UserError(f"strategy.first_stage must be index or scan, got {self.strategy.first_stage!r}")
         if self.strategy.search == "two_stage" and not strategy.scans_fixed_buffer:
-            from rlm.strategies import STRATEGY_CLASSES
+            from rlm.training.strategies import STRATEGY_CLASSES
 
             fixed = [name for name, cls in STRATEGY_CLASSES.items() if cls.scans_fixed_buffer]
             raise UserError(

@@ -2,14 +2,14 @@
 
 Three parts: `build_run` (data, models, buffer, strategy, optimizer, accelerate's prepare), `train_step` (one
 optimizer step: refresh, an accumulation window, per-component clipping, step, schedule) and `train` (the loop
-around it: logging, validation, checkpoints). The algorithm itself is `rlm.steps.algorithm2_step` (or
+around it: logging, validation, checkpoints). The algorithm itself is `rlm.training.steps.algorithm2_step` (or
 `algorithm1_step`), run through the model's forward so DDP syncs it. The lr schedule advances once per
 optimizer step for any process count.
 
 Data order is a pure function of (seed, micro-step): each epoch is a seeded permutation of the training set,
 and process r of W takes its slice of every global batch. Resuming at micro-step m therefore sees exactly the
 batches an uninterrupted run would, with no dataloader state to restore. Checkpoints, the run folder's
-ownership and resuming are `rlm.checkpointing`; stop signals are `rlm.preemption`.
+ownership and resuming are `rlm.training.checkpointing`; stop signals are `rlm.training.preemption`.
 """
 
 from __future__ import annotations
@@ -43,20 +43,20 @@ from tqdm.auto import tqdm
 
 from atomicio import atomic_directory, atomic_write_json, atomic_write_text
 from retriever.alignment import alignment_metrics
-from rlm import checkpointing
-from rlm.checkpointing import checkpoints
+from rlm.components import build_components
 from rlm.config import TrainConfig, add_override_argument, dump_config, load_config
 from rlm.data.corpus import Corpus
 from rlm.errors import UserError
-from rlm.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
-from rlm.model import RetrievalAugmentedModel, embed_rows
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
-from rlm.preemption import EXIT_PREEMPTED, Preempted, StopSignals
-from rlm.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps
-from rlm.setup import build_components
-from rlm.steps import Batch
-from rlm.strategies import Processes, SelectionStrategy, make_strategy
-from rlm.validation import PassageEmbeddingCache, subcorpus_path, validate
+from rlm.training import checkpointing
+from rlm.training.checkpointing import checkpoints
+from rlm.training.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
+from rlm.training.model import RetrievalAugmentedModel, embed_rows
+from rlm.training.preemption import EXIT_PREEMPTED, Preempted, StopSignals
+from rlm.training.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps
+from rlm.training.steps import Batch
+from rlm.training.strategies import Processes, SelectionStrategy, make_strategy
+from rlm.training.validation import PassageEmbeddingCache, subcorpus_path, validate
 
 
 @dataclass
@@ -214,7 +214,7 @@ class TrainRun:
     accumulation_steps: int
     # Passage embeddings of the last validation, reused while the passage tower is unchanged.
     validation_cache: PassageEmbeddingCache = field(default_factory=PassageEmbeddingCache)
-    # SIGTERM / SIGUSR1 received (`rlm.preemption`): checked between steps and inside long refreshes.
+    # SIGTERM / SIGUSR1 received (`rlm.training.preemption`): checked between steps and inside long refreshes.
     stops: StopSignals = field(default_factory=StopSignals)
 
     @property
@@ -775,7 +775,7 @@ def train(
     """Train `cfg`'s run to `optim.max_steps`, validate on dev, save `final/`; returns the summary.
 
     A folder that holds a run needs `resume` (continue its newest complete checkpoint, with the same settings
-    but those in `allow_changed`) or `overwrite` (start over). `prefix`: a shared prefix (`rlm.prefix`: the
+    but those in `allow_changed`) or `overwrite` (start over). `prefix`: a shared prefix (`rlm.training.prefix`: the
     gold-passage steps, which every strategy trains alike) that a fresh run continues from instead of training
     those steps; `prefix_out`: train only those steps and save them there as a prefix. SIGTERM or SIGUSR1
     ends the run after the current step with a checkpoint, raising `Preempted`."""

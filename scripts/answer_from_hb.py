@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 from atomicio import atomic_write_json, atomic_write_text
-from rlm import evaluation
-from rlm.benchmarking import cpu_name
-from rlm.corrected_index import corrected_index, run_buffer_dir
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
+from rlm.experiments.benchmarking import cpu_name
+from rlm.inference import evaluation
+from rlm.inference.corrected_index import corrected_index, run_buffer_dir
 
 METRICS = ("exact_match", "f1", "recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@5")
 

@@ -37,9 +37,9 @@ def gold_last(examples, retrieved, k: int) -> list[list[str]]:
 def reader_rows(checkpoint: Path, world: Path, k: int) -> dict:
     """Dev EM from the retriever's top-k, with the gold swapped in, with the gold ranked last, and from the
     gold passage alone."""
-    from rlm import evaluation
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
+    from rlm.inference import evaluation
 
     retriever, reader, _ = evaluation.load_checkpoint(checkpoint)
     corpus = load_corpus(world / "corpus.jsonl")
@@ -77,7 +77,7 @@ def answer_all(service, examples, k) -> list[dict]:
 
 
 def bootstrap_se(conf: np.ndarray, correct: np.ndarray, draws: int = 500, seed: int = 0) -> float:
-    from rlm.answer_policy import expected_calibration_error
+    from rlm.inference.answer_policy import expected_calibration_error
 
     rng = np.random.default_rng(seed)
     values = []
@@ -91,9 +91,9 @@ def policy_rows(
     checkpoint: Path, world: Path, out_of_corpus: Path | None, num_out: int, k
 ) -> tuple[dict, list]:
     from app.qa import QAService
-    from rlm.answer_policy import auroc, expected_calibration_error, reliability_bins
     from rlm.data.qa import load_qa_dataset, read_qa_jsonl
-    from rlm.metrics import exact_match
+    from rlm.inference.answer_policy import auroc, expected_calibration_error, reliability_bins
+    from rlm.inference.metrics import exact_match
 
     service = QAService.from_checkpoint(checkpoint)
     if service.policy is None:
@@ -214,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         world = corpus_from_config(config, args.checkpoint).parent
     import yaml
 
-    from rlm.evaluation import reader_passages_from_config
+    from rlm.inference.evaluation import reader_passages_from_config
 
     k = args.k or reader_passages_from_config(
         yaml.safe_load((args.checkpoint / "config.yaml").read_text()), 4
     )
-    from rlm.benchmarking import cpu_name
+    from rlm.experiments.benchmarking import cpu_name
 
     report = {"checkpoint": str(args.checkpoint), "cpu": cpu_name(), "k": k}
     report["reader"] = reader_rows(args.checkpoint, world, k)

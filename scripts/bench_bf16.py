@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from rlm.benchmarking import cpu_name
+from rlm.experiments.benchmarking import cpu_name
 from rlm.precision import NATIVE_BF16_FLAGS, cpu_bf16_support, read_cpu_flags
 
 

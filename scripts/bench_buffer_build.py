@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlm.benchmarking import cpu_name, load_average
+from rlm.experiments.benchmarking import cpu_name, load_average
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKI_SAMPLE = ROOT.parent / "shared" / "data" / "wiki_sample" / "passages.jsonl"

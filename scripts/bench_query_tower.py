@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from atomicio import atomic_write_text
-from rlm.benchmarking import best_of, cpu_name, load_average
+from rlm.experiments.benchmarking import best_of, cpu_name, load_average
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "results" / "bench_query_tower"

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from atomicio import atomic_write_json, atomic_write_text
-from rlm.benchmarking import cpu_name
+from rlm.experiments.benchmarking import cpu_name
 from rlm.precision import cpu_bf16_support
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from rlm.benchmarking import PeakRSS, best_of, corrector_moving, cpu_name, overlap
+from rlm.experiments.benchmarking import PeakRSS, best_of, corrector_moving, cpu_name, overlap
 
 ROOT = Path(__file__).resolve().parents[1]
 D, HIDDEN, BATCH, K, CHUNK, CLUSTER = 384, 4 * 384, 64, 32, 65_536, 50

@@ -5,7 +5,7 @@ For each N a buffer folder is written with numpy exactly as `rlm embed` lays it 
 `ids.txt`, `meta.json`; deterministic random unit vectors, seeded per shard) under a temporary folder, opened
 with `PassageBuffer.load` (memory-mapped), and scanned by 1 process, then by 2 processes (torch.distributed,
 gloo, launched with `python -m torch.distributed.run --standalone --nproc_per_node 2`). Each process scans its
-contiguous half through `rlm.strategies.ShardedRows(_slice_rows(buffer, start, stop), torch.arange(start,
+contiguous half through `rlm.training.strategies.ShardedRows(_slice_rows(buffer, start, stop), torch.arange(start,
 stop), Processes(rank, world, all_gather, barrier))`, the code path of a sharded training run: queries are
 all-gathered, every process scores them against its own rows, the per-process top-k lists are all-gathered
 and merged. Every process gets the same number of torch threads (default 1), so "2 processes" models two
@@ -63,7 +63,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout without `pip in
 
 from atomicio import atomic_file, atomic_write_text  # noqa: E402
 from retriever.buffer import shard_name  # noqa: E402
-from rlm.benchmarking import PROJECTION_DEFAULTS, corrector_moving, cpu_name, load_average  # noqa: E402
+from rlm.experiments.benchmarking import PROJECTION_DEFAULTS, corrector_moving, cpu_name, load_average  # noqa: E402
 
 D, BATCH, K, CHUNK, SHARD_ROWS, SEED, BETA = 768, 8, 32, 65_536, 100_000, 0, 20.0
 GB = 1e9
@@ -136,7 +136,7 @@ def make_processes():
     """`Processes` for this rank: torch.distributed (gloo) all_gather along dim 0 and barrier when WORLD_SIZE > 1."""
     import torch.distributed as dist
 
-    from rlm.strategies import Processes
+    from rlm.training.strategies import Processes
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -190,7 +190,7 @@ def worker(args) -> dict:
 
     from retriever.buffer import PassageBuffer
     from retriever.corrector import corrector_ce_loss
-    from rlm.strategies import ShardedRows, _slice_rows
+    from rlm.training.strategies import ShardedRows, _slice_rows
 
     import_s = time.time() - psutil.Process().create_time()
     torch.set_num_threads(args.threads)

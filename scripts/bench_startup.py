@@ -13,7 +13,7 @@ peak RSS (VmHWM from /proc/self/status; `ru_maxrss` elsewhere):
   corpus.retrieval_texts())` (unchanged: the old (id, text) pair hash), then the demo's cached-index id check
   as it was (`ids.txt` read into a list of str, compared with the corpus ids in a Python loop);
 * after: `load_corpus` (one pass: scan + file sha256), the same with the fingerprint taken from the demo's
-  stat-keyed cache (no hashing), and `rlm.evaluation.load_index_for` (ids as one blob, compared as bytes).
+  stat-keyed cache (no hashing), and `rlm.inference.evaluation.load_index_for` (ids as one blob, compared as bytes).
 
 The "index" is a faiss Flat index of dimension 1 over the corpus's rows (the real one's vectors are the same
 in both versions; only its ids are measured here). Writes a table to stdout, JSON to `--out` and Markdown to
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from atomicio import atomic_open, atomic_write_text
-from rlm.benchmarking import cpu_name
+from rlm.experiments.benchmarking import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 BEFORE_COMMIT = "331c0cd479c4340f9b3f1af453156133f9f51bc2"
@@ -121,8 +121,8 @@ def child(args) -> dict:
     import faiss
 
     from retriever.buffer import corpus_fingerprint
-    from rlm import evaluation
     from rlm.data.corpus import load_corpus
+    from rlm.inference import evaluation
 
     Corpus = _before_corpus_module(args.before_commit).Corpus
     corpus_path, times, result = Path(args.corpus), {}, {}

@@ -33,10 +33,10 @@ from atomicio import atomic_write_text
 from retriever.buffer import PassageBuffer
 from retriever.index import PassageIndex
 from retriever.search import corrected_topk, two_stage_corrected_topk
-from rlm.benchmarking import corrector_moving, overlap
 from rlm.config import load_config
-from rlm.strategies import auto_index_factory
+from rlm.experiments.benchmarking import corrector_moving, overlap
 from rlm.train import build_run, train_step
+from rlm.training.strategies import auto_index_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ For each N (default 1M and 4M rows x 768) a buffer folder is written in `rlm emb
 100k rows) and opened with `PassageBuffer.load` (memory-mapped), as a training run opens its buffer. The
 vectors are clustered (unit vectors around N / --cluster random centres, noise --noise: real passage
 embeddings have neighbourhoods, and a top-32 over pure noise measures nothing) and the G queries are drawn the
-same way. Then, as `strategy.search: two_stage` runs it (`rlm.strategies`):
+same way. Then, as `strategy.search: two_stage` runs it (`rlm.training.strategies`):
 
 - the faiss index over the stale buffer is built once (`PassageIndex.from_buffer`, default `IVF2048,SQfp16`:
   the buffer is fp16, so fp16 storage loses nothing and halves the index next to Flat); build seconds;
@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout without `pip in
 
 from atomicio import atomic_file, atomic_write_json, atomic_write_text  # noqa: E402
 from retriever.buffer import shard_name  # noqa: E402
-from rlm.benchmarking import (  # noqa: E402
+from rlm.experiments.benchmarking import (  # noqa: E402
     PROJECTION_DEFAULTS,
     best_of,
     corrector_moving,

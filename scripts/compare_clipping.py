@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tiny run the tests share
 from tiny_run import as_set_args, tiny_overrides  # noqa: E402
 
 from atomicio import atomic_write_json, atomic_write_text  # noqa: E402
-from rlm.benchmarking import cpu_name  # noqa: E402
+from rlm.experiments.benchmarking import cpu_name  # noqa: E402
 
 LAUNCHERS = {
     "DDP, per component": ("cpu_2proc.yaml", []),

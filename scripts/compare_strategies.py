@@ -23,7 +23,7 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
 
 Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (data, start), built first;
 `--jobs N` trains N runs at once (on a small CPU two 1-thread runs beat one 2-thread run by 1.5x). Output:
-`<out>.json` (every run, its drift log, the table's settings), then, made from that JSON by `rlm.comparison`,
+`<out>.json` (every run, its drift log, the table's settings), then, made from that JSON by `rlm.experiments.comparison`,
 `<out>.md` (mean and spread over seeds), `<out>.png` (quality vs re-embedded) and `<out>_drift.png`: re-render
 them without training with `python scripts/comparison_table.py <out>.json`.
 The drift columns explain the table: mean ||g(y) - B_y|| and KL(P~ || P_stale) on the selected passages,
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from atomicio import atomic_write_json, atomic_write_text
-from rlm.comparison import drift_log, render, summarise, table_metrics
+from rlm.experiments.comparison import drift_log, render, summarise, table_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 # The real third-party data (multihop200) sits beside a checkout in ../shared/data; elsewhere say where.
@@ -222,8 +222,8 @@ def run_precision(cfg):
 def prepare(args, work: Path) -> None:
     """Build what every run shares (data files, the starting retriever, the fixed buffer B) once, up front, so
     that runs started in parallel by --jobs only read it."""
+    from rlm.components import build_retriever, load_or_build_buffer, resolve_data
     from rlm.data.corpus import load_corpus
-    from rlm.setup import build_retriever, load_or_build_buffer, resolve_data
 
     cfg = table_config(args, work, f"buffer.dir={work / 'buffer'}")
     load_or_build_buffer(cfg, build_retriever(cfg), load_corpus(resolve_data(cfg)[0]))
@@ -267,9 +267,9 @@ def start_point(args, work: Path) -> dict:
     """The starting retriever on the held-out questions, no training: the same metrics as a trained run."""
     from types import SimpleNamespace
 
+    from rlm.components import build_retriever, load_dev_examples, resolve_data
     from rlm.data.corpus import load_corpus
-    from rlm.setup import build_retriever, load_dev_examples, resolve_data
-    from rlm.validation import validate
+    from rlm.training.validation import validate
 
     cfg = table_config(args, work)
     corpus_path, dev = resolve_data(cfg)[0], load_dev_examples(cfg)
@@ -291,9 +291,9 @@ def start_point(args, work: Path) -> dict:
 def gold_passage_em(cfg, out_dir: Path) -> float:
     """EM of the run's trained reader given each dev question's gold passages alone: what it could score if
     retrieval were perfect (the paper's 'reader EM with gold passages')."""
+    from rlm.components import load_dev_examples, resolve_data
     from rlm.data.corpus import load_corpus
-    from rlm.evaluation import evaluate_reader, load_checkpoint, read, with_gold_passages
-    from rlm.setup import load_dev_examples, resolve_data
+    from rlm.inference.evaluation import evaluate_reader, load_checkpoint, read, with_gold_passages
 
     corpus_path, dev = resolve_data(cfg)[0], load_dev_examples(cfg)
     _, reader, _ = load_checkpoint(out_dir / "final", need_retriever=False)
@@ -307,8 +307,8 @@ def dropout_floor(args, work: Path, num: int = 256) -> float:
     makes (train-mode g(y), in the runs' precision, against the float32 eval-mode buffer), before any update."""
     import torch
 
+    from rlm.components import build_retriever, resolve_data
     from rlm.data.corpus import load_corpus
-    from rlm.setup import build_retriever, resolve_data
 
     cfg = table_config(args, work)
     corpus = load_corpus(resolve_data(cfg)[0])

@@ -2,7 +2,7 @@
 
     python scripts/comparison_table.py docs/results/compare_alg2_toy_random_gtr.json
 
-writes `<stem>.md`, `<stem>.png` and `<stem>_drift.png` next to it (`rlm.comparison`) and prints the table.
+writes `<stem>.md`, `<stem>.png` and `<stem>_drift.png` next to it (`rlm.experiments.comparison`) and prints the table.
 `scripts/compare_strategies.py` trains the runs and calls the same code. A JSON written before the runs carried
 their drift logs leaves `<stem>_drift.png` as it is.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from rlm.comparison import render
+from rlm.experiments.comparison import render
 
 
 def main() -> None:

@@ -305,7 +305,7 @@ class Smoke:
     # ---- stages -----------------------------------------------------------------------------------------
 
     def device_stage(self) -> Outcome:
-        from rlm.benchmarking import cpu_name, load_average
+        from rlm.experiments.benchmarking import cpu_name, load_average
         from rlm.precision import cpu_bf16_support
 
         details = {"torch": torch.__version__, "cpu": cpu_name(), "load_average": load_average()}
@@ -378,7 +378,7 @@ class Smoke:
 
     @staticmethod
     def strategy_classes() -> dict:
-        from rlm.strategies import STRATEGY_CLASSES
+        from rlm.training.strategies import STRATEGY_CLASSES
 
         return STRATEGY_CLASSES
 
@@ -397,7 +397,7 @@ class Smoke:
 
     def features_stage(self) -> Outcome:
         from rlm.train import train_loop
-        from rlm.validation import subcorpus_path
+        from rlm.training.validation import subcorpus_path
 
         cfg = self.config("features", *self.FEATURES)
         run = self.build(cfg)
@@ -538,7 +538,7 @@ class Smoke:
         return self._rows[:n]
 
     def paper_corrector(self):
-        from rlm.benchmarking import corrector_moving
+        from rlm.experiments.benchmarking import corrector_moving
 
         if self._corrector is None:
             # A fresh h is the identity (zero output layer) and would select exactly what B selects under any
@@ -616,7 +616,7 @@ class Smoke:
         )
 
     def overlap_stage(self) -> Outcome:
-        from rlm.benchmarking import overlap
+        from rlm.experiments.benchmarking import overlap
 
         n = self.overlap_rows
         fp32, _, _ = self.select(n, bf16=False)
@@ -649,8 +649,8 @@ class Smoke:
         return final
 
     def evaluate_stage(self) -> Outcome:
-        from rlm import evaluation
         from rlm.cli import main as rlm_main
+        from rlm.inference import evaluation
 
         checkpoint, out = self.checkpoint, self.work / "evaluate"
         bf16 = self.cuda

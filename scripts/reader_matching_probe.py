@@ -19,7 +19,7 @@ from reader.tokenizer import train_tokenizer
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import read_qa_jsonl
 from rlm.data.toy_world import build_toy_world
-from rlm.metrics import exact_match
+from rlm.inference.metrics import exact_match
 
 MARK = False
 WORK = "runs/reader_probe"

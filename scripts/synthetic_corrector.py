@@ -6,7 +6,7 @@
 4,096 stale targets g' in D = 8 from a mixture of 20 Gaussians; fresh targets g = m(g') for a range of random
 residual MLPs m (0-2 hidden layers of width D..8D, several init scales); correctors h with 0-2 hidden layers of
 width D..8D trained alone on a sampled fraction of the targets (Adam lr 0.03, <= 1,000 epochs, patience 100).
-See `rlm/synthetic.py` for the exact set-up.
+See `rlm/experiments/synthetic.py` for the exact set-up.
 
 * Fig. 4 analogue: KL(P || P_g') against KL(P || P_h), one point per staleness setting x corrector, all at
   `--fig4-fraction` of the targets sampled.
@@ -33,8 +33,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from atomicio import atomic_file, atomic_write_text
-from rlm.benchmarking import cpu_name
-from rlm.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector, fit_regression
+from rlm.experiments.benchmarking import cpu_name
+from rlm.experiments.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector, fit_regression
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "docs" / "results" / "synthetic_corrector"
@@ -395,7 +395,7 @@ def render_markdown(results: dict, previous: str | None) -> str:
         "",
         f"Set-up: {world['num_targets']} stale targets g' in D = {world['dim']} from a mixture of "
         f"{world['num_components']} Gaussians; fresh g = m(g') with m a random residual MLP (label "
-        "`hidden layers x width @ init scale`, see `rlm/synthetic.py`); queries from the same mixture "
+        "`hidden layers x width @ init scale`, see `rlm/experiments/synthetic.py`); queries from the same mixture "
         f"({world['num_train_queries']} to train h, {world['num_eval_queries']} held out to score it); "
         f"beta = {world['beta']:g}. Correctors (label `hidden layers x width`, `linear` = 0 hidden layers) "
         "trained alone with the cross-entropy between the truncated softmaxes of g and h(g') over the sampled "

@@ -43,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
-    from rlm.hard_subcorpus import build_hard_subcorpus, load_subcorpus, save_subcorpus_ids, track_checkpoints
+    from rlm.training.hard_subcorpus import (
+        build_hard_subcorpus,
+        load_subcorpus,
+        save_subcorpus_ids,
+        track_checkpoints,
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

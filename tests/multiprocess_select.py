@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from rlm.config import RegressionConfig, add_override_argument, load_config
-from rlm.strategies import Processes, make_strategy
 from rlm.train import build_run, processes
+from rlm.training.strategies import Processes, make_strategy
 
 # (strategy, the step whose refresh is compared, Algorithm 1's forced label + uniform rows)
 CASES = [
@@ -108,7 +108,7 @@ def main() -> None:
                 record["resumed_same"] = bool(torch.equal(plain.indices, resumed.indices))
         results.append(record)
     # Validation, sharded (each process embeds half the passages and reads half the questions) and whole.
-    from rlm.validation import validate
+    from rlm.training.validation import validate
 
     for name, subcorpus in (("full", False), ("hard", True)):
         figures = {

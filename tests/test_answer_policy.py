@@ -1,4 +1,4 @@
-"""Calibrated confidence and abstention (rlm.answer_policy) and every surface that applies it: QAService, the
+"""Calibrated confidence and abstention (rlm.inference.answer_policy) and every surface that applies it: QAService, the
 demo's page and API, and `rlm evaluate`."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from local_port import free_port
 from test_quickstart import build_tiny_quickstart
 
-from rlm.answer_policy import (
+from rlm.errors import UserError
+from rlm.inference.answer_policy import (
     POLICY_FILE,
     AnswerPolicy,
     AnswerSignals,
@@ -22,7 +23,6 @@ from rlm.answer_policy import (
     fit_answer_policy,
     reliability_bins,
 )
-from rlm.errors import UserError
 
 OUT_OF_CORPUS = "What is the capital of France?"
 

@@ -172,7 +172,7 @@ def test_a_valueerror_from_our_code_is_a_bug_and_user_errors_of_each_package_are
     from reader.errors import InputError as ReaderInputError
     from retriever.errors import InputError as RetrieverInputError
     from rlm.errors import UserError
-    from rlm.metrics import qa_scores
+    from rlm.inference.metrics import qa_scores
 
     def bug(args):
         return qa_scores(["a"], [["a"], ["b"]])

@@ -1,4 +1,4 @@
-"""rlm.comparison: a strategy comparison's table and plots from its JSON alone (no training)."""
+"""rlm.experiments.comparison: a strategy comparison's table and plots from its JSON alone (no training)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlm.comparison import render, summarise, table_metrics
+from rlm.experiments.comparison import render, summarise, table_metrics
 
 
 def run(strategy, seed, em, reembedded=0, **extra):

@@ -1,4 +1,4 @@
-"""`rlm.concurrent_runs`: runs trained side by side in worker processes, one torch thread each."""
+"""`rlm.quickstart.concurrent_runs`: runs trained side by side in worker processes, one torch thread each."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from tiny_run import tiny_overrides
 from tqdm import tqdm
 
-from rlm.concurrent_runs import LOG_NAME, RunJob, one_thread, train_runs
 from rlm.config import load_config
+from rlm.quickstart.concurrent_runs import LOG_NAME, RunJob, one_thread, train_runs
 
 pytestmark = pytest.mark.slow
 

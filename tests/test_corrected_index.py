@@ -14,9 +14,9 @@ from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from retriever.search import corrected_topk
 from rlm.cli import main
-from rlm.corrected_index import corrected_index, run_buffer_dir
 from rlm.data.corpus import load_corpus
-from rlm.evaluation import load_checkpoint
+from rlm.inference.corrected_index import corrected_index, run_buffer_dir
+from rlm.inference.evaluation import load_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import QUESTION_TYPES, build_toy_world
-from rlm.metrics import has_answer
+from rlm.inference.metrics import has_answer
 
 
 @pytest.fixture(scope="module")

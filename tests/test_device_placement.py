@@ -242,7 +242,7 @@ def test_encoder_moves_tokens_to_its_towers(retriever):
 
 
 def test_run_evaluation_with_towers_and_reader_on_a_device(retriever, reader, world):
-    from rlm.evaluation import run_evaluation
+    from rlm.inference.evaluation import run_evaluation
 
     corpus, dev = world
     ref = run_evaluation(dev, corpus, retriever, reader, k=5, num_passages=2, batch_size=2)
@@ -257,7 +257,7 @@ def test_run_evaluation_with_towers_and_reader_on_a_device(retriever, reader, wo
 
 def test_validate_with_towers_and_reader_on_a_device(retriever, reader, world):
     from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
-    from rlm.validation import validate
+    from rlm.training.validation import validate
 
     corpus, dev = world
     model = SimpleNamespace(retriever=retriever, reader=reader)
@@ -276,8 +276,8 @@ def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retrie
     """`eval_selection`: dev questions answered from the corrector's <q, h(B)> with h, the towers and the reader
     on the accelerator and B on the host: the figures of a host run."""
     from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
-    from rlm.strategies import make_strategy
-    from rlm.validation import validate
+    from rlm.training.strategies import make_strategy
+    from rlm.training.validation import validate
 
     corpus, dev = world
     buffer = PassageBuffer.from_embeddings(
@@ -308,7 +308,7 @@ def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retrie
 
 def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, world):
     from app.qa import QAService
-    from rlm.evaluation import build_index, embed_corpus
+    from rlm.inference.evaluation import build_index, embed_corpus
 
     corpus, dev = world
     index = build_index(embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids)
@@ -324,7 +324,7 @@ def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader,
 @pytest.fixture(scope="module")
 def training_parts(tmp_path_factory):
     """A tiny training setup: toy world, MiniLM towers, tiny T5, corrector, the fixed buffer on the host."""
-    from rlm.setup import build_components
+    from rlm.components import build_components
 
     root = tmp_path_factory.mktemp("steps")
     overrides = [
@@ -365,9 +365,9 @@ def test_algorithm_steps_with_the_model_on_a_device_and_the_buffer_on_the_host(
 ):
     """Both algorithm steps, as training runs them: every loss term on the device, values as on the host."""
     from rlm.config import load_config
-    from rlm.model import RetrievalAugmentedModel, embed_rows
-    from rlm.strategies import make_strategy
     from rlm.train import make_batch
+    from rlm.training.model import RetrievalAugmentedModel, embed_rows
+    from rlm.training.strategies import make_strategy
 
     root, overrides, build_components = training_parts
     cfg = load_config(None, [*overrides, f"algorithm={algorithm}", *extra])
@@ -400,8 +400,8 @@ def test_regression_refresh_with_the_passage_tower_on_a_device(training_parts, p
     """Approximate re-encoding as training runs it on a GPU: samples re-embedded on the device, the fit on
     the host, the map applied to host buffer rows, the mapped rows scanned from the host or the device."""
     from rlm.config import load_config
-    from rlm.model import embed_rows
-    from rlm.strategies import Processes, make_strategy
+    from rlm.training.model import embed_rows
+    from rlm.training.strategies import Processes, make_strategy
 
     root, overrides, build_components = training_parts
     extra = ["strategy.name=regression", "strategy.refresh_every=1", "strategy.regression.samples=30"]
@@ -436,7 +436,7 @@ def test_corrector_selection_keeps_h_of_b_on_the_queries_device(placement):
     accelerator: built there from host rows (streamed) or from rows resident on the device, reused by the next
     selection, rebuilt after h's weights change in place, and always the top-k of a host run without it."""
     from rlm.config import StrategyConfig
-    from rlm.strategies import Processes, make_strategy
+    from rlm.training.strategies import Processes, make_strategy
 
     buffer, queries, corrector = search_inputs()
     update = 0.5 * torch.randn(corrector.output.weight.shape, generator=torch.Generator().manual_seed(1))

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from rlm import evaluation
 from rlm.cli import main
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
+from rlm.inference import evaluation
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import pytest
 import torch
 from script_loader import load_script
 
-from rlm import evaluation
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
-from rlm.hard_subcorpus import (
+from rlm.inference import evaluation
+from rlm.training.hard_subcorpus import (
     build_hard_subcorpus,
     load_subcorpus,
     rank_correlation,

@@ -23,7 +23,7 @@ SKIPPED_ON_CPU = {
 
 
 def test_gpu_smoke_script_passes_every_stage_on_cpu(tmp_path):
-    from rlm.strategies import STRATEGY_CLASSES
+    from rlm.training.strategies import STRATEGY_CLASSES
 
     cmd = ["bash", str(REPO / "scripts" / "gpu_smoke.sh"), "--device", "cpu", "--work", str(tmp_path)]
     # A few thousand rows keep the paper-width corrector's selections to seconds on a shared 2-core CPU.

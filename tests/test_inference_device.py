@@ -14,8 +14,8 @@ import torch
 from device_check import ACCELERATOR, simulated_accelerator
 from test_retriever_index_gpu import FakeGpu
 
-from rlm import evaluation
 from rlm.cli import main
+from rlm.inference import evaluation
 from rlm.precision import Bf16Support, CpuBf16Warning
 
 META = torch.device("meta")
@@ -128,7 +128,7 @@ def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(
 def test_h_of_b_runs_on_the_correctors_device_and_lands_on_the_host():
     from retriever.buffer import PassageBuffer
     from retriever.corrector import CorrectorNetwork
-    from rlm.corrected_index import corrected_rows
+    from rlm.inference.corrected_index import corrected_rows
 
     g = torch.Generator().manual_seed(0)
     rows = torch.nn.functional.normalize(torch.randn(50, 8, generator=g), dim=-1).half()

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from rlm.metrics import (
+from rlm.inference.metrics import (
     evaluate_module_path,
     exact_match,
     f1_score,

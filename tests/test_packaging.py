@@ -76,7 +76,7 @@ def test_quickstart_runs_from_a_wheel_install(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in SHIPPED_CONFIGS.rglob("*.yaml"):
         assert f"rlm/configs/{shipped.relative_to(SHIPPED_CONFIGS).as_posix()}" in names
-    assert "rlm/metrics_module/metrics_module.py" in names and "atomicio/__init__.py" in names
+    assert "rlm/inference/metrics_module/metrics_module.py" in names and "atomicio/__init__.py" in names
 
     site = tmp_path / "site"
     install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)]

@@ -1,4 +1,4 @@
-"""The shared prefix (`rlm.prefix`): the gold-passage steps every strategy trains alike, trained once and
+"""The shared prefix (`rlm.training.prefix`): the gold-passage steps every strategy trains alike, trained once and
 continued by runs of other strategies exactly as if each had trained them itself."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tiny_run import tiny_overrides
 
 from rlm.config import load_config
 from rlm.errors import UserError
-from rlm.prefix import shared_settings_key, shared_steps
+from rlm.training.prefix import shared_settings_key, shared_steps
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 

@@ -15,7 +15,7 @@ from tiny_run import TINY_QUICKSTART, tiny_retriever
 
 from rlm.cli import main
 from rlm.errors import UserError
-from rlm.quickstart import (
+from rlm.quickstart.pipeline import (
     BASELINES,
     baseline_config,
     baseline_rows,

@@ -18,7 +18,7 @@ from reader.tokenizer import train_tokenizer
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
-from rlm.metrics import exact_match
+from rlm.inference.metrics import exact_match
 
 pytestmark = pytest.mark.slow
 

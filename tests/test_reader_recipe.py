@@ -11,12 +11,12 @@ from script_loader import load_script
 from tiny_run import tiny_overrides
 
 from reader.fid import FiDReader
+from rlm.components import build_components, build_reader
 from rlm.config import load_config
 from rlm.data.qa import QAExample
-from rlm.model import RetrievalAugmentedModel
-from rlm.setup import build_components, build_reader
-from rlm.strategies import make_strategy
 from rlm.train import check_gold_passages, make_batch, reader_only_step, train
+from rlm.training.model import RetrievalAugmentedModel
+from rlm.training.strategies import make_strategy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WARM = [

@@ -79,7 +79,7 @@ class ThreadProcess:
 
 
 def test_the_runs_tokenizer_is_trained_and_written_by_the_main_process_alone(tmp_path, monkeypatch):
-    from rlm import setup
+    from rlm import components as setup
     from rlm.config import load_config
     from rlm.data.qa import QAExample
 

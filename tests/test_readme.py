@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from rlm.data.toy_world import build_toy_world
-from rlm.quickstart import quickstart_config
+from rlm.quickstart.pipeline import quickstart_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

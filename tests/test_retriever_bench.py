@@ -78,7 +78,7 @@ def test_two_stage_sets_nprobe_through_the_index_on_cpu_and_on_a_gpu(monkeypatch
 
     from retriever.index import PassageIndex
     from retriever.search import corrected_topk
-    from rlm.benchmarking import corrector_moving
+    from rlm.experiments.benchmarking import corrector_moving
 
     if gpus:
         FakeGpu(monkeypatch, ngpu=gpus)

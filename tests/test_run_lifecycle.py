@@ -22,9 +22,9 @@ import torch
 from test_train_multiprocess import env
 from tiny_run import as_set_args, tiny_overrides
 
-from rlm import checkpointing
-from rlm.checkpointing import MANIFEST, checkpoints, verify, write_manifest
-from rlm.preemption import EXIT_PREEMPTED
+from rlm.training import checkpointing
+from rlm.training.checkpointing import MANIFEST, checkpoints, verify, write_manifest
+from rlm.training.preemption import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
@@ -52,7 +52,7 @@ def train_here(argv: list[str]) -> int:
     thread as the runs in subprocesses (`OMP_NUM_THREADS=1`): their losses must agree to the last digit."""
     from accelerate.state import AcceleratorState
 
-    from rlm.concurrent_runs import one_thread
+    from rlm.quickstart.concurrent_runs import one_thread
     from rlm.train import main
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -444,11 +444,11 @@ def test_a_signal_during_the_buffer_build_stops_it_between_batches_and_a_rerun_r
 
 
 def test_a_preemption_survives_the_trip_back_from_a_worker_process():
-    """`rlm.concurrent_runs` returns a worker's exception pickled: a Preempted must unpickle whole (one that
+    """`rlm.quickstart.concurrent_runs` returns a worker's exception pickled: a Preempted must unpickle whole (one that
     did not hung the quickstart's process pool)."""
     import pickle
 
-    from rlm.preemption import Preempted
+    from rlm.training.preemption import Preempted
 
     again = pickle.loads(pickle.dumps(Preempted(signal.SIGTERM, 7, "runs/x/checkpoints/step_0000007")))
     assert (again.signum, again.step, again.checkpoint) == (

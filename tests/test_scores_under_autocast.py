@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import rlm.steps
+import rlm.training.steps
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
 from rlm.config import StrategyConfig, TrainConfig
-from rlm.model import QueryEmbeddingCache, null_timer
-from rlm.steps import Batch, algorithm1_step, algorithm2_step
-from rlm.strategies import Processes, make_strategy
+from rlm.training.model import QueryEmbeddingCache, null_timer
+from rlm.training.steps import Batch, algorithm1_step, algorithm2_step
+from rlm.training.strategies import Processes, make_strategy
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
@@ -222,7 +222,7 @@ def test_the_losses_under_bf16_autocast_are_the_float32_losses(algorithm, correc
     """The retriever's softmax over beta <q, g(y)> (distilled from the reader's per-passage likelihoods, or
     against the gold passage), and the corrector's loss on beta <q, h(B_y)>: float32, the float32 values."""
     model, strategy, corpus, batch, cfg, scores = step_parts(algorithm, corrector_loss)
-    monkeypatch.setattr(rlm.steps, "score_passages", scores)
+    monkeypatch.setattr(rlm.training.steps, "score_passages", scores)
     step = algorithm1_step if algorithm == 1 else algorithm2_step
 
     ref = step(model, batch, strategy(), corpus, cfg)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from script_loader import load_script
 
-from rlm.benchmarking import corrector_moving, overlap
+from rlm.experiments.benchmarking import corrector_moving, overlap
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -65,7 +65,7 @@ def _cfg(tmp_path):
 
 
 def test_training_start_reads_no_passage_for_the_fingerprint(tower, corpus_file, tmp_path, passage_reads):
-    from rlm.setup import load_or_build_buffer
+    from rlm.components import load_or_build_buffer
 
     cfg, retriever = _cfg(tmp_path), SimpleNamespace(passage_tower=tower)
     built = load_or_build_buffer(cfg, retriever, load_corpus(corpus_file))
@@ -84,7 +84,7 @@ def test_training_start_reads_no_passage_for_the_fingerprint(tower, corpus_file,
 def test_training_start_upgrades_an_old_style_buffer_once(
     tower, corpus_file, tmp_path, passage_reads, capsys
 ):
-    from rlm.setup import load_or_build_buffer
+    from rlm.components import load_or_build_buffer
 
     cfg, retriever = _cfg(tmp_path), SimpleNamespace(passage_tower=tower)
     corpus = load_corpus(corpus_file)
@@ -108,7 +108,7 @@ def test_demo_index_key_uses_the_file_fingerprint_and_adopts_an_old_key(
 ):
     from app.qa import INDEX_CACHE, _index_key, cached_index
     from retriever.index import PassageIndex
-    from rlm import evaluation
+    from rlm.inference import evaluation
 
     corpus = load_corpus(corpus_file)
     root = tmp_path / "ckpt"

@@ -26,7 +26,7 @@ from device_check import ACCELERATOR, on_accelerator, simulated_accelerator
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from rlm.config import RegressionConfig, StrategyConfig
-from rlm.strategies import STRATEGY_CLASSES, Processes, make_strategy
+from rlm.training.strategies import STRATEGY_CLASSES, Processes, make_strategy
 
 WORLD = 2
 N, DIM, BATCH, MAX_STEPS = 90, 8, 3, 4

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from retriever.buffer import PassageBuffer
 from rlm.config import RegressionConfig, StrategyConfig
-from rlm.strategies import Processes, make_strategy
+from rlm.training.strategies import Processes, make_strategy
 
 N, DIM, MAX_STEPS, REFRESH_EVERY, KEEP_LAST = 60, 8, 12, 2, 2
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from script_loader import load_script
 
-from rlm.synthetic import (
+from rlm.experiments.synthetic import (
     CorrectorSpec,
     DriftSpec,
     SyntheticWorld,

@@ -152,7 +152,7 @@ def test_mixed_precision_no_is_a_word_not_a_boolean(tmp_path):
 def test_each_strategy_is_checked_by_what_its_class_says(name):
     """The config takes the strategy names, the algorithms each takes part in and whether two-stage search
     applies from the strategy classes themselves (no list of names repeated here)."""
-    from rlm.strategies import STRATEGY_CLASSES
+    from rlm.training.strategies import STRATEGY_CLASSES
 
     cls = STRATEGY_CLASSES[name]
     for algorithm in (1, 2):

@@ -1,6 +1,6 @@
 import torch
 
-from rlm.losses import perplexity_distillation_loss, supervised_retrieval_loss
+from rlm.training.losses import perplexity_distillation_loss, supervised_retrieval_loss
 
 
 def test_perplexity_distillation_is_kl_of_normalised_answer_likelihoods():

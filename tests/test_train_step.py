@@ -7,11 +7,11 @@ import pytest
 import torch
 from tiny_run import tiny_overrides
 
+from rlm.components import build_components
 from rlm.config import load_config
-from rlm.model import RetrievalAugmentedModel
-from rlm.setup import build_components
-from rlm.strategies import StaleStrategy, make_strategy
 from rlm.train import make_batch
+from rlm.training.model import RetrievalAugmentedModel
+from rlm.training.strategies import StaleStrategy, make_strategy
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_no_refresh_after_the_retriever_stops_training(world, name, extra, refre
 
 
 def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
-    from rlm.model import embed_rows
+    from rlm.training.model import embed_rows
 
     cfg, parts, model, strategy = make_parts(world, "strategy.name=exhaustive", "strategy.refresh_every=1")
     with torch.no_grad():
@@ -237,7 +237,7 @@ def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
 def test_regression_maps_every_row_towards_the_live_tower_from_a_few_re_embedded_ones(world):
     """Dynnibal's approximate re-encoding: 60 of 150 passages re-embedded, all 150 rows move towards what the
     live passage tower gives, the 90 never re-embedded included; the landmarks stay fixed across refits."""
-    from rlm.model import embed_rows
+    from rlm.training.model import embed_rows
 
     cfg, parts, model, strategy = make_parts(
         world,
@@ -281,8 +281,8 @@ def test_closed_book_reads_no_passages(world):
 
 
 def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(world):
-    from rlm.hard_subcorpus import save_subcorpus_ids
-    from rlm.validation import validate
+    from rlm.training.hard_subcorpus import save_subcorpus_ids
+    from rlm.training.validation import validate
 
     cfg, parts, model, strategy = make_parts(world)
     dev = parts.dev_examples[:6]
@@ -301,8 +301,8 @@ def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(
 
 
 def test_validation_embeds_the_corpus_again_only_when_the_passage_tower_moved(world, monkeypatch):
-    from rlm.hard_subcorpus import save_subcorpus_ids
-    from rlm.validation import PassageEmbeddingCache, validate
+    from rlm.training.hard_subcorpus import save_subcorpus_ids
+    from rlm.training.validation import PassageEmbeddingCache, validate
 
     cfg, parts, model, strategy = make_parts(world)
     dev = parts.dev_examples[:6]
@@ -369,7 +369,7 @@ def test_a_questions_other_gold_passages_are_not_its_negatives(world):
     """Multi-hop (HotpotQA): the label is the first gold passage; the second is left out of the softmax."""
     from retriever.search import TopK
     from rlm.data.qa import QAExample
-    from rlm.steps import algorithm1_step
+    from rlm.training.steps import algorithm1_step
 
     cfg, parts, model, _ = make_parts(world, "algorithm=1")
     ids = parts.corpus.ids
@@ -436,8 +436,8 @@ def test_validation_answers_from_the_strategys_own_selection(world):
     """`validate(..., strategy=...)` reads the top passages of the training selection (here <q, h(B)> with a
     trained-looking h): the same ids as a top-k over h(B) by hand, reported as `dev_selection_*`, and nothing
     re-embedded (moving the passage tower changes the re-embedded figures only)."""
-    from rlm.evaluation import retrieval_metrics
-    from rlm.validation import selection_retrieve, validate
+    from rlm.inference.evaluation import retrieval_metrics
+    from rlm.training.validation import selection_retrieve, validate
 
     cfg, parts, model, strategy = make_parts(world)
     torch.manual_seed(1)

@@ -16,8 +16,8 @@ import torch
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
-from rlm.strategies import Processes, ShardedRows, make_strategy
-from rlm.validation import validate
+from rlm.training.strategies import Processes, ShardedRows, make_strategy
+from rlm.training.validation import validate
 
 
 class ThreadedWorld:

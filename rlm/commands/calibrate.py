@@ -1,7 +1,7 @@
 """`rlm calibrate`: fit a checkpoint's answer policy (calibrated confidence + abstention) on questions it owns.
 
 The policy is fitted on what the demo serves: the checkpoint's `QAService` (the corpus embedded with the
-trained passage tower, the reader's answers) answers the fit questions, and `rlm.answer_policy` turns what it
+trained passage tower, the reader's answers) answers the fit questions, and `rlm.inference.answer_policy` turns what it
 knew into P(correct) and a threshold, saved as `<checkpoint>/answer_policy.json`. This command, like `rlm
 demo`, uses the app's `QAService`: the answers calibrated are the ones the page shows.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlm.answer_policy import DEFAULT_KEEP
+from rlm.inference.answer_policy import DEFAULT_KEEP
 
 HELP = "Fit a checkpoint's calibrated confidence and abstention rule on its dev split."
 
@@ -52,8 +52,8 @@ def calibrate_checkpoint(
     """Answer `examples` (answerable) and `unanswerable` with the checkpoint's QAService, fit the policy,
     save it into the checkpoint and return it."""
     from app.qa import QAService
-    from rlm.answer_policy import fit_answer_policy
-    from rlm.metrics import exact_match
+    from rlm.inference.answer_policy import fit_answer_policy
+    from rlm.inference.metrics import exact_match
 
     service = service or QAService.from_checkpoint(checkpoint, load_policy=False)
     questions = [*examples, *unanswerable]

@@ -97,9 +97,9 @@ def _default_corpus(args) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Load, evaluate, print the table."""
     from retriever.index import INDEX_FILES
-    from rlm import evaluation
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
+    from rlm.inference import evaluation
 
     # Before anything loads: --out would overwrite a run's own metrics.json, --save-index replaces its folder.
     if args.out:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("no corpus: pass --corpus FILE (or a --data-path folder holding corpus.jsonl)")
         corpus = load_corpus(corpus_path, args.corpus_format)
         if args.subcorpus:
-            from rlm.hard_subcorpus import load_subcorpus
+            from rlm.training.hard_subcorpus import load_subcorpus
 
             corpus = load_subcorpus(corpus, args.subcorpus)
     if args.no_retriever and not args.gold_passages:
@@ -157,14 +157,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool):
     """The index (built, loaded or over h(B)), then `run_evaluation`: (its result, the answer policy used)."""
-    from rlm import evaluation
+    from rlm.inference import evaluation
 
     index = None
     use_gpu = evaluation.index_on_gpu(device)
     if args.buffer and args.index != "corrected":
         raise UserError("--buffer only goes with --index corrected")
     if args.index == "corrected" and retriever is not None:
-        from rlm.corrected_index import corrected_index
+        from rlm.inference.corrected_index import corrected_index
 
         if not args.checkpoint:
             raise UserError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
@@ -187,7 +187,7 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
     num_passages = args.num_passages or evaluation.reader_passages_from_config(config)
     policy = None
     if reader is not None and args.checkpoint and not args.no_policy:
-        from rlm.answer_policy import AnswerPolicy
+        from rlm.inference.answer_policy import AnswerPolicy
 
         policy = AnswerPolicy.load(args.checkpoint)
     result = evaluation.run_evaluation(

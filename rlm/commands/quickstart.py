@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Train, evaluate, print the table, write metrics.json; serve the demo (unless --no-serve) as soon as the
     corrector run is trained, while the baselines still train."""
-    from rlm.quickstart import quickstart_config, run_quickstart
+    from rlm.quickstart.pipeline import quickstart_config, run_quickstart
 
     cfg = quickstart_config(args.config, args.output_dir, args.overrides)
     demo = None

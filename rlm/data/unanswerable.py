@@ -1,4 +1,4 @@
-"""Questions a toy world's corpus does not answer, for fitting and measuring abstention (`rlm.answer_policy`).
+"""Questions a toy world's corpus does not answer, for fitting and measuring abstention (`rlm.inference.answer_policy`).
 
 Two kinds per split, written to `<world>/<split>_unanswerable.jsonl` with `"answers": []`:
 

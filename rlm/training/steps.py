@@ -15,7 +15,7 @@ import torch
 from reader.scoring import score_passages
 from retriever.corrector import corrector_ce_loss, corrector_mse_loss
 from retriever.search import full_precision
-from rlm.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
+from rlm.training.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
 
 
 @dataclass

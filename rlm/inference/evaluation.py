@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from atomicio import atomic_write_text
 from rlm.data.qa import QAExample
 from rlm.errors import UserError
-from rlm.metrics import gold_recall_at_k, qa_scores, recall_at_k
+from rlm.inference.metrics import gold_recall_at_k, qa_scores, recall_at_k
 
 RECALL_KS = (1, 5, 20, 100)
 
@@ -314,7 +314,7 @@ def decide_all(
     """The answer policy's decision on each (answer, reader probability); without a policy, or when what was
     read is not the retrieved top (closed book, gold passages), every answer stands with the reader's own
     probability as its confidence."""
-    from rlm.answer_policy import AnswerSignals, Decision
+    from rlm.inference.answer_policy import AnswerSignals, Decision
 
     if policy is None or retrieved is None or not retrieved_reading:
         return [Decision(probability, False, None) for _, probability in answered]
@@ -396,7 +396,7 @@ def run_evaluation(
     scores) and `metrics.json`, atomically.
 
     Every reading records each prediction's `confidence` and whether it was `abstained`: with `policy` (the
-    checkpoint's `rlm.answer_policy.AnswerPolicy`, applied when retrieving and reading) the calibrated
+    checkpoint's `rlm.inference.answer_policy.AnswerPolicy`, applied when retrieving and reading) the calibrated
     P(correct) and the policy's verdict and reason, else the reader's own probability and never abstained.
     `exact_match` is EM at full coverage (every best guess counted); `coverage` is the share answered and
     `answered_exact_match` the EM over the answered questions.

@@ -38,7 +38,7 @@ import numpy as np
 
 from atomicio import atomic_write_json
 from rlm.errors import UserError, read_json_file
-from rlm.metrics import has_answer
+from rlm.inference.metrics import has_answer
 
 POLICY_FILE = "answer_policy.json"
 FEATURES = ("reader_logit", "top_score", "score_margin", "answer_in_top", "question_support")

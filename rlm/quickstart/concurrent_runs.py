@@ -38,7 +38,7 @@ class RunJob:
 
     @property
     def first_step(self) -> int:
-        from rlm.prefix import shared_steps
+        from rlm.training.prefix import shared_steps
 
         return shared_steps(self.cfg) if self.prefix is not None else 0
 
@@ -174,7 +174,7 @@ def train_runs(
                 bar.update(steps - bar.n)
     except BaseException:
         # One run failed (or the user stopped us): the others would only finish for nothing. SIGKILL, not
-        # SIGTERM: a training run takes SIGTERM as "checkpoint this step and stop" (rlm.preemption).
+        # SIGTERM: a training run takes SIGTERM as "checkpoint this step and stop" (rlm.training.preemption).
         for process in list((getattr(pool, "_processes", None) or {}).values()):
             process.kill()
         raise

@@ -28,7 +28,7 @@ def build_hard_subcorpus(
     `retriever` is a DualEncoder (the initial one); `index` reuses an index of the corpus built with it.
     Gold ids absent from the corpus raise a ValueError naming the question.
     """
-    from rlm.evaluation import build_index, embed_corpus, retrieve
+    from rlm.inference.evaluation import build_index, embed_corpus, retrieve
 
     rows: set[int] = set()
     for ex in examples:
@@ -51,10 +51,10 @@ def hard_subcorpus_from_buffer(
 ) -> list[str]:
     """H_k from the fixed buffer B, which already holds the initial passage tower's embeddings: the dev
     questions' gold passages + their top-k rows of B by <f_0(x), B_y>, with no corpus pass of its own. With
-    several processes each scans its share of B (`rlm.strategies.Processes`); all return the same ids."""
+    several processes each scans its share of B (`rlm.training.strategies.Processes`); all return the same ids."""
     import torch
 
-    from rlm.strategies import Processes, ShardedRows, _slice_rows
+    from rlm.training.strategies import Processes, ShardedRows, _slice_rows
 
     procs = procs or Processes()
     rows: set[int] = set()
@@ -132,7 +132,7 @@ def track_checkpoints(
     Returns {"checkpoints": [{"checkpoint", "hard": metrics, "full": metrics}], "correlation": {metric:
     {"spearman", "kendall"}}, "subcorpus_size", "corpus_size"}.
     """
-    from rlm.evaluation import load_checkpoint, reader_passages_from_config, run_evaluation
+    from rlm.inference.evaluation import load_checkpoint, reader_passages_from_config, run_evaluation
 
     rows = []
     for ckpt in checkpoints:

@@ -75,12 +75,12 @@ def corrected_index(
 
     `verify_encoder` rebuilds the run's starting retriever from its config to check B's encoder fingerprint
     (a few seconds for a base-size tower); the corpus fingerprint is always checked. h runs on `device` (None:
-    the accelerator when there is one) and the index goes to the GPU with it (`rlm.evaluation.index_on_gpu`).
+    the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.evaluation.index_on_gpu`).
     """
     from retriever.buffer import PassageBuffer
     from retriever.corrector import CorrectorNetwork
     from retriever.index import PassageIndex
-    from rlm.evaluation import index_on_gpu, inference_device
+    from rlm.inference.evaluation import index_on_gpu, inference_device
 
     root = Path(checkpoint)
     if not (root / "corrector").is_dir():
@@ -91,8 +91,8 @@ def corrected_index(
     folder = run_buffer_dir(root, buffer_dir)
     encoder = None
     if verify_encoder:
+        from rlm.components import build_retriever
         from rlm.config import load_config
-        from rlm.setup import build_retriever
 
         encoder = build_retriever(load_config(root / "config.yaml", saved=True)).passage_tower.fingerprint()
     try:

@@ -23,8 +23,8 @@ import torch
 
 from retriever.alignment import alignment_metrics
 from retriever.search import TopK
-from rlm.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
-from rlm.strategies import Processes, ShardedRows, strategy_class
+from rlm.inference.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
+from rlm.training.strategies import Processes, ShardedRows, strategy_class
 
 SUBCORPUS_FILE = "dev_subcorpus.txt"
 
@@ -152,7 +152,7 @@ def validate(
     procs = procs or Processes()
     path = subcorpus_path(cfg) if subcorpus and strategy is None else None
     if path is not None:
-        from rlm.hard_subcorpus import load_subcorpus
+        from rlm.training.hard_subcorpus import load_subcorpus
 
         corpus = load_subcorpus(corpus, path)
     metrics: dict[str, float] = {}

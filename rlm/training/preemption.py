@@ -32,7 +32,7 @@ class Preempted(Exception):
         super().__init__(f"stopped by {name} at step {step}: {where}; rerun the command with --resume")
 
     def __reduce__(self):
-        # Pickled back from a worker process (rlm.concurrent_runs): rebuilt from its fields, not its message.
+        # Pickled back from a worker process (rlm.quickstart.concurrent_runs): rebuilt from its fields, not its message.
         return (type(self), (self.signum, self.step, self.checkpoint))
 
 

@@ -16,7 +16,7 @@ from reader.fid import FiDReader
 from reader.formatting import FiDCollator
 from retriever.corrector import CorrectorNetwork
 from retriever.encoder import DualEncoder
-from rlm.steps import Batch, StepOutput, algorithm1_step, algorithm2_step
+from rlm.training.steps import Batch, StepOutput, algorithm1_step, algorithm2_step
 
 
 def null_timer(name: str) -> contextlib.AbstractContextManager:

@@ -20,7 +20,7 @@ from rlm.config import ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.qa import QAExample, load_qa_dataset
 from rlm.errors import UserError
-from rlm.strategies import strategy_class
+from rlm.training.strategies import strategy_class
 
 
 @dataclass

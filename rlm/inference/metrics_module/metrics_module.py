@@ -1,13 +1,13 @@
 """Open-domain QA exact match and F1 as a local `evaluate` module (the hub's metrics are unreachable offline).
 
-Load it with `evaluate.load(rlm.metrics.evaluate_module_path())`. The scores are `rlm.metrics`'s: SQuAD/NQ
+Load it with `evaluate.load(rlm.inference.metrics.evaluate_module_path())`. The scores are `rlm.inference.metrics`'s: SQuAD/NQ
 normalisation, max over the gold answers, reported in [0, 1].
 """
 
 import datasets
 import evaluate
 
-from rlm.metrics import qa_scores
+from rlm.inference.metrics import qa_scores
 
 _DESCRIPTION = (
     "Exact match and token F1 of open-domain QA predictions, max over each question's gold answers."

@@ -72,7 +72,7 @@ def baseline_config(cfg: TrainConfig, strategy: str) -> TrainConfig:
 
 def settings_key(cfg: TrainConfig) -> str:
     """A short hash of everything that decides a baseline's figure (the config minus strategy and folders)."""
-    from rlm.prefix import shared_settings_key
+    from rlm.training.prefix import shared_settings_key
 
     return shared_settings_key(cfg)
 
@@ -187,7 +187,7 @@ def format_results(metrics: dict) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         f"| {metrics['strategy']} (this run) | {cells(main, metrics['reembedded'])} | measured now |",
     ]
-    from rlm.strategies import strategy_class
+    from rlm.training.strategies import strategy_class
 
     for name, row in metrics["baselines"].items():
         closed = not strategy_class(name).uses_passages  # reads nothing: its selection is the same
@@ -213,8 +213,8 @@ def format_results(metrics: dict) -> str:
 
 def _dev_reference(cfg: TrainConfig) -> tuple[int, dict]:
     """(number of dev questions scored, EM/F1 of guessing the most frequent train answer per question type)."""
-    from rlm.evaluation import majority_answer_baseline
-    from rlm.setup import load_dev_examples, load_train_examples
+    from rlm.components import load_dev_examples, load_train_examples
+    from rlm.inference.evaluation import majority_answer_baseline
 
     train, dev = load_train_examples(cfg), load_dev_examples(cfg)
     return len(dev), majority_answer_baseline(train, dev)
@@ -237,12 +237,12 @@ def run_quickstart(
 
     `baselines`: "missing" trains those with no cached figure for these settings (the first run measures
     them, later runs reuse them), "always" retrains them, "never" shows whatever the cache holds. What every
-    run would do alike is done once: the toy world, the buffer B, and the gold-passage steps (`rlm.prefix`),
+    run would do alike is done once: the toy world, the buffer B, and the gold-passage steps (`rlm.training.prefix`),
     which each run that reads passages continues from. The runs train `jobs` at a time (default: one per CPU
-    core), each on one torch thread (`rlm.concurrent_runs`). `on_checkpoint(final)` is called as soon as the
+    core), each on one torch thread (`rlm.quickstart.concurrent_runs`). `on_checkpoint(final)` is called as soon as the
     main run's checkpoint is saved, while the baselines may still train.
     """
-    from rlm.concurrent_runs import RunJob, available_cores, train_runs
+    from rlm.quickstart.concurrent_runs import RunJob, available_cores, train_runs
 
     if not cfg.data.dev:
         raise UserError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
@@ -314,7 +314,7 @@ def run_quickstart(
 
 
 def _reads_passages(cfg: TrainConfig) -> bool:
-    from rlm.strategies import strategy_class
+    from rlm.training.strategies import strategy_class
 
     return strategy_class(cfg.strategy.name).uses_passages
 
@@ -322,8 +322,8 @@ def _reads_passages(cfg: TrainConfig) -> bool:
 def build_data_and_buffer(cfg: TrainConfig) -> str:
     """Generate the toy world (when missing) and build B (when missing) before any run starts, so that runs
     trained side by side only load them; returns the corpus path."""
+    from rlm.components import build_retriever, load_or_build_buffer, resolve_data
     from rlm.data.corpus import load_corpus
-    from rlm.setup import build_retriever, load_or_build_buffer, resolve_data
 
     corpus_path, _, _ = resolve_data(cfg)
     load_or_build_buffer(cfg, build_retriever(cfg), load_corpus(corpus_path))
@@ -333,8 +333,8 @@ def build_data_and_buffer(cfg: TrainConfig) -> str:
 def shared_prefix(cfg: TrainConfig, folder: Path) -> Path | None:
     """The gold-passage steps every strategy trains alike, trained once into `folder / "prefix"` with `cfg`'s
     strategy (reused when a prefix of the same settings is there); None when the recipe has none."""
-    from rlm.concurrent_runs import train_one
-    from rlm.prefix import read_prefix_meta, shared_steps
+    from rlm.quickstart.concurrent_runs import train_one
+    from rlm.training.prefix import read_prefix_meta, shared_steps
 
     steps = shared_steps(cfg)
     out = folder / "prefix"
