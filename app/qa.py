@@ -255,12 +255,9 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False,
     from rlm.inference import evaluation
 
     texts = corpus.retrieval_texts()
-    tower_fingerprint = passage_tower.fingerprint()
-    key = _index_key(tower_fingerprint, corpus.fingerprint) + ("-bf16" if bf16 else "")
+    key = _index_key(passage_tower.fingerprint(), corpus.fingerprint) + ("-bf16" if bf16 else "")
     folder = root / INDEX_CACHE / key
     use_gpu = evaluation.index_on_gpu(passage_tower.device)
-    if not bf16 and not (folder / "index.faiss").is_file():
-        _adopt_legacy_index(root / INDEX_CACHE, tower_fingerprint, corpus, folder)
     if (folder / "index.faiss").is_file():
         return evaluation.load_index_for(folder, corpus.ids, use_gpu=use_gpu)
     with evaluation.autocast(passage_tower.device, bf16):
@@ -307,27 +304,6 @@ def cached_corrected_index(root: Path, corpus, buffer_path=None, device=None, sh
 
 def _index_key(tower_fingerprint: str, corpus_fingerprint: str) -> str:
     return hashlib.sha256(f"{tower_fingerprint}:{corpus_fingerprint}".encode()).hexdigest()[:16]
-
-
-def _adopt_legacy_index(cache: Path, tower_fingerprint: str, corpus, folder: Path) -> None:
-    """Move an index cached under the old key (the old-style (id, text) pair fingerprint) to `folder`.
-
-    Only tried when the new key is missing and the cache holds some other index, i.e. when the alternative
-    is embedding the whole corpus again, which costs far more than the one old-style pass over it.
-    """
-    from retriever.buffer import corpus_fingerprint
-
-    others = [p for p in cache.glob("*/index.faiss") if p.parent != folder] if cache.is_dir() else []
-    if not others:
-        return
-    legacy = cache / _index_key(tower_fingerprint, corpus_fingerprint(corpus.ids, corpus.retrieval_texts()))
-    if legacy != folder and (legacy / "index.faiss").is_file():
-        try:
-            os.replace(legacy, folder)
-        except OSError as err:  # read-only checkpoint: the caller embeds again, as it would have anyway
-            print(f"warning: could not rename the cached index {legacy} to {folder} ({err})")
-        else:
-            print(f"note: cached index {legacy.name} (old corpus fingerprint) renamed to {folder.name}")
 
 
 def example_questions(path: Path, limit: int) -> list[str]:

@@ -16,9 +16,8 @@ each process embeds shards rank, rank + world, ...; the main process verifies th
 NaN or infinite row, which would rank first for every question) and writes meta.json.
 
 meta.json's `corpus_fingerprint` is what the caller passes (`Corpus.fingerprint`: the sha256 of the corpus
-file, computed during its scan); without one it is `corpus_fingerprint(ids, texts)`, the old hash over every
-(id, text) pair, which costs a pass over the whole corpus. A buffer recorded with that old-style fingerprint
-is verified the old way once, when loaded with a new one, and then records the new one (`legacy_corpus=`).
+file, computed during its scan); without one it is `corpus_fingerprint(ids, texts)`, a hash over every
+(id, text) pair, which costs a pass over the whole corpus.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,13 +49,7 @@ IDS_NAME = "ids.txt"
 FORMAT_VERSION = 1
 DTYPES = {"float16": np.float16, "float32": np.float32}
 PRECISIONS = ("float32", "bf16")  # what the passage tower computes in while it builds a buffer
-# Buffers recorded before the precision was: their builds ran the tower in float32 (no autocast).
-_UNRECORDED = {"precision": "float32"}
 TOKENIZE_CHUNK = 4096  # texts per tokenizer call while a shard is read: bounds the Python lists' memory
-
-
-def _recorded(record: dict[str, Any], key: str) -> Any:
-    return record.get(key, _UNRECORDED.get(key))
 
 
 def resolve_precision(precision: str, device: str | torch.device) -> str:
@@ -84,13 +76,10 @@ def _precision_autocast(device: str | torch.device, precision: str) -> contextli
     return torch.autocast(device_type, enabled=False)
 
 
-_LEGACY_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
-
-
 def corpus_fingerprint(ids: Sequence[str], texts: Sequence[str]) -> str:
-    """The old-style fingerprint: sha256 over the (id, text) pairs in order (32 hex digits); `ids`/`texts` may
-    be lazy sequences (len and [i]). One pass over every passage: kept for in-memory corpora (lists) and to
-    verify buffers recorded with it; a corpus file's own `Corpus.fingerprint` costs nothing extra."""
+    """sha256 over the (id, text) pairs in order (32 hex digits); `ids`/`texts` may be lazy sequences (len and
+    [i]). One pass over every passage: for corpora without a file (lists); a corpus file's own
+    `Corpus.fingerprint` costs nothing extra."""
     if len(ids) != len(texts):
         raise ValueError(f"corpus has {len(ids)} ids but {len(texts)} texts")
     digest = hashlib.sha256(f"{len(ids)}\n".encode())
@@ -103,59 +92,6 @@ def corpus_fingerprint(ids: Sequence[str], texts: Sequence[str]) -> str:
 
 
 _pairs_fingerprint = corpus_fingerprint  # for the functions whose `corpus_fingerprint` argument shadows it
-
-
-def is_legacy_fingerprint(fingerprint) -> bool:
-    """True for an old-style (id, text) pair fingerprint: 32 hex digits, no `<kind>:` prefix."""
-    return isinstance(fingerprint, str) and _LEGACY_FINGERPRINT.fullmatch(fingerprint) is not None
-
-
-def upgrade_legacy_fingerprint(
-    folder: Path,
-    name: str,
-    record: dict[str, Any],
-    fingerprint: str | None,
-    legacy_corpus: tuple[Sequence[str], Sequence[str]] | None,
-) -> dict[str, Any]:
-    """`record` (the content of `folder/name`) with its old-style corpus fingerprint replaced by `fingerprint`
-    after verifying it the old way over `legacy_corpus` = (ids, texts), rewritten atomically with a notice.
-
-    Returned unchanged when there is nothing to upgrade (no old-style fingerprint, no new one, or no corpus
-    to verify it with). A corpus whose old-style fingerprint differs is a ValueError: another corpus.
-    """
-    recorded = record.get("corpus_fingerprint")
-    if (
-        legacy_corpus is None
-        or fingerprint is None
-        or recorded == fingerprint
-        or not is_legacy_fingerprint(recorded)
-        or is_legacy_fingerprint(fingerprint)
-    ):
-        return record
-    old = _pairs_fingerprint(*legacy_corpus)  # the slow pass, once per buffer
-    if old != recorded:
-        raise InputError(
-            f"buffer {folder} was built with corpus fingerprint {recorded}, but the corpus given has "
-            f"fingerprint {old} (old-style; {fingerprint} new-style); rebuild it with `rlm embed` "
-            "or point to the buffer of this corpus"
-        )
-    upgraded = {**record, "corpus_fingerprint": fingerprint, "legacy_corpus_fingerprint": recorded}
-    try:
-        atomic_write_text(folder / name, json.dumps(upgraded, indent=2))
-    except OSError as err:  # a read-only buffer still loads: it was verified; it is verified again next time
-        print(
-            f"note: buffer {folder}: old-style corpus fingerprint verified, but {name} is not writable ({err})"
-        )
-    else:
-        print(
-            f"note: buffer {folder}: old-style corpus fingerprint verified once; {name} now records {fingerprint}"
-        )
-    return upgraded
-
-
-def _corpus_matches(record: dict[str, Any], fingerprint: str) -> bool:
-    # An upgraded buffer also accepts its old-style fingerprint (callers that still hash (id, text) pairs).
-    return fingerprint in (record.get("corpus_fingerprint"), record.get("legacy_corpus_fingerprint"))
 
 
 def shard_name(index: int) -> str:
@@ -210,15 +146,12 @@ class PassageBuffer:
         encoder_fingerprint: str | None = None,
         corpus_fingerprint: str | None = None,
         device: str | torch.device = "cpu",
-        legacy_corpus: tuple[Sequence[str], Sequence[str]] | None = None,
         precision: str | None = None,
     ) -> PassageBuffer:
         """Open a built buffer memory-mapped; refuse it when its fingerprints, or the `precision` its passage
         tower ran in ("float32" or "bf16"), differ from the given ones.
 
         With a non-CPU `device` the rows are copied onto it (one tensor); on CPU they stay memory-mapped.
-        `legacy_corpus` = (ids, texts) of the corpus of `corpus_fingerprint`: a buffer that recorded an
-        old-style fingerprint is verified with them once and then records `corpus_fingerprint`.
         """
         folder = Path(path)
         meta_file = folder / META_NAME
@@ -231,24 +164,16 @@ class PassageBuffer:
                 f"{meta_file} not found: build the buffer first with `rlm embed --out {folder}`"
             )
         meta = json.loads(meta_file.read_text())
-        if encoder_fingerprint is None or meta["encoder_fingerprint"] == encoder_fingerprint:
-            # Another encoder is refused below without paying the old-style pass first.
-            meta = upgrade_legacy_fingerprint(folder, META_NAME, meta, corpus_fingerprint, legacy_corpus)
         for kind, expected in (("encoder", encoder_fingerprint), ("corpus", corpus_fingerprint)):
-            matches = (
-                _corpus_matches(meta, expected)
-                if kind == "corpus"
-                else meta[f"{kind}_fingerprint"] == expected
-            )
-            if expected is not None and not matches:
+            if expected is not None and meta[f"{kind}_fingerprint"] != expected:
                 raise InputError(
                     f"buffer {folder} was built with {kind} fingerprint {meta[f'{kind}_fingerprint']}, "
                     f"but the {kind} given has fingerprint {expected}; rebuild it with `rlm embed` "
                     f"or point to the buffer of this {kind}"
                 )
-        if precision is not None and _recorded(meta, "precision") != precision:
+        if precision is not None and meta.get("precision") != precision:
             raise InputError(
-                f"buffer {folder} was built with the passage tower in {_recorded(meta, 'precision')}, not "
+                f"buffer {folder} was built with the passage tower in {meta.get('precision')}, not "
                 f"{precision}; rebuild it with that precision or point to a buffer built in {precision}"
             )
         try:
@@ -417,21 +342,12 @@ def build_settings(
     }
 
 
-def _check_or_write_build(
-    folder: Path,
-    settings: dict[str, Any],
-    write: bool,
-    legacy_corpus: tuple[Sequence[str], Sequence[str]] | None = None,
-) -> None:
+def _check_or_write_build(folder: Path, settings: dict[str, Any], write: bool) -> None:
     """Record the build's settings, or check that an unfinished build in `folder` had the same ones."""
     build_file = folder / BUILD_NAME
     if build_file.exists():
         previous = json.loads(build_file.read_text())
-        if write:  # an unfinished build recorded with an old-style fingerprint resumes after one check
-            previous = upgrade_legacy_fingerprint(
-                folder, BUILD_NAME, previous, settings["corpus_fingerprint"], legacy_corpus
-            )
-        diff = {k: (_recorded(previous, k), v) for k, v in settings.items() if _recorded(previous, k) != v}
+        diff = {k: (previous.get(k), v) for k, v in settings.items() if previous.get(k) != v}
         if diff:
             details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
             raise InputError(
@@ -475,7 +391,7 @@ def embed_shards(
         settings["shard_size"],
         settings["dtype"],
     )
-    precision = _recorded(settings, "precision")
+    precision = settings["precision"]
     todo = []
     for s in shard_indices:
         rows = min(shard_size, count - s * shard_size)
@@ -590,8 +506,7 @@ def build_passage_buffer(
     A complete buffer with the same fingerprints and settings is returned as is; an unfinished one is
     resumed. `accelerator` (an `accelerate.Accelerator` or `PartialState`) splits the shards over its
     processes; every process returns the loaded buffer. `corpus_fingerprint`: the corpus's own
-    (`Corpus.fingerprint`), else the (id, text) pairs are hashed (a pass over every passage); a folder
-    recorded with an old-style fingerprint is verified against `ids`/`texts` once and upgraded.
+    (`Corpus.fingerprint`), else the (id, text) pairs are hashed (a pass over every passage).
     """
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -613,16 +528,7 @@ def build_passage_buffer(
 
     if (folder / META_NAME).exists():
         meta = json.loads((folder / META_NAME).read_text())
-        if all(_recorded(meta, k) == v for k, v in settings.items() if k != "corpus_fingerprint"):
-            # Only a buffer that is otherwise the one asked for is worth the old-style pass.
-            meta = upgrade_legacy_fingerprint(
-                folder, META_NAME, meta, settings["corpus_fingerprint"], (ids, texts)
-            )
-        diff = {
-            k: (_recorded(meta, k), v)
-            for k, v in settings.items()
-            if not (_corpus_matches(meta, v) if k == "corpus_fingerprint" else _recorded(meta, k) == v)
-        }
+        diff = {k: (meta.get(k), v) for k, v in settings.items() if meta.get(k) != v}
         if diff:
             details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
             raise InputError(
@@ -632,7 +538,7 @@ def build_passage_buffer(
         return PassageBuffer.load(folder)
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
-        _check_or_write_build(folder, settings, write=True, legacy_corpus=(ids, texts))
+        _check_or_write_build(folder, settings, write=True)
     barrier()
     _check_or_write_build(folder, settings, write=False)
     if accelerator is not None:

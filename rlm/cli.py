@@ -13,33 +13,79 @@ import argparse
 import importlib
 import os
 import sys
+from types import ModuleType
 
-from rlm.errors import user_errors
+from rlm.errors import main_process, user_errors
 
-# name -> (module, one-line help). Order is the order `rlm --help` lists them.
+# name -> (module, one-line help). The one-line help lives here, not in the modules, because `rlm --help`
+# lists every command without importing any (some import torch). Order is the order `rlm --help` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "quickstart": ("rlm.commands.quickstart", "Offline: toy world, train, dev EM vs baselines, then demo."),
+    "quickstart": (
+        "rlm.commands.quickstart",
+        "Offline end to end: toy world, buffer, Algorithm 2 training, dev EM vs four baselines, the demo.",
+    ),
     "embed": (
         "rlm.commands.embed",
         "Embed a corpus once into a fixed passage buffer (memory-mapped shards).",
     ),
     "index": ("rlm.commands.index", "Build a faiss index over passage embeddings for inference."),
-    "toy-world": ("rlm.commands.toy_world", "Generate the offline toy world (corpus + held-out QA splits)."),
-    "evaluate": ("rlm.commands.evaluate", "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."),
-    "train": ("rlm.commands.train", "Train reader + retriever jointly with a corrector over a fixed buffer."),
-    "demo": ("rlm.commands.demo", "Serve the Gradio QA demo over a trained checkpoint."),
+    "toy-world": (
+        "rlm.commands.toy_world",
+        "Generate the offline toy world: a corpus of invented facts and held-out QA splits.",
+    ),
+    "evaluate": (
+        "rlm.commands.evaluate",
+        "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL (with its answer policy).",
+    ),
+    "train": (
+        "rlm.commands.train",
+        "Train reader + retriever jointly (Algorithm 2) or the retriever alone (Algorithm 1).",
+    ),
+    "demo": (
+        "rlm.commands.demo",
+        "Serve the Gradio QA demo over a trained checkpoint (reader + retriever + faiss index).",
+    ),
     "calibrate": (
         "rlm.commands.calibrate",
         "Fit a checkpoint's calibrated confidence and abstention rule on its dev split.",
     ),
-    "bench": ("rlm.commands.bench", "Run a benchmark script: retrieval, reader or training."),
+    "bench": (
+        "rlm.commands.bench",
+        "Run a benchmark: retrieval, reader, training, scale, two-stage, startup, bf16, strategies, synthetic.",
+    ),
 }
+
+DISTRIBUTION = "rlm-corrector"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default after its help, except where there is nothing to show: a flag (its default is
+    off), a default of None or an empty list (the help says what happens then), or a help that already says
+    its default in words ("default: the checkpoint's")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.nargs == 0 or action.default is None or action.default == [] or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    """The installed distribution's version; a source tree run without `pip install` has none."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version(DISTRIBUTION)
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def _top_level_help() -> str:
     width = max(len(n) for n in COMMANDS)
     lines = [
         "usage: rlm <command> [options]",
+        "       rlm --version",
         "",
         "Retrieval-augmented QA: FiD reader + dual-encoder retriever trained jointly, with a corrector network",
         "over a fixed passage buffer (Monath et al. 2024, Algorithm 2).",
@@ -51,10 +97,13 @@ def _top_level_help() -> str:
     return "\n".join(lines)
 
 
-def main_process() -> bool:
-    """Whether this is the process that speaks for a launched run (rank 0 of `accelerate launch` or torchrun;
-    any process started on its own)."""
-    return os.environ.get("RANK", "0") == "0"
+def build_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
+    """The parser of `rlm <name>` and the module that runs it (imported here, not before)."""
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"rlm {name}", description=help_, formatter_class=HelpFormatter)
+    module.add_arguments(parser)
+    return parser, module
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_top_level_help())
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"rlm {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"error: unknown command {name!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module_name, help_ = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"rlm {name}", description=help_)
-    module.add_arguments(parser)
+    parser, module = build_parser(name)
     args = parser.parse_args(rest)
     try:
         return int(module.run(args) or 0)

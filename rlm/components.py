@@ -16,11 +16,10 @@ from reader.tokenizer import load_tokenizer, train_tokenizer
 from retriever.buffer import PassageBuffer, build_passage_buffer
 from retriever.corrector import CorrectorNetwork
 from retriever.encoder import DualEncoder, default_retriever_path
-from rlm.config import ReaderConfig, TrainConfig
+from rlm.config import USES_CORRECTOR, ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.qa import QAExample, load_qa_dataset
 from rlm.errors import UserError
-from rlm.training.strategies import strategy_class
 
 
 @dataclass
@@ -143,7 +142,7 @@ def load_or_build_buffer(
     """B = g(y; Theta_0) for every passage: loaded and verified when it exists, built once otherwise.
 
     The corpus fingerprint is the one its scan computed (`Corpus.fingerprint`), so a start costs no pass over
-    the passages; a buffer that recorded an old-style fingerprint is verified the old way once and upgraded.
+    the passages.
     """
     buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
     tower = retriever.passage_tower
@@ -153,7 +152,6 @@ def load_or_build_buffer(
             buffer_dir,
             encoder_fingerprint=tower.fingerprint(),
             corpus_fingerprint=corpus.fingerprint,
-            legacy_corpus=(corpus.ids, texts),
         )
     else:
         buffer = build_passage_buffer(
@@ -233,7 +231,7 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
         reader = build_reader(cfg, corpus, train_examples, accelerator)
         collator = reader.collator  # carries the reader's own template and lengths (fid_config.json)
     corrector = None
-    if strategy_class(cfg.strategy.name).uses_corrector:
+    if cfg.strategy.name in USES_CORRECTOR:
         dim = buffer.dim
         corrector = CorrectorNetwork(
             dim,

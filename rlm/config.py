@@ -1,8 +1,11 @@
 """Run configuration: dataclasses loaded from YAML, overridable with `--set section.key=value`.
 
 Config is data. Every key is declared here with its type and default; a key that does not exist is an error
-(with the closest valid names), never silently ignored. Values from the command line are parsed as YAML
-scalars (`--set optim.lr_reader=3e-4`, `--set strategy.name=exhaustive`, `--set data.dev=null`).
+(with the closest valid names), never silently ignored, and so is a value outside a key's choices (a
+`Literal`) or its range (`NUMERIC_RANGES`). Values from the command line are parsed as YAML scalars
+(`--set optim.lr_reader=3e-4`, `--set strategy.name=exhaustive`, `--set data.dev=null`). A config file may
+extend another with `base: FILE` (`read_config_file`). In each section the paper's settings come first; the
+engineering knobs (logging, saving, memory, devices) follow a `# Engineering` line.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -42,18 +45,34 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12BoolLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
-READER_ARCHS = ("t5", "warm_start")
-REPORT_TO = ("tensorboard", "wandb", "all", "none")
+# The strategies (rlm.training.strategies.STRATEGY_CLASSES registers the same names: a test holds them equal).
+StrategyName = Literal[
+    "in_batch", "corrector", "stale", "exhaustive", "regression", "snm", "two_round", "frozen", "closed_book"
+]
+# What the cross-field checks in `TrainConfig.validate` need to know of the strategies, kept here so that
+# loading a config does not import the training code; the classes' own `algorithms` and `scans_fixed_buffer`
+# say the same (tests/test_train_config.py). The algorithms a strategy takes part in, where not both, and why:
+STRATEGY_ONLY_FOR = {
+    "in_batch": ((1,), "its S_x are the batch's gold passages"),
+    "frozen": ((2,), ""),
+    "closed_book": ((2,), ""),
+}
+# The strategies that select from B as built (never re-embedded), so an index over B stays valid.
+SCANS_FIXED_BUFFER = ("corrector", "stale", "frozen")
+# The strategies that build, train and select with a corrector network h (`components` builds it for them).
+USES_CORRECTOR = ("corrector",)
 
 
 @dataclass
-class ToyWorldConfig:
-    """Generate the offline toy world into `dir` when its files are missing."""
+class DataToyWorldConfig:
+    """`data.toy_world`: generate the offline toy world into `dir` when its files are missing (the generator's
+    own settings are `rlm.data.toy_world.ToyWorldConfig`)."""
 
-    dir: str = "runs/toy_world"
     num_passages: int = 2000
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)  # other rlm.data.toy_world.ToyWorldConfig fields
+    # Engineering
+    dir: str = "runs/toy_world"
 
 
 @dataclass
@@ -64,13 +83,14 @@ class DataConfig:
     dev: str | None = "toy"
     dev_split: str = "dev"
     max_train_examples: int | None = None
+    toy_world: DataToyWorldConfig = field(default_factory=DataToyWorldConfig)
+    # Engineering: what validation during training costs.
     max_dev_examples: int | None = 200
     # Validate during training on a hard subcorpus H_k (rlm.training.hard_subcorpus): an ids file, or "build" (H_k of
     # the initial retriever, from the fixed buffer, written once to <output_dir>/dev_subcorpus.txt). The
     # figure at the end of training is always on the whole corpus.
     dev_subcorpus: str | None = None
     dev_subcorpus_k: int = 100  # top-k per dev question of a built H_k
-    toy_world: ToyWorldConfig = field(default_factory=ToyWorldConfig)
 
 
 @dataclass
@@ -80,9 +100,10 @@ class RetrieverConfig:
     # sentence-transformers folder with the same output size, or "layers:N" for the first N layers of `path`.
     query_path: str | None = None
     shared_towers: bool = False
-    # A run stops when the mean pairwise cosine of the dev questions' query embeddings (logged at every
-    # validation as dev_query_mean_cosine) exceeds this: the query tower has collapsed (DAFT). null: never.
-    collapse_cosine: float | None = 0.99
+    query_max_length: int = 64
+    passage_max_length: int = 128
+    # Training-time dropout of both towers; None keeps the checkpoint's (0.1 for MiniLM).
+    dropout: float | None = None
     # DAFT's alignment stage: the first `align_steps` steps that train the retriever update the query tower
     # alone (the passage tower is frozen, so the buffer is exact and the corrector is not trained); every
     # `align_every` steps the kNN KL between the towers' embeddings of the dev questions (or 256 training
@@ -92,18 +113,19 @@ class RetrieverConfig:
     align_kl: float | None = None
     align_every: int = 10
     align_patience: int = 3
-    query_max_length: int = 64
-    passage_max_length: int = 128
-    dropout: float | None = (
-        None  # training-time dropout of both towers; None keeps the checkpoint's (0.1 for MiniLM)
-    )
+    # Engineering: a run stops when the mean pairwise cosine of the dev questions' query embeddings (logged at
+    # every validation as dev_query_mean_cosine) exceeds this: the query tower has collapsed (DAFT). null: never.
+    collapse_cosine: float | None = 0.99
 
 
 @dataclass
 class ReaderConfig:
-    path: str | None = (
-        None  # a saved FiD reader / HF seq2seq model; None: a small T5 built from the fields below
-    )
+    # "t5": the small T5 below, trained from scratch; "warm_start": the first `warm_start_layers` layers of a
+    # pretrained BERT-family encoder (`warm_start_path`, None: the packaged MiniLM) + a fresh decoder of
+    # `num_decoder_layers` layers, `num_heads` heads, feed-forward `d_ff`, with the encoder's WordPiece
+    # (see docs/reader_recipe.md). Ignored when `path` is set.
+    arch: Literal["t5", "warm_start"] = "t5"
+    path: str | None = None  # a saved FiD reader / HF seq2seq model; None: a small T5 from the fields below
     tokenizer: str | None = None  # tokenizer folder; None: train a BPE tokenizer on the corpus + questions
     vocab_size: int = 8000
     d_model: int = 128
@@ -119,12 +141,8 @@ class ReaderConfig:
     # `{rank}` gives the reader each passage's place in the retriever's order (scoring reads each as rank 1).
     template: str | None = None
     num_passages: int | None = None  # how many of the selected k the FiD reader reads; None: all k
-    score_reduction: str = "sum"  # P(a|y,x) from summed (paper) or mean token log-likelihood
-    # "t5": the small T5 above, trained from scratch; "warm_start": the first `warm_start_layers` layers of a
-    # pretrained BERT-family encoder (`warm_start_path`, None: the packaged MiniLM) + a fresh decoder of
-    # `num_decoder_layers` layers, `num_heads` heads, feed-forward `d_ff`, with the encoder's WordPiece
-    # (see docs/reader_recipe.md). Ignored when `path` is set.
-    arch: str = "t5"
+    # P(a|y,x) from summed (the paper) or mean token log-likelihood.
+    score_reduction: Literal["sum", "mean"] = "sum"
     warm_start_path: str | None = None
     warm_start_layers: int = 2
     warm_start_freeze_embeddings: bool = True  # keep the pretrained token embeddings (and tied output) fixed
@@ -152,13 +170,14 @@ class ScheduleConfig:
 
 @dataclass
 class BufferConfig:
+    dtype: Literal["float16", "float32"] = "float16"  # the rows as stored (retriever.buffer.DTYPES)
+    # Engineering
     dir: str | None = None  # None: <output_dir>/buffer; built with the initial passage tower when missing
-    dtype: str = "float16"
     batch_size: int = 64
     chunk_size: int = 65536  # rows of B corrected per chunk in the streamed top-k
     # Where the rows a process scans live: "host" (streamed from the memory-mapped buffer), "device" (copied
     # onto the accelerator, in the stored dtype), "auto" (the device when it is a GPU with room to spare).
-    placement: str = "auto"
+    placement: Literal["auto", "host", "device"] = "auto"
 
 
 @dataclass
@@ -166,9 +185,9 @@ class CorrectorConfig:
     hidden_dim: int | None = None  # None: hidden_mult * D
     hidden_mult: int = 4
     num_hidden_layers: int = 1
-    linear: bool = False  # add a zero-initialised linear term A x to the residual MLP (not in the paper)
-    loss: str = "ce"  # "ce" (Eq. 6, the paper's default) or "mse" (Eq. 5)
+    loss: Literal["ce", "mse"] = "ce"  # "ce" (Eq. 6, the paper's default) or "mse" (Eq. 5)
     weight: float = 10.0  # Appendix B.1
+    linear: bool = False  # add a zero-initialised linear term A x to the residual MLP (not in the paper)
 
 
 @dataclass
@@ -179,31 +198,34 @@ class RegressionConfig:
 
     samples: int = 8192  # s', passages re-embedded per refit (the paper's NQ and MSMARCO setting)
     landmarks: int = 128  # d', random rows of B, fixed for the run (the paper: 128)
-    kernel: str = "rbf"  # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z>
+    # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z> (retriever.reencode.KERNELS)
+    kernel: Literal["rbf", "linear"] = "rbf"
     gamma: float | None = None  # rbf width; None: 1 / (2 median squared sample-landmark distance), each refit
     ridge: float | None = None  # per-sample ridge penalty; None: chosen at each refit on held-out samples
 
 
 @dataclass
 class StrategyConfig:
-    name: str = "corrector"
+    name: StrategyName = "corrector"
     k: int = 32
     refresh_every: int = 500  # R for exhaustive and snm
     snm_size: int = 1_000_000  # M for snm (the paper: 1M; toy configs set their own)
     num_random: int = 0  # uniform random passages added to S_x (Algorithm 1 uses 64)
     share_across_batch: bool = False  # Algorithm 1: every question scores the union of the batch's S_x
-    # Data-parallel: each process scans (and re-embeds) 1/W of the rows and the top-k lists are merged across
-    # processes. null: sharded whenever there is more than one process.
-    shard_buffer: bool | None = None
     # How the top-k is searched: "exact" (every row through h) or "two_stage" (Appendix B.2: the
     # `candidates` best rows by the stale buffer, re-scored with h; the fixed-buffer strategies only). Every
     # `overlap_every` steps the exact top-k is computed too and its overlap logged.
-    search: str = "exact"
+    search: Literal["exact", "two_stage"] = "exact"
     candidates: int = 1024
+    regression: RegressionConfig = field(default_factory=RegressionConfig)
+    # Engineering
+    # Data-parallel: each process scans (and re-embeds) 1/W of the rows and the top-k lists are merged across
+    # processes. null: sharded whenever there is more than one process.
+    shard_buffer: bool | None = None
     # Where two-stage candidates come from: "index" (a faiss index over the stale buffer, built once) or
     # "scan" (<q, B_y> over every row, streamed: the exact stale candidates, no index to build or hold; one
     # read of the buffer per selection, cheap where the buffer is in accelerator memory).
-    first_stage: str = "index"
+    first_stage: Literal["index", "scan"] = "index"
     index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),SQfp16
     nprobe: int = 64
     overlap_every: int = 100
@@ -211,7 +233,6 @@ class StrategyConfig:
     # would otherwise run every row through h again for the same result), when it fits this many MiB per
     # process (float32); 0: h runs over every row at every step.
     cache_corrected_mb: int = 1024
-    regression: RegressionConfig = field(default_factory=RegressionConfig)
 
 
 @dataclass
@@ -222,13 +243,14 @@ class OptimConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 50
     max_steps: int = 1000  # optimizer steps
-    batch_size: int = 8  # questions per process per micro-step
-    gradient_accumulation_steps: int = 1
     # Questions per optimizer step over all processes (the paper: 128). When set, the accumulation is derived
     # from it, questions_per_step / (batch_size x processes), so the effective batch does not change with the
     # process count; numbers that do not divide are refused.
     questions_per_step: int | None = None
     max_grad_norm: float = 1.0  # clipped per component (reader, retriever, corrector); 0: no clipping
+    # Engineering: memory (questions_per_step, when set, keeps the effective batch).
+    batch_size: int = 8  # questions per process per micro-step
+    gradient_accumulation_steps: int = 1
 
     def accumulation_steps(self, num_processes: int) -> int:
         """Micro-steps per optimizer step with `num_processes` data-parallel processes."""
@@ -252,14 +274,15 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    algorithm: int = (
+    algorithm: Literal[1, 2] = (
         2  # 2: retrieval-augmented LM (reader + retriever); 1: supervised retrieval (gold passages)
     )
-    output_dir: str = "runs/train"
     seed: int = 0
     beta: float = 20.0  # temperature of the retriever softmax over <q, p>
     reader_temperature: float = 1.0  # P_a(y|x) = softmax(log P(a|y,x) / T) (Eq. 8 is T = 1)
-    mixed_precision: str = "no"  # "no" | "bf16" | "fp16" (accelerate)
+    # Engineering
+    output_dir: str = "runs/train"
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # accelerate's
     # Training on CPU falls back from bf16 to float32 (with a warning) where the CPU has no native bf16
     # (AVX512-BF16 or AMX; elsewhere it is emulated: ~18x slower steps measured on an AVX2-only EPYC); true
     # keeps bf16 there anyway (rlm.precision).
@@ -281,7 +304,8 @@ class TrainConfig:
     dist_timeout_s: int = 3600
     # Where metrics go besides log.jsonl: accelerate's trackers (TensorBoard under <output_dir>/rlm; Weights &
     # Biases with the `wandb` extra, its run id kept in the checkpoint so a resumed run continues the same run).
-    report_to: str = "tensorboard"  # "tensorboard" | "wandb" | "all" | "none"
+    report_to: Literal["tensorboard", "wandb", "all", "none"] = "tensorboard"
+    # Sections
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
@@ -297,67 +321,32 @@ class TrainConfig:
         return self.reader.num_passages or self.strategy.k
 
     def validate(self) -> TrainConfig:
-        """Every check of values and of how they combine, in one place (the loader has checked the types)."""
-        for name, optional in numeric_fields(TrainConfig):
-            _check_range(name, _lookup(self, name), NUMERIC_RANGES[name], optional)
-        if self.reader.arch not in READER_ARCHS:
-            raise UserError(f"reader.arch must be one of {READER_ARCHS}, got {self.reader.arch!r}")
-        if self.report_to not in REPORT_TO:
-            raise UserError(f"report_to must be one of {REPORT_TO}, got {self.report_to!r}")
-        from rlm.training.strategies import (
-            strategy_class,  # the registry says what each strategy takes part in
-        )
-
-        strategy = strategy_class(self.strategy.name)
-        if self.algorithm not in strategy.algorithms:
-            only = " and ".join(str(a) for a in strategy.algorithms)
-            why = " (its S_x are the batch's gold passages)" if strategy.shares_batch else ""
+        """The rules that combine keys (the loader has checked each value alone: its type, choices and range)."""
+        name = self.strategy.name
+        only, why = STRATEGY_ONLY_FOR.get(name, ((1, 2), ""))
+        if self.algorithm not in only:
             raise UserError(
-                f"strategy {self.strategy.name!r} only makes sense for algorithm {only}{why}; "
-                f"this config has algorithm {self.algorithm}"
+                f"strategy {name!r} only makes sense for algorithm {' and '.join(map(str, only))}"
+                f"{f' ({why})' if why else ''}; this config has algorithm {self.algorithm}"
             )
-        if self.corrector.loss not in ("ce", "mse"):
-            raise UserError(f"corrector.loss must be 'ce' or 'mse', got {self.corrector.loss!r}")
-        if self.reader.score_reduction not in ("sum", "mean"):
-            raise UserError(
-                f"reader.score_reduction must be 'sum' or 'mean', got {self.reader.score_reduction!r}"
-            )
-        if self.buffer.placement not in ("auto", "host", "device"):
-            raise UserError(f"buffer.placement must be auto, host or device, got {self.buffer.placement!r}")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise UserError(f"mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.force_cpu_bf16 and self.mixed_precision != "bf16":
             raise UserError(
                 f"force_cpu_bf16=true only applies to mixed_precision=bf16 (got {self.mixed_precision!r}); "
                 "set mixed_precision=bf16 or drop force_cpu_bf16"
             )
-        if self.strategy.search not in ("exact", "two_stage"):
-            raise UserError(f"strategy.search must be exact or two_stage, got {self.strategy.search!r}")
-        if self.strategy.first_stage not in ("index", "scan"):
-            raise UserError(f"strategy.first_stage must be index or scan, got {self.strategy.first_stage!r}")
-        if self.strategy.search == "two_stage" and not strategy.scans_fixed_buffer:
-            from rlm.training.strategies import STRATEGY_CLASSES
-
-            fixed = [name for name, cls in STRATEGY_CLASSES.items() if cls.scans_fixed_buffer]
+        if self.strategy.search == "two_stage" and name not in SCANS_FIXED_BUFFER:
             raise UserError(
                 "strategy.search=two_stage searches an index over the fixed buffer: use it with a strategy that "
-                f"scans it ({', '.join(fixed)}), not {self.strategy.name!r}"
+                f"scans it ({', '.join(SCANS_FIXED_BUFFER)}), not {name!r}"
             )
         if self.retriever.align_steps and self.retriever.shared_towers:
             raise UserError("retriever.align_steps trains the query tower alone: not with shared_towers")
-        from retriever.reencode import KERNELS
-
-        if self.strategy.regression.kernel not in KERNELS:
-            raise UserError(
-                f"strategy.regression.kernel must be one of {KERNELS}, got {self.strategy.regression.kernel!r}"
-            )
         return self
 
 
 # The range of every numeric setting, written as an interval ("[1, inf)": 1 and up; "(0, inf)": any positive
 # number). NaN is in none of them. A numeric field without an entry here fails tests/test_train_config.py.
 NUMERIC_RANGES: dict[str, str] = {
-    "algorithm": "[1, 2]",
     # accelerate's set_seed seeds numpy's legacy generator, which takes [0, 2^32).
     "seed": "[0, 4294967295]",
     "beta": "(0, inf)",
@@ -444,12 +433,6 @@ def numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, bool]]:
     return found
 
 
-def _lookup(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def _check_range(name: str, value: Any, interval: str, optional: bool) -> None:
     if value is None and optional:
         return
@@ -476,22 +459,38 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _key(where: str) -> str:
+    """The dotted key as the user writes it (`strategy.name`), from the loader's `config.strategy.name`."""
+    return where.removeprefix("config.")
+
+
+def _check_choice(value: Any, choices: tuple, where: str) -> Any:
+    # By type too: YAML's `true` equals 1, and `2.0` equals 2, but neither is algorithm 2.
+    if any(type(value) is type(choice) and value == choice for choice in choices):
+        return value
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise UserError(f"{_key(where)} must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check `value` against the annotation `tp` (with int -> float widening and Optional)."""
+    """Check `value` against the annotation `tp` (with int -> float widening, Optional and Literal choices)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # `X | None`: what X says is wrong with the value
+            return _coerce(value, options[0], where)
+        for arg in options:
             try:
                 return _coerce(value, arg, where)
-            except (TypeError, ValueError) as err:
-                errors.append(str(err))
+            except ValueError:
+                continue
         raise UserError(f"{where}: {value!r} does not fit {tp}")
+    if origin is Literal:
+        return _check_choice(value, typing.get_args(tp), where)
     if _is_dataclass_type(tp):
         if not isinstance(value, dict):
             raise UserError(f"{where}: expected a mapping, got {value!r}")
@@ -504,7 +503,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return float(value)
         except ValueError:
             raise UserError(f"{where}: expected float, got {value!r}") from None
-    if typing.get_origin(tp) is dict and not isinstance(value, dict):
+    if origin is dict and not isinstance(value, dict):
         raise UserError(f"{where}: expected a mapping, got {value!r}")
     if tp is bool and not isinstance(value, bool):
         raise UserError(f"{where}: expected true/false, got {value!r}")
@@ -513,39 +512,22 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-# Keys that moved to another section, old -> new. A config or a `--set` with an old key is refused with the new
-# name; a run's saved config.yaml from before the move is read with the keys moved (`load_config(saved=True)`).
-MOVED_KEYS = {
-    f"reader.{name}": f"schedule.{name}"
-    for name in ("gold_passage_steps", "reader_only_steps", "final_reader_only_steps")
-}
-
-# Shipped configs that became one file per dataset (the strategy set with --set strategy.name=...).
-RENAMED_CONFIGS = {
-    f"{data}_{strategy}": (data, strategy)
-    for data in ("nq", "tqa", "hotpotqa")
-    for strategy in ("corrector", "exhaustive", "frozen")
-} | {"nq_alg1_corrector": ("nq_alg1", "corrector")}
-
-
 def from_dict(cls: type, data: dict, where: str = "config") -> Any:
-    """Build dataclass `cls` from a nested dict, refusing unknown keys and wrongly typed values."""
+    """Build dataclass `cls` from a nested dict, refusing unknown keys, wrongly typed values, values outside a
+    `Literal`'s choices and numbers outside their `NUMERIC_RANGES` interval."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
-        dotted = f"{where}.{key}".removeprefix("config.")
-        if dotted in MOVED_KEYS:
-            new = MOVED_KEYS[dotted]
-            raise UserError(
-                f"config key {dotted} moved to {new}: write it under `{new.split('.')[0]}:` in the YAML, or "
-                f"--set {new}={value}"
-            )
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (valid: {', '.join(names)})"
             raise UserError(f"unknown config key {where}.{key}{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+        dotted = _key(f"{where}.{key}")
+        if dotted in NUMERIC_RANGES:
+            optional = type(None) in typing.get_args(hints[key])
+            _check_range(dotted, kwargs[key], NUMERIC_RANGES[dotted], optional)
     return cls(**kwargs)
 
 
@@ -607,41 +589,58 @@ def resolve_config_path(path: str | Path) -> Path:
     if path.is_file():
         return path
     shipped = shipped_config(path)
-    renamed = RENAMED_CONFIGS.get(path.name.removesuffix(".yaml"))
-    if shipped is None and renamed is not None:
-        data, strategy = renamed
-        raise UserError(
-            f"config {path} is now {data}.yaml with the strategy set on the command line: "
-            f"--config configs/{data}.yaml --set strategy.name={strategy}"
-        )
     if shipped is None:
         names = sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
         raise FileNotFoundError(f"config file not found: {path} (shipped configs: {', '.join(names)})")
     return shipped
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), saved: bool = False
-) -> TrainConfig:
+def _merge(base: dict, override: dict) -> dict:
+    """`base` with `override`'s keys set over it, sections merged key by key at every depth."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_config_file(path: str | Path, _extending: tuple[Path, ...] = ()) -> dict:
+    """The mapping in config file `path`. With a top-level `base: FILE` it extends that file: FILE's mapping
+    (itself read the same way) with this file's keys merged over it, this file winning. FILE is relative to
+    `path`'s folder, else a shipped config's name (`base: nq`), so a config of one's own can extend a shipped
+    one."""
+    path = Path(path)
+    try:
+        data = parse_yaml(path.read_text()) or {}
+    except yaml.YAMLError as err:  # names the line and column: one line for the user, not a traceback
+        raise UserError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a config must be a YAML mapping at the top level")
+    if "base" not in data:
+        return data
+    base = data.pop("base")
+    if not isinstance(base, str) or not base:
+        raise UserError(f"{path}: base must name the config file this one extends, got {base!r}")
+    base_path = path.parent / base
+    if not base_path.is_file():
+        base_path = shipped_config(base)
+        if base_path is None:
+            raise UserError(f"{path}: base {base} not found (neither in {path.parent} nor a shipped config)")
+    chain = (*_extending, path.resolve())
+    if base_path.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, base_path.resolve()))
+        raise UserError(f"{path}: its base files extend each other in a cycle: {cycle}")
+    return _merge(read_config_file(base_path, chain), data)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load a TrainConfig from YAML (or defaults when path is None), then apply `--set` overrides.
 
     `output_dir` may name `{strategy}` (strategy.name), so one file per dataset gives each strategy its own run
-    folder. `saved=True` reads a run's own config.yaml: keys written before they moved (`MOVED_KEYS`) are
-    moved, where a config the user writes is told the new names."""
-    data: dict = {}
-    if path is not None:
-        path = resolve_config_path(path)
-        try:
-            data = parse_yaml(path.read_text()) or {}
-        except yaml.YAMLError as err:  # names the line and column: one line for the user, not a traceback
-            raise UserError(f"{path}: not valid YAML ({' '.join(str(err).split())})") from None
-        if not isinstance(data, dict):
-            raise UserError(f"{path}: a config must be a YAML mapping at the top level")
-    if saved:
-        for old_key, new_key in MOVED_KEYS.items():
-            (old_section, old_name), (new_section, new_name) = old_key.split("."), new_key.split(".")
-            if old_name in (data.get(old_section) or {}):
-                data.setdefault(new_section, {})[new_name] = data[old_section].pop(old_name)
+    folder."""
+    data = {} if path is None else read_config_file(resolve_config_path(path))
     for assignment in overrides:
         apply_override(data, assignment)
     cfg = from_dict(TrainConfig, data)

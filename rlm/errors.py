@@ -70,8 +70,6 @@ def not_utf8(path: str | os.PathLike, line_no: int, line: bytes) -> UserError:
 def user_errors() -> tuple[type[BaseException], ...]:
     """What the command line reports as one line: our user errors, missing or unreadable files, and an
     unknown passage id in the user's data (`UnknownPassageError`). Any other exception is a bug."""
-    from rlm.data.corpus import UnknownPassageError
-
     return (
         UserError,
         ReaderInputError,
@@ -80,3 +78,17 @@ def user_errors() -> tuple[type[BaseException], ...]:
         FileNotFoundError,
         PermissionError,
     )
+
+
+class UnknownPassageError(KeyError):
+    """A passage id the corpus does not hold: a mistake in the user's data (a gold id, an ids file), reported
+    by the CLI as one line, unlike any other KeyError, which is a bug and keeps its traceback."""
+
+    def __str__(self) -> str:  # KeyError's str() quotes its message
+        return str(self.args[0]) if self.args else ""
+
+
+def main_process() -> bool:
+    """Whether this is the process that speaks for a launched run (rank 0 of `accelerate launch` or torchrun;
+    any process started on its own)."""
+    return os.environ.get("RANK", "0") == "0"

@@ -3,7 +3,7 @@
 On x86 CPUs with AVX512-BF16 or AMX, PyTorch's bf16 matmuls (oneDNN) run on bf16 instructions and bf16
 autocast is faster than float32. Elsewhere (e.g. AVX2-only CPUs) they are emulated: measured on an AVX2-only
 AMD EPYC, a 6144x384 @ 384x384 bf16 matmul took 741 ms against tens of ms in float32, and an Algorithm 1
-step 95 s against 5 s. So training on CPU asks this module before it turns bf16 on (`rlm.train.make_accelerator`).
+step 95 s against 5 s. So training on CPU asks this module before it turns bf16 on (`rlm.training.accelerator.make_accelerator`).
 
 The decision comes from the CPU flags (`/proc/cpuinfo`), so every process on a machine takes the same one;
 the timed probe (`probe_ratio`) is reported in the messages, and decides only where no flags can be read.

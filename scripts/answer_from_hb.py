@@ -16,15 +16,13 @@ writes `<out>.json` and `<out>.md`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from pathlib import Path
 
-from atomicio import atomic_write_json, atomic_write_text
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
-from rlm.experiments.benchmarking import cpu_name
+from rlm.experiments.reporting import command, machine, machine_line, results_path, table, write_report
 from rlm.inference import evaluation
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir
 
@@ -36,8 +34,9 @@ def indexes(args, corpus, retriever):
     from retriever.buffer import PassageBuffer
 
     start = time.perf_counter()
-    embeddings = evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
-    fresh = evaluation.build_index(embeddings, corpus.ids)
+    fresh = evaluation.build_index(
+        evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids
+    )
     yield "fresh (re-embedded)", fresh, time.perf_counter() - start, f"{len(corpus):,} passages re-embedded"
     built = corrected_index(args.checkpoint, corpus, args.buffer)
     yield "h(B) (corrected)", built.index, built.correct_s + built.index_s, "0 re-embedded"
@@ -47,25 +46,6 @@ def indexes(args, corpus, retriever):
     )
     stale = evaluation.build_index(buffer.embeddings.float().numpy(), corpus.ids)
     yield "B (stale)", stale, time.perf_counter() - start, "0 re-embedded"
-
-
-def markdown(results: dict) -> str:
-    rows = results["rows"]
-    shown = [m for m in METRICS if m in rows[0]["metrics"]]
-    lines = [
-        "# Answering from h(B): the fixed buffer through the trained corrector vs the re-embedded corpus",
-        "",
-        f"Command: `{results['command']}`  ",
-        f"Date: {results['date']}; CPU: {results['cpu']}; {results['questions']} questions, corpus of "
-        f"{results['passages']:,} passages; checkpoint `{results['checkpoint']}`.",
-        "",
-        "| index | " + " | ".join(shown) + " | index built in s | cost |",
-        "| --- | " + " | ".join("---:" for _ in shown) + " | ---: | --- |",
-    ]
-    for row in rows:
-        values = " | ".join(f"{100 * row['metrics'][m]:.1f}" for m in shown)
-        lines.append(f"| {row['name']} | {values} | {row['index_seconds']:.2f} | {row['cost']} |")
-    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -80,7 +60,7 @@ def main() -> int:
     parser.add_argument("--buffer", help="the run's buffer folder (default: from its config.yaml)")
     parser.add_argument("--retrieval-only", action="store_true", help="recall only (e.g. an Algorithm 1 run)")
     parser.add_argument("--k", type=int, default=20)
-    parser.add_argument("--out", default="docs/results/answer_from_hb")
+    parser.add_argument("--out", default=results_path("answer_from_hb"))
     args = parser.parse_args()
 
     corpus = load_corpus(args.corpus or Path(args.data_path) / "corpus.jsonl")
@@ -89,37 +69,29 @@ def main() -> int:
         args.checkpoint, need_reader=not args.retrieval_only
     )
     retriever.eval()
-    num_passages = evaluation.reader_passages_from_config(config)
+    k, num_passages = min(args.k, len(corpus)), evaluation.reader_passages_from_config(config)
     rows = []
     for name, index, seconds, cost in indexes(args, corpus, retriever):
         result = evaluation.run_evaluation(
-            examples,
-            corpus,
-            retriever,
-            reader,
-            index=index,
-            k=min(args.k, len(corpus)),
-            num_passages=num_passages,
+            examples, corpus, retriever, reader, index=index, k=k, num_passages=num_passages
         )
         rows.append({"name": name, "metrics": result.metrics, "index_seconds": seconds, "cost": cost})
-        print(
-            f"{name}: index {seconds:.2f} s, "
-            + ", ".join(f"{m} {result.metrics[m]:.3f}" for m in METRICS if m in result.metrics),
-            file=sys.stderr,
-        )
+        print(f"{name}: index {seconds:.2f} s, {result.metrics}", file=sys.stderr)
     results = {
-        "command": "python scripts/answer_from_hb.py " + " ".join(sys.argv[1:]),
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "cpu": cpu_name(),
+        "command": command("answer_from_hb.py"),
+        "machine": machine(),
         "checkpoint": str(args.checkpoint),
-        "questions": len(examples),
-        "passages": len(corpus),
-        "rows": rows,
     }
-    text = markdown(results)
-    atomic_write_json(Path(args.out).with_suffix(".json"), results)
-    atomic_write_text(Path(args.out).with_suffix(".md"), text)
-    print(text)
+    results |= {"questions": len(examples), "passages": len(corpus), "rows": rows}
+    shown = [m for m in METRICS if m in rows[0]["metrics"]]
+    columns = [("index", "name", ""), *((m, lambda r, m=m: 100 * r["metrics"][m], ".1f") for m in shown)]
+    columns += [("index built in s", "index_seconds", ".2f"), ("cost", "cost", "")]
+    text = (
+        "# Answering from h(B): the fixed buffer through the trained corrector vs the re-embedded corpus\n\n"
+        f"Command: `{results['command']}`; {machine_line(results['machine'])}; {len(examples)} questions, corpus "
+        f"of {len(corpus):,} passages; checkpoint `{args.checkpoint}`.\n\n{table(rows, columns)}"
+    )
+    write_report(args.out, text, results)
     return 0
 
 

@@ -1,7 +1,7 @@
 """How far a checkpoint's answers can be trusted: the reader's ceilings, coverage, calibration, abstention.
 
     python scripts/answer_quality.py --checkpoint runs/quickstart/final \
-        --out-of-corpus ../shared/data/nq_open/NQ-open.dev.jsonl --out docs/results/answer_quality
+        --out-of-corpus ../shared/data/nq_open/NQ-open.dev.jsonl --out docs/results/answer_quality/answer_quality
 
 Prints (and writes as markdown, JSON and a reliability diagram):
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from atomicio import atomic_write_json, atomic_write_text
+from rlm.experiments.reporting import figure, table, write_report
 
 
 def gold_last(examples, retrieved, k: int) -> list[list[str]]:
@@ -132,54 +132,40 @@ def policy_rows(
 
 
 def markdown(report: dict) -> str:
-    def pct(value) -> str:
-        return "-" if value is None else f"{100 * value:.1f}"
-
-    lines = ["| what the reader reads (dev) | EM |", "| --- | ---: |"]
-    lines += [
-        f"| {name} | {pct(value)} |"
-        for name, value in report["reader"].items()
-        if name != "gold_ranked_first"
+    p, reader = report["policy"], report["reader"]
+    policy = {
+        f"coverage (share of {p['test_questions']} answerable questions answered)": p["coverage"],
+        "EM of the answered questions": p["answered_exact_match"],
+        "EM at full coverage (every best guess)": p["full_coverage_exact_match"],
+        "correct answers kept": p["correct_kept"],
+    }
+    policy |= {
+        f"abstained: {k.removeprefix('abstained_').replace('_', ' ')}": v
+        for k, v in p.items()
+        if k.startswith("abstained_")
+    }
+    percent = [{"what": k, "value": None if v is None else 100 * v} for k, v in policy.items()]
+    ece = f"{p['ece']:.3f} ({p['ece_bootstrap_se']:.3f})"
+    percent[4:4] = [{"what": f"ECE over {p['held_out_questions']} questions (bootstrap s.e.)", "value": ece}]
+    percent[5:5] = [
+        {"what": "AUROC, correct vs wrong", "value": None if p["auroc"] is None else f"{p['auroc']:.3f}"}
     ]
-    lines.append(
-        f"\ngold passage ranked first for {pct(report['reader']['gold_ranked_first'])}% of dev questions\n"
+    dev = [{"what": k, "value": 100 * v} for k, v in reader.items() if k != "gold_ranked_first"]
+    return (
+        f"{table(dev, [('what the reader reads (dev)', 'what', ''), ('EM', 'value', '.1f')])}\n\ngold passage ranked "
+        f"first for {100 * reader['gold_ranked_first']:.1f}% of dev questions\n\n"
+        + table(percent, [("answer policy, held-out test", "what", ""), ("value", "value", ".1f")])
     )
-    p = report["policy"]
-    lines += ["| answer policy, held-out test | value |", "| --- | ---: |"]
-    lines += [
-        f"| coverage (share of {p['test_questions']} answerable questions answered) | {pct(p['coverage'])} |",
-        f"| EM of the answered questions | {pct(p['answered_exact_match'])} |",
-        f"| EM at full coverage (every best guess) | {pct(p['full_coverage_exact_match'])} |",
-        f"| correct answers kept | {pct(p['correct_kept'])} |",
-        f"| ECE over {p['held_out_questions']} questions (bootstrap s.e.) | {p['ece']:.3f} ({p['ece_bootstrap_se']:.3f}) |",
-        f"| AUROC, correct vs wrong | {'-' if p['auroc'] is None else round(p['auroc'], 3)} |",
-    ]
-    for key, value in p.items():
-        if key.startswith("abstained_"):
-            lines.append(f"| abstained: {key[len('abstained_') :].replace('_', ' ')} | {pct(value)} |")
-    return "\n".join(lines)
 
 
-def plot(bins: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+def plot(bins: list[dict]):
+    fig, ax = figure(1, (4.5, 4.5))
     full = [b for b in bins if b["count"]]
+    centres = [(b["low"] + b["high"]) / 2 for b in full]
     ax.plot([0, 1], [0, 1], "--", color="grey", label="perfect calibration")
-    ax.bar(
-        [(b["low"] + b["high"]) / 2 for b in full],
-        [b["accuracy"] for b in full],
-        width=0.09,
-        alpha=0.7,
-        label="accuracy in the bin",
-    )
-    for b in full:
-        ax.annotate(
-            str(b["count"]), ((b["low"] + b["high"]) / 2, b["accuracy"]), ha="center", va="bottom", fontsize=7
-        )
+    ax.bar(centres, [b["accuracy"] for b in full], width=0.09, alpha=0.7, label="accuracy in the bin")
+    for x, b in zip(centres, full):
+        ax.annotate(str(b["count"]), (x, b["accuracy"]), ha="center", va="bottom", fontsize=7)
     ax.set(
         xlabel="confidence",
         ylabel="share correct",
@@ -188,11 +174,7 @@ def plot(bins: list[dict], path: Path) -> None:
         title="Reliability (held-out test)",
     )
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    tmp.replace(path)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,13 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     report["reader"] = reader_rows(args.checkpoint, world, k)
     report["policy"], bins = policy_rows(args.checkpoint, world, args.out_of_corpus, args.num_out, args.k)
     report["reliability"] = bins
-    table = markdown(report)
-    print(table)
     if args.out:
-        atomic_write_text(args.out.with_suffix(".md"), table + "\n")
-        atomic_write_json(args.out.with_suffix(".json"), report)
-        plot(bins, args.out.with_suffix(".png"))
-        print(f"\nwrote {args.out}.md, .json and .png")
+        write_report(args.out, markdown(report), report, {".png": lambda: plot(bins)})
+    else:
+        print(markdown(report))
     return 0
 
 

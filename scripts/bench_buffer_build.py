@@ -16,13 +16,12 @@ tokenizes the next shard in a background thread because it would otherwise take 
     python scripts/bench_buffer_build.py                 # ../shared/data/wiki_sample, batch 16, 64, 512
     python scripts/bench_buffer_build.py --device cuda   # the same on a GPU (new path in bf16)
 
-Writes docs/results/bench_buffer_build.{json,md} (`--out` for another stem).
+Writes docs/results/bench_buffer_build/bench_buffer_build.{json,md} (`--out` for another stem).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from rlm.experiments.benchmarking import cpu_name, load_average
+from rlm.experiments.reporting import command, results_path, table, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKI_SAMPLE = ROOT.parent / "shared" / "data" / "wiki_sample" / "passages.jsonl"
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
     for row in rows:
         row["fraction_of_matmul"] = row["gflops"] / rates[row["precision"]]
     return {
-        "command": "python scripts/bench_buffer_build.py " + " ".join(sys.argv[1:]),
+        "command": command("bench_buffer_build.py"),
         "machine": machine(device),
         "load_average_before": load_before,
         "load_average_after": load_average(),
@@ -259,42 +259,35 @@ def run(args: argparse.Namespace) -> dict:
 
 def markdown(r: dict) -> str:
     m = r["machine"]
-    rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in r["matmul_gflops"].items())
-    lines = [
-        "# Buffer build: old loop vs full batches",
-        "",
-        f"Command: `{r['command']}`  ",
-        f"Machine: {m['cpu']} (`lscpu` Model name), flags {', '.join(m['cpu_flags']) or 'none of ' + str(CPU_FLAGS)}; "
-        f"{m['cores']} cores, {m['threads']} torch threads, torch {m['torch']}, device {m.get('gpu', m['device'])}  ",
-        f"Load average (1/5/15 min) before: {r['load_average_before']}; after: {r['load_average_after']}  ",
-        f"Passages: {r['passages']} from {r['source']}, mean {r['mean_tokens']:.0f} tokens (max "
-        f"{r['max_tokens']}, max_length {r['max_length']}); tower all-MiniLM-L6-v2, "
-        f"{r['gflop_per_passage']:.2f} GFLOP a passage  ",
-        f"Matmul rate {rates} (a {r['matmul_size']} x {r['matmul_size']} matmul, the best of "
-        f"{len(next(iter(r['matmul_gflops_measured'].values())))} timings spread over the run); tokenizer alone {r['tokenize_passages_per_s']:,.0f} passages/s",
-        "",
-        f"| batch | path | precision | forwards | padded / real tokens | same, {SHARD_ROWS:,}-row shard | "
-        "passages/s | GFLOP/s | of matmul rate | speedup |",
-        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
     names = {"old": f"old: buckets of {OLD_BUCKET}", "new": "new: one forward a batch"}
-    for row in r["rows"]:
-        speedup = f"{row['speedup_over_old']:.2f}x" if "speedup_over_old" in row else "-"
-        lines.append(
-            f"| {row['batch_size']} | {names[row['path']]} | {row['precision']} | {row['forwards']} | "
-            f"{row['padded_over_real_tokens']:.3f} | {row['padded_over_real_tokens_full_shard']:.3f} | "
-            f"{row['passages_per_s']:.1f} | {row['gflops']:.1f} | "
-            f"{row['fraction_of_matmul']:.2f} | {speedup} |"
-        )
-    diffs = [row["max_abs_diff_from_old"] for row in r["rows"] if "max_abs_diff_from_old" in row]
-    lines += [
-        "",
-        f"Padding: the forwards' tokens over the real ones for these {r['passages']} passages, and for a "
-        f"{SHARD_ROWS:,}-row shard (the build's default) drawn from their lengths, which is what a large corpus "
-        "gives. GFLOP/s count real tokens only. Largest difference of a stored (float16) value between the two "
-        f"paths: {max(diffs):.2g}.",
+    columns = [
+        ("batch", "batch_size", "d"),
+        ("path", lambda row: names[row["path"]], ""),
+        ("precision", "precision", ""),
     ]
-    return "\n".join(lines) + "\n"
+    columns += [("forwards", "forwards", "d"), ("padded / real tokens", "padded_over_real_tokens", ".3f")]
+    columns += [(f"same, {SHARD_ROWS:,}-row shard", "padded_over_real_tokens_full_shard", ".3f")]
+    columns += [("passages/s", "passages_per_s", ".1f"), ("GFLOP/s", "gflops", ".1f")]
+    columns += [
+        ("of matmul rate", "fraction_of_matmul", ".2f"),
+        ("speedup", lambda row: row.get("speedup_over_old"), ".2f"),
+    ]
+    rates = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in r["matmul_gflops"].items())
+    diff = max(row["max_abs_diff_from_old"] for row in r["rows"] if "max_abs_diff_from_old" in row)
+    return f"""# Buffer build: old loop vs full batches
+
+Command: `{r["command"]}`; {m["cpu"]}, flags {", ".join(m["cpu_flags"]) or "none of " + str(CPU_FLAGS)}; {m["cores"]} cores,
+{m["threads"]} torch threads, torch {m["torch"]}, device {m.get("gpu", m["device"])}; load average before
+{r["load_average_before"]}, after {r["load_average_after"]}. Passages: {r["passages"]} from {r["source"]}, mean
+{r["mean_tokens"]:.0f} tokens (max {r["max_tokens"]}, max_length {r["max_length"]}); tower all-MiniLM-L6-v2,
+{r["gflop_per_passage"]:.2f} GFLOP a passage. Matmul rate {rates} (a {r["matmul_size"]}-square matmul, the best
+of the timings spread over the run); tokenizer alone {r["tokenize_passages_per_s"]:,.0f} passages/s.
+
+{table(r["rows"], columns)}
+
+Padding: the forwards' tokens over the real ones for these passages, and for a {SHARD_ROWS:,}-row shard (the
+build's default) drawn from their lengths, which is what a large corpus gives. GFLOP/s count real tokens only.
+Largest difference of a stored (float16) value between the two paths: {diff:.2g}."""
 
 
 def main() -> int:
@@ -310,20 +303,12 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="auto", help="the new path's: auto, float32 or bf16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument(
-        "--out", default=str(ROOT / "docs" / "results" / "bench_buffer_build"), help="output stem"
-    )
+    parser.add_argument("--out", default=results_path("bench_buffer_build"), help="output stem")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     results = run(args)
-
-    from atomicio import atomic_write_text
-
-    out = Path(args.out)
-    atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=2))
-    atomic_write_text(out.with_suffix(".md"), markdown(results))
-    print(markdown(results))
+    write_report(args.out, markdown(results), results)
     return 0
 
 

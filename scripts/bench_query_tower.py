@@ -4,7 +4,7 @@ encoder) against the full one, measured side by side in one run.
     python scripts/bench_query_tower.py                       # the packaged MiniLM, 6 -> 4, 2, 1 layers
     python scripts/bench_query_tower.py --layers 2 --threads 1
     python scripts/bench_query_tower.py --layers 2 --max-length 64 --questions ../shared/data/multihop200/qa.jsonl \
-        --out docs/results/bench_query_tower_multihop200
+        --out docs/results/bench_query_tower/bench_query_tower_multihop200
 
 For each tower: one question at a time (an interactive demo's latency, tokenizer included) and a batch of
 `--batch` questions (throughput), best of `--reps`, on toy-world questions (or `--questions FILE`). Prints a table and writes
@@ -14,17 +14,23 @@ For each tower: one question at a time (an interactive demo's latency, tokenizer
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from atomicio import atomic_write_text
-from rlm.experiments.benchmarking import best_of, cpu_name, load_average
+from rlm.experiments.benchmarking import best_of
+from rlm.experiments.reporting import command, machine, machine_line, results_path, table, write_report
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "docs" / "results" / "bench_query_tower"
+COLUMNS = [
+    ("query tower", "tower", ""),
+    ("layers", "layers", "d"),
+    ("parameters (M)", "params_m", ".1f"),
+    ("one question (ms)", "single_ms", ".2f"),
+    ("speed-up", lambda r: f"{r['single_speedup']:.2f}x", ""),
+    ("batch, per question (ms)", "batch_ms_per_query", ".3f"),
+    ("speed-up", lambda r: f"{r['batch_speedup']:.2f}x", ""),
+]
 
 
 def questions(count: int, path: Path | None = None) -> list[str]:
@@ -39,8 +45,10 @@ def questions(count: int, path: Path | None = None) -> list[str]:
         found = [ex.question for ex in read_qa_jsonl(path)]
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            paths = build_toy_world(tmp, num_passages=200)
-            found = [ex.question for ex in load_qa_dataset("toy", "train", paths.root)]
+            found = [
+                ex.question
+                for ex in load_qa_dataset("toy", "train", build_toy_world(tmp, num_passages=200).root)
+            ]
     return (found * (count // max(1, len(found)) + 1))[:count]
 
 
@@ -58,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument(
-        "--questions", type=Path, default=None, help="a QA JSONL to take questions from (default: toy world)"
+        "--questions", type=Path, help="a QA JSONL to take questions from (default: toy world)"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=results_path("bench_query_tower"))
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     full = SentenceEncoder.from_pretrained(args.path or default_retriever_path(), max_length=args.max_length)
     towers = {f"full ({full.num_layers} layers)": full.eval()}
-    for n in (int(x) for x in args.layers.split(",") if x):
-        towers[f"layers:{n}"] = full.truncated(n).eval()
+    towers |= {f"layers:{n}": full.truncated(int(n)).eval() for n in args.layers.split(",") if n}
     batch = questions(args.batch, args.questions)
     singles = batch[: args.singles]
     rows = []
@@ -80,48 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         for name, tower in towers.items():
             single_s, _ = best_of(args.reps, lambda t=tower: [t.encode([q]) for q in singles])
             batch_s, _ = best_of(args.reps, lambda t=tower: t.encode(batch, batch_size=args.batch))
-            rows.append(
-                {
-                    "tower": name,
-                    "layers": tower.num_layers,
-                    "params_m": sum(p.numel() for p in tower.parameters()) / 1e6,
-                    "single_ms": 1000 * single_s / len(singles),
-                    "batch_ms_per_query": 1000 * batch_s / len(batch),
-                }
-            )
-    base = rows[0]
+            params = sum(p.numel() for p in tower.parameters()) / 1e6
+            rows.append({"tower": name, "layers": tower.num_layers, "params_m": params})
+            rows[-1] |= {
+                "single_ms": 1000 * single_s / len(singles),
+                "batch_ms_per_query": 1000 * batch_s / len(batch),
+            }
     for row in rows:
-        row["single_speedup"] = base["single_ms"] / row["single_ms"]
-        row["batch_speedup"] = base["batch_ms_per_query"] / row["batch_ms_per_query"]
-    machine = f"{cpu_name()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
-    command = " ".join(["python", "scripts/bench_query_tower.py", *(sys.argv[1:] if argv is None else argv)])
-    lines = [
-        "# Query encoding latency: light query towers (`retriever.query_path: layers:N`) against the full one",
-        "",
-        f"Command: `{command}` ({machine}; load average {load_average()}). "
-        f"{'Questions from ' + str(args.questions) if args.questions else 'Toy-world questions'}, max length "
+        row["single_speedup"] = rows[0]["single_ms"] / row["single_ms"]
+        row["batch_speedup"] = rows[0]["batch_ms_per_query"] / row["batch_ms_per_query"]
+    results = {"command": command("bench_query_tower.py", argv), "machine": machine(), "rows": rows}
+    results["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    source = f"Questions from {args.questions}" if args.questions else "Toy-world questions"
+    text = (
+        "# Query encoding latency: light query towers (`retriever.query_path: layers:N`) against the full one\n\n"
+        f"Command: `{results['command']}`; {machine_line(results['machine'])}. {source}, max length "
         f"{args.max_length} tokens; one question at a time ({len(singles)} per rep, tokenizer included) and "
-        f"batches of {args.batch}; best of {args.reps}. Speed-ups are against the full tower in the same run.",
-        "",
-        "| query tower | layers | parameters (M) | one question (ms) | speed-up | batch, per question (ms) | speed-up |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['tower']} | {r['layers']} | {r['params_m']:.1f} | {r['single_ms']:.2f} | "
-            f"{r['single_speedup']:.2f}x | {r['batch_ms_per_query']:.3f} | {r['batch_speedup']:.2f}x |"
-        )
-    report = "\n".join(lines) + "\n"
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
-        "command": command,
-        "machine": machine,
-        "args": {**vars(args), "out": str(args.out), "questions": args.questions and str(args.questions)},
-        "rows": rows,
-    }
-    atomic_write_text(args.out.with_suffix(".json"), json.dumps(payload, indent=2) + "\n")
-    atomic_write_text(args.out.with_suffix(".md"), report)
+        f"batches of {args.batch}; best of {args.reps}. Speed-ups are against the full tower in the same run.\n\n"
+        + table(rows, COLUMNS)
+    )
+    write_report(args.out, text, results)
     return 0
 
 

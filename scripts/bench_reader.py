@@ -7,7 +7,7 @@ Each variant (fp32, fp32 + gradient checkpointing, bf16 autocast) runs in its ow
 is its own. bf16 autocast is in the default variants only on a CPU with native bf16 (AVX512-BF16 or AMX,
 `rlm.precision`); elsewhere it is emulated (~18x slower) and `--variants fp32,bf16-autocast` asks for it. Passages are real Wikipedia text (../shared/data/wiki_sample), two passages joined so every one
 fills L tokens after truncation; the BPE tokenizer (vocab 8000) is trained on the same text. Writes a
-Markdown table and JSON to docs/results/bench_reader.{md,json}.
+Markdown table and JSON to docs/results/bench_reader/.
 
 It also probes the activation memory of a random-init T5-base (K x 256 tokens, B=1, one forward+backward
 per process at two values of K, `--t5-base-probe 1,2`; '' skips it): the per-passage slope is the number
@@ -18,48 +18,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from atomicio import atomic_write_json, atomic_write_text
-from rlm.experiments.benchmarking import cpu_name
-from rlm.precision import cpu_bf16_support
+import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "wiki_sample" / "passages.jsonl"
+from rlm.experiments.reporting import (
+    RESULTS,
+    command,
+    machine,
+    machine_line,
+    results_path,
+    run_json,
+    table,
+    write_report,
+)
+
 VARIANTS = {
     "fp32": {},
     "fp32+checkpointing": {"gradient_checkpointing": True},
     "bf16-autocast": {"bf16": True},
 }
+T5_BASE = {"vocab_size": 32128, "d_model": 768, "d_ff": 3072, "num_layers": 12, "num_heads": 12, "d_kv": 64}
 
 
-def load_wiki_passages(path: Path) -> list[tuple[str, str]]:
-    """(title, text) pairs from the pyserini/FlashRAG layout: `contents` is `"Title"\\ntext`."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            title, _, text = json.loads(line)["contents"].partition("\n")
-            out.append((title.strip('"'), text))
-    return out
+def peak_rss_mib() -> float:
+    import resource
 
-
-def rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    # ru_maxrss is in KiB on Linux (bytes on macOS).
-    scale = 1 if platform.system() == "Darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def run_variant(args: argparse.Namespace) -> dict:
@@ -73,63 +61,57 @@ def run_variant(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    wiki = load_wiki_passages(Path(args.corpus))
-    t0 = time.perf_counter()
+    # pyserini/FlashRAG layout: `contents` is `"Title"\ntext`.
+    lines = Path(args.corpus).read_text(encoding="utf-8").splitlines()
+    wiki = [(t.strip('"'), x) for t, _, x in (json.loads(line)["contents"].partition("\n") for line in lines)]
+    start = time.perf_counter()
     tok = train_tokenizer((f"{t}. {x}" for t, x in wiki), vocab_size=args.vocab_size)
-    tokenizer_s = time.perf_counter() - t0
-
-    b, k = args.batch, args.passages
+    tokenizer_s = time.perf_counter() - start
+    b, k, n = args.batch, args.passages, len(wiki)
     questions = [f"who or what is {wiki[i][0]}?" for i in range(b)]
     answers = [" ".join(wiki[i][1].split()[:4]) for i in range(b)]
+    # Two passages joined, so that every one fills L tokens after truncation.
     passages = [
-        [(wiki[(i * k + j) % len(wiki)][0], wiki[(i * k + j) % len(wiki)][1] + " " + wiki[(i * k + j + 1) % len(wiki)][1])
-         for j in range(k)]
+        [
+            (wiki[(i * k + j) % n][0], f"{wiki[(i * k + j) % n][1]} {wiki[(i * k + j + 1) % n][1]}")
+            for j in range(k)
+        ]
         for i in range(b)
-    ]  # fmt: skip
-    reader = FiDReader.from_config(
-        tok,
-        SmallT5Config(),
-        FiDConfig(max_passage_length=args.length),
-        seed=0,
-        **VARIANTS[args.variant],
-    )
-    params = sum(p.numel() for p in reader.parameters())
+    ]
+    config = FiDConfig(max_passage_length=args.length)
+    reader = FiDReader.from_config(tok, SmallT5Config(), config, seed=0, **VARIANTS[args.variant])
     batch = reader.collator(questions, passages, answers)
     tokens = int(batch["attention_mask"].sum())
     opt = torch.optim.AdamW(reader.parameters(), lr=1e-3)
 
-    def train_step() -> float:
+    def timed(fn) -> float:
         start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def train_step():
         reader.train()
-        loss = reader(**batch).loss
-        loss.backward()
+        reader(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
 
     # The baseline is taken before the warm-up step: after it, the allocator keeps freed activation memory,
     # which would hide most of the step's footprint. The increase includes gradients and AdamW state.
-    rss_before = rss_bytes()
+    rss_before = psutil.Process().memory_info().rss / 2**20
     train_step()
-    train_s = statistics.median(train_step() for _ in range(args.steps))
-    train_peak = peak_rss_bytes() - rss_before
-    peak_total = peak_rss_bytes()
+    train_s = statistics.median(timed(train_step) for _ in range(args.steps))
+    train_peak = peak_rss_mib() - rss_before
 
-    def score() -> float:
-        start = time.perf_counter()
+    def score():
         score_passages(reader, questions, passages, answers, batch_size=args.score_batch_size)
-        return time.perf_counter() - start
 
     score()
-    score_s = statistics.median(score() for _ in range(args.steps))
-
+    score_s = statistics.median(timed(score) for _ in range(args.steps))
     reader.eval()
-    start = time.perf_counter()
     with torch.no_grad():
-        out = reader.generate(
-            batch["input_ids"], batch["attention_mask"], max_new_tokens=16, min_new_tokens=16
-        )
-    generate_s = time.perf_counter() - start
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        generate_s = timed(lambda: reader.generate(ids, mask, max_new_tokens=16, min_new_tokens=16))
+    params = sum(p.numel() for p in reader.parameters())
     return {
         "variant": args.variant,
         "params": params,
@@ -137,28 +119,21 @@ def run_variant(args: argparse.Namespace) -> dict:
         "passages": k,
         "length": int(batch["input_ids"].shape[-1]),
         "encoder_tokens": tokens,
-        "train_step_s": round(train_s, 3),
-        "train_tokens_per_s": round(tokens / train_s),
-        "train_step_peak_rss_mib": round(train_peak / 2**20, 1),
-        "rss_before_step_mib": round(rss_before / 2**20, 1),
-        "process_peak_rss_mib": round(peak_total / 2**20, 1),
-        "score_passages_s": round(score_s, 3),
-        "score_tokens_per_s": round(tokens / score_s),
-        "greedy_16_tokens_s": round(generate_s, 3),
-        "generated_tokens": int(out.shape[1] - 1),
-        "tokenizer_train_s": round(tokenizer_s, 2),
+        "train_step_s": train_s,
+        "train_tokens_per_s": tokens / train_s,
+        "train_step_peak_rss_mib": train_peak,
+        "process_peak_rss_mib": peak_rss_mib(),
+        "score_passages_s": score_s,
+        "score_tokens_per_s": tokens / score_s,
+        "greedy_16_tokens_s": generate_s,
+        "tokenizer_train_s": tokenizer_s,
     }
 
 
-T5_BASE = {"vocab_size": 32128, "d_model": 768, "d_ff": 3072, "num_layers": 12, "num_heads": 12, "d_kv": 64}
-
-
 def run_t5_base_probe(args: argparse.Namespace) -> dict:
-    """Peak RSS of one FiD forward+backward of a (random-init) T5-base at K passages x 256 tokens, B=1.
-
-    Run at two values of K, the difference is the activation memory per passage: the number that sets how
-    many questions of K=32 fit on a GPU (docs/reader.md).
-    """
+    """Peak RSS of one FiD forward+backward of a (random-init) T5-base at K passages x 256 tokens, B=1, and the
+    activations autograd saves for backward (exact and allocator-independent: what a GPU must hold). Run at
+    two values of K, the difference is the activation memory per passage (docs/reader.md's GPU arithmetic)."""
     import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -169,40 +144,80 @@ def run_t5_base_probe(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(T5Config(decoder_start_token_id=0, **T5_BASE))
     reader = FiDReader(model, packaged_wordpiece_tokenizer(), **VARIANTS[args.probe_variant]).train()
-    k, length = args.probe_passages, 256
-    ids = torch.randint(3, T5_BASE["vocab_size"], (1, k, length))
-    labels = torch.randint(3, T5_BASE["vocab_size"], (1, 16))
-    rss_before = rss_bytes()
-    start = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(*saved_tensor_meter(reader, saved := {})):
-        loss = reader(ids, torch.ones_like(ids), labels=labels).loss
+    ids = torch.randint(3, T5_BASE["vocab_size"], (1, args.probe_passages, 256))
+    params, saved = {p.untyped_storage().data_ptr() for p in reader.parameters()}, {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    rss_before, start = peak_rss_mib(), time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = reader(ids, torch.ones_like(ids), labels=torch.randint(3, T5_BASE["vocab_size"], (1, 16))).loss
     loss.backward()
     return {
         "variant": args.probe_variant,
-        "passages": k,
-        "length": length,
+        "passages": args.probe_passages,
         "params": sum(p.numel() for p in reader.parameters()),
-        "step_s": round(time.perf_counter() - start, 2),
-        "peak_rss_increase_mib": round((peak_rss_bytes() - rss_before) / 2**20, 1),
-        "saved_for_backward_mib": round(sum(saved.values()) / 2**20, 1),
+        "step_s": time.perf_counter() - start,
+        "peak_rss_increase_mib": peak_rss_mib() - rss_before,
+        "saved_for_backward_mib": sum(saved.values()) / 2**20,
     }
 
 
-def saved_tensor_meter(model, saved: dict[int, int]):
-    """Pack/unpack hooks that record every distinct storage autograd keeps for the backward pass.
+COLUMNS = [
+    ("variant", "variant", ""),
+    ("train step s", "train_step_s", ".2f"),
+    ("train tokens/s", "train_tokens_per_s", ".0f"),
+    ("train step RSS increase MiB", "train_step_peak_rss_mib", ".1f"),
+    ("score_passages s", "score_passages_s", ".2f"),
+    ("score tokens/s", "score_tokens_per_s", ".0f"),
+    ("greedy 16 tokens s", "greedy_16_tokens_s", ".2f"),
+]
+PROBE_COLUMNS = [("variant", "variant", ""), ("K", "passages", "d"), ("step s", "step_s", ".1f")]
+PROBE_COLUMNS += [
+    ("saved for backward MiB", "saved_for_backward_mib", ".1f"),
+    ("peak RSS increase MiB", "peak_rss_increase_mib", ".1f"),
+]
 
-    Unlike RSS, this is exact and allocator-independent: it is the activation memory a GPU must hold
-    (parameters excluded; transient buffers of the backward pass not included).
-    """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    return pack, lambda tensor: tensor
+def markdown(results: dict) -> str:
+    first, probe, bf16 = results["rows"][0], results["t5_base_probe"], results["cpu_bf16"]
+    lines = [
+        f"FiD reader, default SmallT5Config ({first['params'] / 1e6:.2f}M parameters), B={first['batch']} "
+        f"K={first['passages']} L={first['length']} ({first['encoder_tokens']} encoder tokens a step). Command: "
+        f"`{results['command']}`; {machine_line(results['machine'])}. bf16 {'native' if bf16['native'] else 'emulated'} "
+        f"on this CPU ({bf16['reason']}; a bf16 matmul takes {bf16['probe_ratio']:.3g}x the float32 time).",
+        "",
+        table(results["rows"], COLUMNS),
+    ]
+    if probe:
+        lines += [
+            "",
+            f"T5-base ({probe[0]['params'] / 1e6:.1f}M parameters, random init) FiD forward+backward, B=1, ",
+        ]
+        lines[-1] += "K passages x 256 tokens:"
+        lines += [
+            "",
+            table(probe, PROBE_COLUMNS),
+            "",
+            "Activations saved for backward per 256-token passage ",
+        ]
+        lines[-1] += (
+            "(difference between the two K; the RSS column is allocator-noisy and includes the gradients):"
+        )
+        lines.append("")
+        for variant in dict.fromkeys(r["variant"] for r in probe):
+            pts = sorted(
+                (r["passages"], r["saved_for_backward_mib"]) for r in probe if r["variant"] == variant
+            )
+            if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+                per = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+                lines.append(
+                    f"- {variant}: {per:.1f} MiB per passage, so {per * 32 / 1024:.2f} GiB per question at K=32"
+                )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -216,14 +231,15 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--score-batch-size", type=int, default=None, help="pairs per score_passages pass")
-    p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="pyserini-style jsonl of passages")
+    default_corpus = RESULTS.parents[2] / "shared" / "data" / "wiki_sample" / "passages.jsonl"
+    p.add_argument("--corpus", default=str(default_corpus), help="pyserini-style jsonl of passages")
     p.add_argument(
         "--variants",
         default=None,
         help=f"comma-separated subset of {list(VARIANTS)} (default: all; bf16-autocast only where the CPU "
         "has native bf16)",
     )
-    p.add_argument("--out", default=str(ROOT / "docs" / "results" / "bench_reader"), help="output path stem")
+    p.add_argument("--out", default=results_path("bench_reader"), help="output path stem")
     p.add_argument(
         "--t5-base-probe",
         default="1,2",
@@ -233,130 +249,47 @@ def main() -> int:
     p.add_argument("--probe-variant", help=argparse.SUPPRESS)
     p.add_argument("--probe-passages", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
-
     if not Path(args.corpus).is_file():
-        raise FileNotFoundError(f"passage file {args.corpus} not found; pass --corpus PATH (pyserini jsonl)")
-    if args.variant:
-        print(json.dumps(run_variant(args)))
+        raise SystemExit(f"error: passage file {args.corpus} not found; pass --corpus PATH (pyserini jsonl)")
+    if args.variant or args.probe_variant:
+        print(json.dumps(run_variant(args) if args.variant else run_t5_base_probe(args)))
         return 0
-    if args.probe_variant:
-        print(json.dumps(run_t5_base_probe(args)))
-        return 0
+
+    from rlm.precision import cpu_bf16_support
 
     bf16 = cpu_bf16_support()
-    if args.variants is None:
-        variants = list(VARIANTS)
-        if not bf16.native:
-            # Emulated bf16 would take most of the run and measure the emulation, not the reader.
-            variants.remove("bf16-autocast")
-            print(f"skipping bf16-autocast: {bf16.describe()}", file=sys.stderr)
-    else:
-        variants = args.variants.split(",")
-    for variant in variants:
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
-    rows = [run_subprocess(["--variant", variant, *forwarded_args(args)]) for variant in variants]
-    probe_ks = [int(x) for x in args.t5_base_probe.split(",") if x.strip()]
-    probe = [
-        run_subprocess(["--probe-variant", variant, "--probe-passages", str(k), *forwarded_args(args)])
-        for variant in variants
-        for k in probe_ks
+    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    if not args.variants and not bf16.native:
+        # Emulated bf16 would take most of the run and measure the emulation, not the reader.
+        variants.remove("bf16-autocast")
+        print(f"skipping bf16-autocast: {bf16.describe()}", file=sys.stderr)
+    if unknown := set(variants) - set(VARIANTS):
+        raise SystemExit(f"error: unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
+    common = []  # the settings a measurement's child process needs
+    for name in (
+        "batch",
+        "passages",
+        "length",
+        "steps",
+        "threads",
+        "vocab_size",
+        "score_batch_size",
+        "corpus",
+    ):
+        if getattr(args, name) is not None:
+            common += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    me = [sys.executable, __file__]
+    results = {"command": command("bench_reader.py"), "machine": {**machine(), "threads": args.threads}}
+    results["cpu_bf16"] = {"native": bf16.native, "probe_ratio": bf16.ratio, "reason": bf16.reason}
+    results["rows"] = [run_json([*me, "--variant", v, *common], what=v) for v in variants]
+    ks = [int(x) for x in args.t5_base_probe.split(",") if x.strip()]
+    results["t5_base_probe"] = [
+        run_json([*me, "--probe-variant", v, "--probe-passages", str(k), *common], what=f"{v} probe")
+        for v in variants
+        for k in ks
     ]
-
-    meta = {
-        "command": " ".join([".venv/bin/python scripts/bench_reader.py", *sys.argv[1:]]),
-        "threads": args.threads,
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "cpu_bf16": {"native": bf16.native, "probe_ratio": round(bf16.ratio, 3), "reason": bf16.reason},
-        "python": platform.python_version(),
-    }
-    write_results(Path(args.out), meta, rows, probe)
-    print(render_table(meta, rows, probe))
+    write_report(args.out, markdown(results), results)
     return 0
-
-
-def run_subprocess(extra: list[str]) -> dict:
-    """Run this script on one measurement in a fresh process (its own peak RSS); return its JSON line."""
-    print("measuring", " ".join(extra[:4]), "...", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, __file__, *extra], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"measurement {extra[:4]} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def forwarded_args(args: argparse.Namespace) -> list[str]:
-    """The settings a variant subprocess needs, as command-line arguments."""
-    names = ["batch", "passages", "length", "steps", "threads", "vocab_size", "score_batch_size", "corpus"]
-    out = []
-    for name in names:
-        value = getattr(args, name)
-        if value is not None:
-            out += [f"--{name.replace('_', '-')}", str(value)]
-    return out
-
-
-def render_table(meta: dict, rows: list[dict], probe: list[dict]) -> str:
-    """Markdown tables: the default reader's variants, then the T5-base memory probe."""
-    first = rows[0]
-    lines = [
-        f"FiD reader, default SmallT5Config ({first['params'] / 1e6:.2f}M parameters), "
-        f"B={first['batch']} K={first['passages']} L={first['length']} ({first['encoder_tokens']} encoder tokens "
-        f"a step), {meta['threads']} torch thread(s) on {meta['cpu_count']} CPU cores. Command: `{meta['command']}`",
-    ]
-    if "cpu_bf16" in meta:  # bf16 figures mean little without knowing whether the CPU has bf16 instructions
-        bf16 = meta["cpu_bf16"]
-        lines[-1] += (
-            f". bf16 {'native' if bf16['native'] else 'emulated'} on this CPU ({bf16['reason']}; a bf16 matmul "
-            f"takes {bf16['probe_ratio']}x the float32 time)."
-        )
-    lines += [
-        "",
-        "| variant | train step s | train tokens/s | train step RSS increase MiB | score_passages s | score tokens/s "
-        "| greedy 16 tokens s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['train_step_s']:.2f} | {r['train_tokens_per_s']} | {r['train_step_peak_rss_mib']} "
-            f"| {r['score_passages_s']:.2f} | {r['score_tokens_per_s']} | {r['greedy_16_tokens_s']:.2f} |"
-        )
-    if probe:
-        lines += [
-            "",
-            f"T5-base ({probe[0]['params'] / 1e6:.1f}M parameters, random init) FiD forward+backward, B=1, "
-            "K passages x 256 tokens:",
-            "",
-            "| variant | K | step s | saved for backward MiB | peak RSS increase MiB |",
-            "| --- | ---: | ---: | ---: | ---: |",
-        ]
-        lines += [
-            f"| {r['variant']} | {r['passages']} | {r['step_s']:.1f} | {r['saved_for_backward_mib']} "
-            f"| {r['peak_rss_increase_mib']} |"
-            for r in probe
-        ]
-        lines += [
-            "",
-            "Activations saved for backward per 256-token passage (difference between the two K; exact, from "
-            "autograd's saved-tensor hooks; the RSS column is allocator-noisy and includes the gradients):",
-            "",
-        ]
-        for variant in dict.fromkeys(r["variant"] for r in probe):
-            pts = sorted(
-                (r["passages"], r["saved_for_backward_mib"]) for r in probe if r["variant"] == variant
-            )
-            if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
-                per = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
-                lines.append(
-                    f"- {variant}: {per:.1f} MiB per passage, so {per * 32 / 1024:.2f} GiB per question at K=32"
-                )
-    return "\n".join(lines) + "\n"
-
-
-def write_results(stem: Path, meta: dict, rows: list[dict], probe: list[dict]) -> None:
-    """Write `<stem>.json` and `<stem>.md` atomically."""
-    atomic_write_json(stem.with_suffix(".json"), {"meta": meta, "rows": rows, "t5_base_probe": probe})
-    atomic_write_text(stem.with_suffix(".md"), render_table(meta, rows, probe))
 
 
 if __name__ == "__main__":

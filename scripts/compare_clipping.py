@@ -1,7 +1,7 @@
 """Per-component clipping (DDP) against DeepSpeed ZeRO-2's one global norm, on the tiny toy-world run: how often
 each clips and where the losses end. Two CPU processes each (gloo), fp32, the same seed and data.
 
-    python scripts/compare_clipping.py [--steps 40] [--out docs/results/deepspeed_clipping]
+    python scripts/compare_clipping.py [--steps 40] [--out docs/results/deepspeed_clipping/deepspeed_clipping]
 
 Prints a table and writes OUT.md and OUT.json.
 """
@@ -22,8 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tiny run the tests share
 
 from tiny_run import as_set_args, tiny_overrides  # noqa: E402
 
-from atomicio import atomic_write_json, atomic_write_text  # noqa: E402
-from rlm.experiments.benchmarking import cpu_name  # noqa: E402
+from rlm.experiments.reporting import command, machine, machine_line, results_path, table, write_report  # noqa: E402
 
 LAUNCHERS = {
     "DDP, per component": ("cpu_2proc.yaml", []),
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "deepspeed_clipping")
+    parser.add_argument("--out", type=Path, default=results_path("deepspeed_clipping"))
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,28 +73,29 @@ def main(argv: list[str] | None = None) -> int:
                     "clipped_steps": sum(v > args.max_grad_norm for v in values),
                 }
             rows.append(row)
-    lines = [
-        f"CPU: {cpu_name()}; {args.steps} steps, 2 processes each, max_grad_norm {args.max_grad_norm}; losses: mean of the last 10 steps.",
-        "",
-        "| launcher | loss | reader | retriever | corrector | gradient norms: median (steps clipped) |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for row in rows:
-        norms = ", ".join(
+
+    def norms(row):
+        return ", ".join(
             f"{k[len('grad_norm_') :]} {v['median']:.3f} ({v['clipped_steps']}/{args.steps})"
             for k, v in row.items()
             if k.startswith("grad_norm")
         )
-        lines.append(
-            f"| {row['launcher']} | {row['loss']:.4f} | {row['reader_loss']:.4f} | {row['retriever_loss']:.4f} | {row['corrector_loss']:.4f} | {norms} |"
-        )
-    table = "\n".join(lines)
-    print(table)
-    atomic_write_text(
-        args.out.with_suffix(".md"),
-        "# Gradient clipping: DDP per component vs DeepSpeed ZeRO-2 global\n\n" + table + "\n",
+
+    columns = [("launcher", "launcher", ""), ("loss", "loss", ".4f"), ("reader", "reader_loss", ".4f")]
+    columns += [("retriever", "retriever_loss", ".4f"), ("corrector", "corrector_loss", ".4f")]
+    columns.append(("gradient norms: median (steps clipped)", norms, ""))
+    results = {
+        "command": command("compare_clipping.py", argv),
+        "machine": machine(),
+        "steps": args.steps,
+        "rows": rows,
+    }
+    text = (
+        f"# Gradient clipping: DDP per component vs DeepSpeed ZeRO-2 global\n\n`{results['command']}`; "
+        f"{machine_line(results['machine'])}; {args.steps} steps, 2 processes each, max_grad_norm "
+        f"{args.max_grad_norm}; losses: mean of the last 10 steps.\n\n{table(rows, columns)}"
     )
-    atomic_write_json(args.out.with_suffix(".json"), {"cpu": cpu_name(), "steps": args.steps, "rows": rows})
+    write_report(args.out, text, results)
     return 0
 
 

@@ -13,7 +13,7 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
     # about twice the time
     python scripts/compare_strategies.py --algorithm 1 --data multihop200 --start minilm --steps 50 \
         --batch-size 8 --k 4 --num-random 8 --refresh-every 17 --snm-size 300 --set mixed_precision=bf16 \
-        --jobs 2 --out docs/results/compare_alg1_multihop200_minilm_bf16
+        --jobs 2 --out docs/results/compare_strategies/compare_alg1_multihop200_minilm_bf16
     # Algorithm 2 on the toy world (the quickstart recipe), Table 3's strategies
     python scripts/compare_strategies.py --algorithm 2 --data toy
     # ... from the tiny random GTR (the paper's T5-init rows): 7 min with --jobs 2
@@ -25,7 +25,7 @@ Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (d
 `--jobs N` trains N runs at once (on a small CPU two 1-thread runs beat one 2-thread run by 1.5x). Output:
 `<out>.json` (every run, its drift log, the table's settings), then, made from that JSON by `rlm.experiments.comparison`,
 `<out>.md` (mean and spread over seeds), `<out>.png` (quality vs re-embedded) and `<out>_drift.png`: re-render
-them without training with `python scripts/comparison_table.py <out>.json`.
+them without training with `python scripts/compare_strategies.py --render <out>.json`.
 The drift columns explain the table: mean ||g(y) - B_y|| and KL(P~ || P_stale) on the selected passages,
 averaged over the last quarter of training. For Algorithm 1 the `start` row is the starting retriever
 before any update (`--strategies start` evaluates it alone).
@@ -43,6 +43,7 @@ from pathlib import Path
 
 from atomicio import atomic_write_json, atomic_write_text
 from rlm.experiments.comparison import drift_log, render, summarise, table_metrics
+from rlm.experiments.reporting import results_path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The real third-party data (multihop200) sits beside a checkout in ../shared/data; elsewhere say where.
@@ -195,7 +196,7 @@ def one_run(args, work: Path, strategy: str, seed: int) -> dict:
 
 
 def effective_precision(cfg) -> str:
-    """The mixed precision `rlm.train.make_accelerator` trains a run with: on a CPU without native bf16, bf16
+    """The mixed precision `rlm.training.accelerator.make_accelerator` trains a run with: on a CPU without native bf16, bf16
     falls back to "no" (float32) unless `force_cpu_bf16=true`."""
     import torch
 
@@ -352,12 +353,23 @@ def main() -> None:
         "--jobs", type=int, default=1, help="runs trained at once, each on cpu_count/jobs threads (default 1)"
     )
     parser.add_argument("--work", default=None, help="run folder (default runs/compare/<name>)")
-    parser.add_argument("--out", default=None, help="output path stem (default docs/results/<name>)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output path stem (default docs/results/compare_strategies/compare_<name>)",
+    )
+    parser.add_argument(
+        "--render", nargs="+", help="re-render the table and plots of saved JSONs (no training)"
+    )
     args = parser.parse_args()
+    if args.render:
+        for path in args.render:  # a JSON written before the runs carried drift logs keeps its drift plot
+            print(render(path))
+        return
 
     name = f"alg{args.algorithm}_{args.data}_{args.start}"
     work = Path(args.work or ROOT / "runs" / "compare" / name)
-    out = Path(args.out or ROOT / "docs" / "results" / f"compare_{name}")
+    out = Path(args.out or results_path("compare_strategies", f"compare_{name}"))
     strategies = args.strategies.split(",") if args.strategies else DEFAULT_STRATEGIES[args.algorithm]
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.data == "multihop200" and not (Path(args.data_dir) / "multihop200" / "qa.jsonl").is_file():

@@ -1,27 +1,15 @@
-"""Smoke test of the paper-scale code paths on the device at hand: one run on one GPU, each stage asserted.
+"""Smoke test of the paper-scale code paths on the device at hand (`bash scripts/gpu_smoke.sh`): one run on one
+GPU, each stage asserted and reported PASS, FAIL or SKIP with its reason; exit 1 when any fails.
 
-Stages (each PASS, FAIL or SKIP with its reason; the script exits 1 when any fails):
-
-- `buffer`: the fixed buffer B built by `rlm.train.build_run`, as training builds it (on the GPU, in the
-  precision a build there records).
-- `strategy <name>`: every registered strategy through two optimizer steps of the real loop, its refresh
-  before step 1 (where it has one) and a selection at each step; parameters, module inputs, scanned rows and
-  the selection on the device.
-- `train features`: gradient checkpointing, accumulation 2, `strategy.cache_corrected_mb=0` (h over every row
-  at every selection, the 21M path), `data.dev_subcorpus=build`, `save_every=1`; then `resume`: the step-2
-  checkpoint removed, `python -m rlm.train --resume` repeats step 2 with the same losses.
-- `deepspeed zero-2, 1 process` (one NCCL process: CUDA only); with two or more GPUs also `ddp, sharded
-  buffer` (every GPU, exhaustive with its refresh split across them; `--ddp`: 2 CPU processes) and
-  `deepspeed zero-2, every GPU`.
-- `timed selection`: top-32 of 32 queries (8 ranks x 4 questions, all-gathered) over 2.63M fp16 rows, one
-  rank's share of 21M passages on 8 GPUs, through the paper's corrector (768 -> 8192 -> 768): seconds and
-  `max_memory_allocated`. `selection fp32 vs bf16`: the same selection under bf16 autocast, its overlap.
-- `rlm evaluate` and `QAService` on the trained checkpoint, their models asserted on the device; `faiss index
-  on GPU`.
-
-Tiny models on a 120-passage toy world (the tests' tiny run, `tests/tiny_run.py`; on CUDA the packaged
-MiniLM): this checks placement, dtypes and plumbing, not accuracy. Writes `gpu_smoke.json` and `gpu_smoke.md`
-(one row per stage) to `--out`; `docs/results/gpu_smoke.md` says what a GPU run must show.
+Stages: the buffer built as training builds it; every registered strategy through two optimizer steps (its
+refresh, its selection, everything on the device); gradient checkpointing + accumulation + h over every row +
+a built dev subcorpus, then `--resume` with the same losses; DeepSpeed ZeRO-2 on one NCCL process (with two or
+more GPUs also DDP with a sharded buffer, `--ddp` on CPU, and ZeRO-2 on every GPU); a timed top-32 of 32
+queries over 2.63M fp16 rows (one rank's share of 21M passages on 8 GPUs) through the paper's corrector
+(768 -> 8192 -> 768) and its fp32 vs bf16 overlap; `rlm evaluate`, `QAService` and a faiss index on the GPU.
+Tiny models on the tests' 120-passage toy world (`tests/tiny_run.py`; on CUDA the packaged MiniLM): this checks
+placement, dtypes and plumbing, not accuracy. Writes `gpu_smoke.json` and `gpu_smoke.md` (one row per stage)
+to `--out`; `docs/results/gpu_smoke/gpu_smoke.md` says what a GPU run must show.
 
     bash scripts/gpu_smoke.sh                 # on a CUDA machine (a few minutes on one GPU)
     bash scripts/gpu_smoke.sh --device cpu    # the same stages on CPU (tests/test_gpu_smoke.py runs this)
@@ -263,7 +251,7 @@ class Smoke:
         return load_config(None, self.overrides(out, *extra))
 
     def build(self, cfg):
-        from rlm.train import build_run
+        from rlm.training.run import build_run
 
         fresh_accelerate_state()
         return build_run(cfg, overwrite=True)  # the script owns these folders: a rerun starts over
@@ -272,7 +260,7 @@ class Smoke:
         """Every parameter on the device; the scanned rows on it too where training keeps them there."""
         found = {p.device.type for p in run.raw.parameters()}
         check(found == {self.device.type}, f"parameters on {found}, expected {self.device.type}")
-        rows = run.strategy.device
+        rows = run.strategy.search.device
         if self.cuda and run.strategy.uses_passages:
             check(rows is not None and rows.type == "cuda", f"scanned rows on {rows}, expected the GPU")
         if not run.strategy.uses_passages:
@@ -411,7 +399,7 @@ class Smoke:
             summary = train_loop(run)
         check(inputs.seen == {self.device.type}, f"module inputs on {inputs.seen}, expected {self.device}")
         # cache_corrected_mb=0: h ran over every row inside each selection, as it must at 21M rows.
-        check(run.strategy._h_cache is None, "h(B) was cached despite strategy.cache_corrected_mb=0")
+        check(run.strategy.search._h_cache is None, "h(B) was cached despite strategy.cache_corrected_mb=0")
         check(len(selections) == 4, f"{len(selections)} selections in 2 steps of 2 micro-batches")
         selected = self.check_selection(selections[-1], run.strategy.k)
         log = read_log(Path(cfg.output_dir) / "log.jsonl")
@@ -448,7 +436,7 @@ class Smoke:
         check("resumed from" in printed.getvalue() and "step_0000001" in printed.getvalue(), "did not resume")
         after = read_log(folder / "log.jsonl")
         check(sorted(after) == [1, 2], f"log steps {sorted(after)} after the resume")
-        from rlm.train import LOSS_KEYS
+        from rlm.training.accelerator import LOSS_KEYS
 
         keys = [k for k in LOSS_KEYS if k in before[2]]
         diffs = {k: abs(after[2][k] - before[2][k]) / max(abs(before[2][k]), 1e-12) for k in keys}
@@ -542,7 +530,7 @@ class Smoke:
 
         if self._corrector is None:
             # A fresh h is the identity (zero output layer) and would select exactly what B selects under any
-            # precision; this one moves rows by 0.2, as a trained one does (docs/results/bench_retrieval.md).
+            # precision; this one moves rows by 0.2, as a trained one does (docs/results/bench_retrieval/bench_retrieval.md).
             self._corrector = corrector_moving(PAPER_DIM, PAPER_HIDDEN, move=0.2).to(self.device)
         return self._corrector
 
@@ -767,23 +755,8 @@ def claim_work_folder(work: Path) -> None:
     (work / MARKER).write_text("scripts/gpu_smoke.py empties this folder on every run\n")
 
 
-def render_markdown(report: dict) -> str:
-    lines = [
-        f"# GPU smoke run, {report['date']}",
-        "",
-        f"`{report['command']}` on {report['machine']}: **{report['result']}**",
-        "",
-        "| stage | result | s | measured |",
-        "| --- | --- | ---: | --- |",
-    ]
-    for stage in report["stages"]:
-        measured = stage["measured"].replace("|", "\\|")
-        lines.append(f"| {stage['name']} | {stage['status']} | {stage['seconds']:.1f} | {measured} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(stages: Stages, smoke: Smoke, out: Path, argv: list[str]) -> tuple[Path, Path]:
-    from atomicio import atomic_write_json, atomic_write_text
+def write_stage_report(stages: Stages, smoke: Smoke, out: Path, argv: list[str]) -> None:
+    from rlm.experiments.reporting import table, write_report
 
     device = next((r for r in stages.results if r.name == "device"), None)
     failed = stages.failed
@@ -802,10 +775,14 @@ def write_report(stages: Stages, smoke: Smoke, out: Path, argv: list[str]) -> tu
         },
         "stages": [asdict(r) for r in stages.results],
     }
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "gpu_smoke.json", report)
-    atomic_write_text(out / "gpu_smoke.md", render_markdown(report))
-    return out / "gpu_smoke.json", out / "gpu_smoke.md"
+    columns = [
+        ("stage", "name", ""),
+        ("result", "status", ""),
+        ("s", "seconds", ".1f"),
+        ("measured", "measured", ""),
+    ]
+    text = f"# GPU smoke run, {report['date']}\n\n`{report['command']}` on {report['machine']}: **{report['result']}**"
+    write_report(out / "gpu_smoke", f"{text}\n\n{table(report['stages'], columns)}", report, echo=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -839,9 +816,10 @@ def main(argv: list[str] | None = None) -> int:
     claim_work_folder(args.work.resolve())
     smoke = Smoke(args)
     stages = smoke.run()
-    json_path, md_path = write_report(stages, smoke, (args.out or smoke.work / "report").resolve(), argv)
+    out = (args.out or smoke.work / "report").resolve()
+    write_stage_report(stages, smoke, out, argv)
     failed = stages.failed
-    print(f"wrote {json_path} and {md_path}")
+    print(f"wrote {out / 'gpu_smoke.json'} and {out / 'gpu_smoke.md'}")
     print(f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed")
     return 1 if failed else 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Smoke test of the paper-scale paths on a CUDA machine (a few minutes on one GPU): one PASS/FAIL/SKIP line
-# per stage, runs/gpu_smoke/report/gpu_smoke.{json,md}, exit 1 when a stage fails (docs/results/gpu_smoke.md).
+# per stage, runs/gpu_smoke/report/gpu_smoke.{json,md}, exit 1 when a stage fails (docs/results/gpu_smoke/gpu_smoke.md).
 #   bash scripts/gpu_smoke.sh                  # GPU
 #   bash scripts/gpu_smoke.sh --device cpu     # the same stages on CPU (the GPU-only ones SKIP)
 # Uses .venv when present (make venv), else the python on PATH; never reaches a hub (tiny models, toy world).

@@ -95,19 +95,22 @@ def load_test(
 
 def format_table(report: dict) -> str:
     """The report as a markdown table."""
-    rows = [
-        ("untimed warm-up requests (s)", ", ".join(f"{s:.3f}" for s in report["warmup_s"]) or "none"),
-        ("requests answered", f"{report['answered']} / {report['requests']}"),
-        ("in flight at once", report["concurrency"]),
-        ("passages per question (k)", report["k"]),
-        ("p50 latency", f"{report['p50_s']:.3f} s"),
-        ("p95 latency", f"{report['p95_s']:.3f} s"),
-        ("max latency", f"{report['max_s']:.3f} s"),
-        ("p50 of the model's share (batch)", f"{report['server_p50_s']:.3f} s"),
-        ("wall time", f"{report['wall_s']:.2f} s"),
-        ("throughput", f"{report['throughput_qps']} questions/s"),
-    ]
-    return "\n".join(["| measure | value |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)])
+    from rlm.experiments.reporting import table
+
+    rows = {
+        "untimed warm-up requests (s)": ", ".join(f"{s:.3f}" for s in report["warmup_s"]) or "none",
+        "requests answered": f"{report['answered']} / {report['requests']}",
+        "in flight at once": report["concurrency"],
+        "passages per question (k)": report["k"],
+        **{f"{q} latency": f"{report[f'{q}_s']:.3f} s" for q in ("p50", "p95", "max")},
+        "p50 of the model's share (batch)": f"{report['server_p50_s']:.3f} s",
+        "wall time": f"{report['wall_s']:.2f} s",
+        "throughput": f"{report['throughput_qps']} questions/s",
+    }
+    return table(
+        [{"measure": k, "value": v} for k, v in rows.items()],
+        [("measure", "measure", ""), ("value", "value", "")],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

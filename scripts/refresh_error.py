@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from rlm.experiments.reporting import table
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -45,11 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         fresh = tower.encode(load_corpus(args.corpus).retrieval_texts()).float()
         print(f"{len(stale)} passages; mean |g(y) - B_y| = {float((fresh - stale).norm(dim=-1).mean()):.3f}")
-        print("| fix | re-embedded | drift left (all passages it did not see) |")
-        print("| --- | ---: | ---: |")
+        rows = []
         if (final / "corrector").is_dir():
             corrector = CorrectorNetwork.from_pretrained(final / "corrector").eval()
-            print(f"| corrector h(B) | 0 | {residual(corrector(stale), stale, fresh):.3f} |")
+            rows.append(
+                {"fix": "corrector h(B)", "count": 0, "left": residual(corrector(stale), stale, fresh)}
+            )
         generator = torch.Generator().manual_seed(args.seed)
         landmarks = stale[torch.randperm(len(stale), generator=generator)[: args.landmarks]]
         for count in (int(x) for x in args.samples.split(",")):
@@ -58,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
             model, scores = NystromRegression.fit_validated(stale[fitted], fresh[fitted], landmarks)
             left = residual(model(stale[unseen]), stale[unseen], fresh[unseen])
             ridge = min(scores, key=scores.get)
-            print(f"| Nystrom regression (ridge {ridge:g}) | {count} | {left:.3f} |")
+            rows.append({"fix": f"Nystrom regression (ridge {ridge:g})", "count": count, "left": left})
+    columns = [
+        ("fix", "fix", ""),
+        ("re-embedded", "count", "d"),
+        ("drift left (passages it did not see)", "left", ".3f"),
+    ]
+    print(table(rows, columns))
     return 0
 
 

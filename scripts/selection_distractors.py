@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from atomicio import atomic_write_json, atomic_write_text
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from retriever.encoder import DualEncoder
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
+from rlm.experiments.reporting import results_path, table, write_report
 
 KIN = re.compile(
     r"\b(sister|brother|mother|father|aunt|uncle|grand\w+|cousin|son|daughter|wife|husband|niece|nephew)\b",
@@ -84,7 +84,7 @@ def main() -> None:
     )
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-questions", type=int, default=200)
-    parser.add_argument("--out", default="docs/results/selection_distractors")
+    parser.add_argument("--out", default=results_path("quickstart", "selection_distractors"))
     args = parser.parse_args()
     if (args.quickstart is None) == (args.world is None) or (args.world and not (args.buffer and args.run)):
         parser.error("pass a quickstart folder, or --world with --buffer and at least one --run")
@@ -124,20 +124,14 @@ def main() -> None:
             passages = retriever.passage_tower.encode(corpus.retrieval_texts())
         top = (queries @ passages.T).topk(args.k).indices.tolist()
         rows.append({"run": name, "index": index, **composition(corpus, dev, top)})
-    header = ["run", "index", *(c.replace("K", str(args.k)) for c in COLUMNS)]
-    lines = [
-        f"{len(dev)} dev questions of {root}; passages per question among the top {args.k} (besides the gold)",
-        "",
-        "| " + " | ".join(header) + " |",
-        "| --- | --- |" + " ---: |" * len(COLUMNS),
-    ]
-    lines += [
-        f"| {r['run']} | {r['index']} | " + " | ".join(f"{r[c]:.2f}" for c in COLUMNS) + " |" for r in rows
-    ]
-    table = "\n".join(lines)
-    print(table)
-    atomic_write_json(Path(f"{args.out}.json"), {"quickstart": str(root), "k": args.k, "rows": rows})
-    atomic_write_text(Path(f"{args.out}.md"), table + "\n")
+    columns = [("run", "run", ""), ("index", "index", "")]
+    columns += [(c.replace("K", str(args.k)), c, ".2f") for c in COLUMNS]
+    text = (
+        f"{len(dev)} dev questions of {root}; passages per question among the top {args.k} (besides the gold)"
+    )
+    write_report(
+        args.out, f"{text}\n\n{table(rows, columns)}", {"quickstart": str(root), "k": args.k, "rows": rows}
+    )
 
 
 if __name__ == "__main__":

@@ -21,58 +21,45 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import Tensor
 from tqdm.auto import tqdm
 
-from atomicio import atomic_file, atomic_write_text
 from rlm.experiments.benchmarking import cpu_name
+from rlm.experiments.reporting import (
+    FINDINGS_END,
+    FINDINGS_START,
+    command,
+    figure,
+    results_path,
+    table,
+    write_report,
+)
 from rlm.experiments.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector, fit_regression
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "docs" / "results" / "synthetic_corrector"
-NUM_COMPONENTS = 20
 DEPTH_MARKERS = {0: "s", 1: "o", 2: "^"}  # corrector hidden layers -> marker, in both plots
-REGRESSION_KERNELS = ("rbf", "linear")  # Dynnibal's approximate re-encoding, beside the correctors
-REGRESSION_MARKERS = {"rbf": ("X", "black"), "linear": ("P", "grey")}
+REGRESSION = {"rbf": ("X", "black"), "linear": ("P", "grey")}  # Dynnibal's regression beside the correctors
 LANDMARKS = 128  # the paper's d'
-RIDGE = None  # chosen per fit on a held-out fifth of the samples, as training does
 KL_PLOT_FLOOR = 1e-4
-FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
 
 # (hidden layers, width / D, init scale): ordered by the stale KL they give in the default world (beta 2),
 # from about 0.02 to 5 nats.
-FULL_DRIFTS = [
-    (0, 1, 0.1),
-    (2, 2, 0.5),
-    (1, 1, 0.25),
-    (0, 1, 0.25),
-    (1, 8, 0.5),
-    (2, 2, 1.0),
-    (2, 8, 1.0),
-    (1, 1, 0.5),
-    (0, 1, 0.5),
-    (1, 8, 1.0),
-    (2, 8, 2.0),
-    (0, 1, 1.0),
-    (1, 8, 2.0),
-    (2, 8, 3.0),
-]
-FULL_FIG3_DRIFTS = [(1, 8, 0.5), (2, 8, 3.0)]  # "somewhat stale" and "significantly stale" panes
-FULL_CORRECTORS = [(0, 1)] + [(layers, mult) for layers in (1, 2) for mult in (1, 2, 4, 8)]
-FULL_FRACTIONS = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0]
-
-QUICK_DRIFTS = [(0, 1, 0.25), (1, 8, 1.0), (2, 8, 3.0)]
-QUICK_FIG3_DRIFTS = [(2, 8, 3.0)]
-QUICK_CORRECTORS = [(0, 1), (1, 2), (2, 8)]
-QUICK_FRACTIONS = [0.05, 1.0]
+FULL = {
+    "drifts": [(0, 1, 0.1), (2, 2, 0.5), (1, 1, 0.25), (0, 1, 0.25), (1, 8, 0.5), (2, 2, 1.0), (2, 8, 1.0)]
+    + [(1, 1, 0.5), (0, 1, 0.5), (1, 8, 1.0), (2, 8, 2.0), (0, 1, 1.0), (1, 8, 2.0), (2, 8, 3.0)],
+    "fig3": [(1, 8, 0.5), (2, 8, 3.0)],  # "somewhat stale" and "significantly stale" panes
+    "correctors": [(0, 1)] + [(layers, mult) for layers in (1, 2) for mult in (1, 2, 4, 8)],
+    "fractions": [0.01, 0.05, 0.1, 0.25, 0.5, 1.0],
+}
+QUICK = {
+    "drifts": [(0, 1, 0.25), (1, 8, 1.0), (2, 8, 3.0)],
+    "fig3": [(2, 8, 3.0)],
+    "correctors": [(0, 1), (1, 2), (2, 8)],
+    "fractions": [0.05, 1.0],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small grid and sizes (a smoke run, < 1 min)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output path prefix (no extension)")
+    parser.add_argument("--out", type=Path, default=results_path("synthetic_corrector"), help="output stem")
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3; quick: 1)")
     parser.add_argument("--beta", type=float, default=2.0, help="softmax temperature of P, P_g', P_h")
@@ -88,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-epochs", type=int, default=None, help="default 1000 (quick: 150)")
     parser.add_argument("--patience", type=int, default=None, help="default 100 (quick: 30)")
     parser.add_argument(
-        "--replot", action="store_true", help="re-render the report and plots from <out>.json, no fitting"
+        "--replot", action="store_true", help="re-render the report and plots from <out>.json"
     )
     parser.add_argument(
         "--regression-only",
@@ -97,435 +84,289 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (others share this CPU)")
     args = parser.parse_args(argv)
-    if args.seeds is None:
-        args.seeds = 1 if args.quick else 3
+    args.seeds = args.seeds or (1 if args.quick else 3)
     return args
 
 
-def grid(args: argparse.Namespace):
-    """(drift shapes, Fig. 3 drift shapes, corrector specs, sampled fractions) of this run."""
-    quick = args.quick
-    drift_grid = QUICK_DRIFTS if quick else FULL_DRIFTS
-    fig3_drifts = QUICK_FIG3_DRIFTS if quick else FULL_FIG3_DRIFTS
-    correctors = [CorrectorSpec(*c) for c in (QUICK_CORRECTORS if quick else FULL_CORRECTORS)]
-    fractions = QUICK_FRACTIONS if quick else FULL_FRACTIONS
-    if args.fig4_fraction not in fractions:
-        fractions = sorted({*fractions, args.fig4_fraction})
-    return drift_grid, fig3_drifts, correctors, fractions
+def settings(args) -> list[tuple[int, DriftSpec, float]]:
+    """Every (seed, drift, sampled fraction) of both figures, grouped by seed and drift: Fig. 3's drifts at
+    every fraction, the others at Fig. 4's."""
+    grid = QUICK if args.quick else FULL
+    fractions = sorted({*grid["fractions"], args.fig4_fraction})
+    return [
+        (seed, DriftSpec(*shape, seed=1000 * seed + i), fraction)
+        for seed in range(args.seed, args.seed + args.seeds)
+        for i, shape in enumerate(grid["drifts"])
+        for fraction in (fractions if shape in grid["fig3"] else [args.fig4_fraction])
+    ]
 
 
-def fit_jobs(args: argparse.Namespace) -> list[tuple[int, DriftSpec, CorrectorSpec, float]]:
-    """Every (seed, drift, corrector, fraction) fit of both figures, grouped by seed and drift."""
-    drift_grid, fig3_drifts, correctors, fractions = grid(args)
-    jobs = []
-    for seed in range(args.seed, args.seed + args.seeds):
-        for i, shape in enumerate(drift_grid):
-            drift = DriftSpec(*shape, seed=1000 * seed + i)
-            for fraction in fractions if shape in fig3_drifts else [args.fig4_fraction]:
-                jobs += [(seed, drift, corrector, fraction) for corrector in correctors]
-    return jobs
-
-
-def run_study(args: argparse.Namespace, previous: dict | None = None) -> dict:
-    """Every fit of both figures for every seed; fits shared by the two figures are run once. With `previous`
-    (an earlier run's results, whose grid `args` repeats), its corrector fits are kept and only the
-    regressions are fitted.
-
-    Each seed draws its own world (mixture, targets, queries), its own drift MLPs, target samples and corrector
-    inits, so the spread over seeds covers all of the set-up's randomness.
-    """
-    quick = args.quick
-    train_kwargs = {
-        "lr": 0.03,
-        "max_epochs": args.max_epochs or (150 if quick else 1000),
-        "patience": args.patience or (30 if quick else 100),
-    }
-    drift_grid, fig3_drifts, _, _ = grid(args)
-    missing = set(fig3_drifts) - set(drift_grid)
-    if missing:
-        raise ValueError(f"Fig. 3 drifts {sorted(missing)} are not in the drift grid")
-    if args.seeds < 1:
-        raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-
-    jobs = fit_jobs(args)
-
-    if previous is not None:
-        jobs = []  # the corrector fits are kept; only the regressions below are run
-
-    worlds, stale_kls, fresh_cache, fits = {}, {}, {}, []
-
-    def world_and_fresh(seed: int, drift: DriftSpec) -> tuple[SyntheticWorld, Tensor]:
-        nonlocal worlds, fresh_cache
-        if seed not in worlds:
-            worlds = {
-                seed: SyntheticWorld.generate(
-                    num_targets=1024 if quick else 4096,
-                    num_components=NUM_COMPONENTS,
-                    num_train_queries=64 if quick else 128,
-                    num_eval_queries=128 if quick else 256,
-                    beta=args.beta,
-                    seed=seed,
-                )
-            }
-        if drift not in fresh_cache:
-            # jobs are grouped by seed and drift: keep one
-            fresh_cache = {drift: worlds[seed].drifted(drift)}
-            stale_kls[drift] = worlds[seed].stale_kl(fresh_cache[drift])
-        return worlds[seed], fresh_cache[drift]
-
+def run_study(args, previous: dict | None = None) -> dict:
+    """Every fit of both figures for every seed, and Dynnibal's regression on the same sampled targets (the same
+    re-embedding budget). Each seed draws its own world, drifts, samples and inits, so the spread over seeds
+    covers all of the set-up's randomness. With `previous` (an earlier run of the same grid) its corrector fits
+    are kept and only the regressions are fitted."""
+    quick, grid = args.quick, QUICK if args.quick else FULL
+    train = {"lr": 0.03, "max_epochs": args.max_epochs or (150 if quick else 1000)}
+    train["patience"] = args.patience or (30 if quick else 100)
+    sizes = {"num_targets": 1024, "num_train_queries": 64, "num_eval_queries": 128} if quick else {}
+    fits, regressions, stale_kls, worlds, fresh = [], [], {}, {}, {}
     start = time.perf_counter()
-    for seed, drift, corrector, fraction in tqdm(jobs, desc="corrector fits", unit="fit"):
-        world, fresh = world_and_fresh(seed, drift)
-        record = fit_corrector(world, fresh, corrector, fraction, seed=seed, **train_kwargs)
-        fits.append({"seed": seed, "drift": drift.label, "stale_kl": stale_kls[drift], **record})
-
-    # Dynnibal's regression on the same sampled targets (the same re-embedding budget), once per setting.
-    regressions = []
-    settings = sorted(
-        {(seed, drift, fraction) for seed, drift, _, fraction in fit_jobs(args)},
-        key=lambda x: (x[0], x[1].seed, x[2]),
-    )
-    for seed, drift, fraction in tqdm(settings, desc="regression fits", unit="setting"):
-        world, fresh = world_and_fresh(seed, drift)
-        for kernel in REGRESSION_KERNELS:
+    for seed, drift, fraction in tqdm(settings(args), desc="settings", unit="setting"):
+        if seed not in worlds:  # settings come grouped by seed and drift: keep one world and one drift
+            worlds = {seed: SyntheticWorld.generate(beta=args.beta, seed=seed, **sizes)}
+        world = worlds[seed]
+        if drift not in fresh:
+            fresh = {drift: world.drifted(drift)}
+            stale_kls[drift] = world.stale_kl(fresh[drift])
+        common = {"seed": seed, "drift": drift.label, "stale_kl": stale_kls[drift]}
+        for spec in [] if previous else grid["correctors"]:
+            record = fit_corrector(world, fresh[drift], CorrectorSpec(*spec), fraction, seed=seed, **train)
+            fits.append(common | record)
+        for kernel in REGRESSION:
             record = fit_regression(
-                world, fresh, fraction, kernel=kernel, landmarks=LANDMARKS, ridge=RIDGE, seed=seed
+                world, fresh[drift], fraction, kernel=kernel, landmarks=LANDMARKS, seed=seed
             )
-            regressions.append({"seed": seed, "drift": drift.label, "stale_kl": stale_kls[drift], **record})
+            regressions.append(common | record)
+    regression = {"landmarks": LANDMARKS, "ridge": None, "kernels": list(REGRESSION)}
     if previous is not None:
         # The worlds are regenerated from their seeds: they must be the ones the kept fits were scored on.
         kept = {(d["label"], d["seed"]): d["stale_kl"] for d in previous["drifts"]}
         for drift, kl in stale_kls.items():
             if abs(kept[(drift.label, drift.seed)] - kl) > 1e-6 * max(1.0, kl):
                 raise ValueError(f"drift {drift.label} seed {drift.seed}: {kl} here, {kept} in the kept fits")
-        previous["regressions"] = regressions
-        previous["regression"] = {"landmarks": LANDMARKS, "ridge": RIDGE, "kernels": list(REGRESSION_KERNELS)}
-        previous["regression_seconds"] = time.perf_counter() - start
-        return previous
+        return previous | {"regressions": regressions, "regression": regression}
     return {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "world": {
-            "num_targets": len(world.stale),
-            "dim": world.dim,
-            "num_components": NUM_COMPONENTS,
-            "num_train_queries": len(world.train_queries),
-            "num_eval_queries": len(world.eval_queries),
-            "beta": world.beta,
-        },
-        "train": train_kwargs,
+        "world": {"num_targets": len(world.stale), "dim": world.dim, "num_components": 20}
+        | {"num_train_queries": len(world.train_queries), "num_eval_queries": len(world.eval_queries)}
+        | {"beta": world.beta},
+        "train": train,
         "seeds": list(range(args.seed, args.seed + args.seeds)),
         "fig4_fraction": args.fig4_fraction,
-        "fig3_drifts": [DriftSpec(*d).label for d in fig3_drifts],
+        "fig3_drifts": [DriftSpec(*d).label for d in grid["fig3"]],
         "drifts": [{"label": d.label, "seed": d.seed, "stale_kl": kl} for d, kl in stale_kls.items()],
         "fits": fits,
         "regressions": regressions,
-        "regression": {"landmarks": LANDMARKS, "ridge": RIDGE, "kernels": list(REGRESSION_KERNELS)},
+        "regression": regression,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
         "machine": f"{cpu_name()}, torch {torch.__version__}",
     }
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+def mean_std(rows: list[dict], key: str) -> str | None:
+    values = [r[key] for r in rows]
+    if not values:
+        return None
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def _fmt(values: list[float]) -> str:
-    mean, std = _mean_std(values)
-    return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ± {std:.4f}"
-
-
-def drift_order(results: dict) -> list[str]:
-    """Drift labels from least to most stale (mean stale KL over seeds)."""
-    by_label: dict[str, list[float]] = {}
-    for d in results["drifts"]:
-        by_label.setdefault(d["label"], []).append(d["stale_kl"])
-    return sorted(by_label, key=lambda label: statistics.fmean(by_label[label]))
-
-
-def _depth_label(layers: int) -> str:
-    return f"{layers} hidden layer{'s' if layers != 1 else ''}"
-
-
-def plot_fig4(results: dict, path: Path) -> None:
-    """Stale KL (x) against corrected KL (y), log-log, colour = parameter count, parity line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_fig4(results: dict):
+    """Stale KL (x) against corrected KL (y), log-log, colour = parameter count, parity line. A corrector of
+    the drift's own form recovers it to float precision (~1e-6): those are drawn at the floor."""
     from matplotlib.colors import LogNorm
 
-    rows = [f for f in results["fits"] if f["fraction"] == results["fig4_fraction"]]
-    # A corrector of the drift's own form recovers it to float precision (~1e-6); drawing those at the floor
-    # keeps the axis on the range where the settings differ.
-    floor = KL_PLOT_FLOOR
-    fig, ax = plt.subplots(figsize=(6.4, 5.2))
+    at = results["fig4_fraction"]
+    rows = [f for f in results["fits"] if f["fraction"] == at]
+    fig, ax = figure(1, (6.4, 5.2))
     norm = LogNorm(min(r["params"] for r in rows), max(r["params"] for r in rows))
     for layers, marker in DEPTH_MARKERS.items():
         sub = [r for r in rows if r["corrector_layers"] == layers]
-        if not sub:
-            continue
         points = ax.scatter(
             [r["stale_kl"] for r in sub],
-            [max(r["corrected_kl"], floor) for r in sub],
+            [max(r["corrected_kl"], KL_PLOT_FLOOR) for r in sub],
             c=[r["params"] for r in sub],
-            cmap="viridis",
             norm=norm,
             marker=marker,
-            s=36,
             edgecolors="k",
             linewidths=0.4,
-            label=_depth_label(layers),
+            label=f"{layers} hidden layer(s)",
         )
-    for kernel, (marker, colour) in REGRESSION_MARKERS.items():
-        sub = [
-            r
-            for r in results.get("regressions", [])
-            if r["kernel"] == kernel and r["fraction"] == results["fig4_fraction"]
-        ]
-        if sub:
-            ax.scatter(
-                [r["stale_kl"] for r in sub],
-                [max(r["regression_kl"], floor) for r in sub],
-                marker=marker,
-                color=colour,
-                s=40,
-                linewidths=0.4,
-                label=f"Nystrom regression ({kernel})",
-            )
-    lo = max(floor, min(min(r["corrected_kl"] for r in rows), min(r["stale_kl"] for r in rows))) * 0.5
+    for kernel, (marker, colour) in REGRESSION.items():
+        sub = [r for r in results.get("regressions", []) if r["kernel"] == kernel and r["fraction"] == at]
+        kls = [max(r["regression_kl"], KL_PLOT_FLOOR) for r in sub]
+        ax.scatter(
+            [r["stale_kl"] for r in sub], kls, marker=marker, color=colour, label=f"Nystrom ({kernel})"
+        )
+    lo = max(KL_PLOT_FLOOR, min(min(r["corrected_kl"], r["stale_kl"]) for r in rows)) * 0.5
     hi = max(r["stale_kl"] for r in rows) * 2
     ax.plot([lo, hi], [lo, hi], "r--", lw=1, label="parity (no correction)")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi))
-    ax.set_xlabel("stale KL(P || P_g')")
-    ax.set_ylabel(f"corrected KL(P || P_h)  (values < {floor:g} drawn at {floor:g})")
-    pct = f"{100 * results['fig4_fraction']:g}%"
-    ax.set_title(f"Corrector vs stale buffer (h trained on {pct} of targets)")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="stale KL(P || P_g')")
+    ax.set(ylabel=f"corrected KL(P || P_h) (< {KL_PLOT_FLOOR:g} drawn at it)")
+    ax.set_title(f"Corrector vs stale buffer (h trained on {100 * at:g}% of targets)")
     fig.colorbar(points, ax=ax, label="corrector parameters |Psi|")
     ax.legend(loc="upper left", fontsize=8)
-    ax.grid(True, which="major", alpha=0.3)
-    _save(fig, path)
+    return fig
 
 
-def plot_fig3(results: dict, path: Path) -> None:
-    """Per Fig. 3 drift: corrected KL (y) against parameter count (x), one line per sampled fraction.
-
-    Lines are the mean over seeds, the band their min-max.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot_fig3(results: dict):
+    """Per Fig. 3 drift: corrected KL against parameter count, one line per sampled fraction (mean over seeds;
+    correctors grouped by shape, not parameter count: 1x4D and 2x2D both have 552)."""
     import matplotlib.pyplot as plt
 
     panes = results["fig3_drifts"]
-    fig, axes = plt.subplots(1, len(panes), figsize=(5.6 * len(panes), 4.6), squeeze=False)
+    fig, axes = figure(len(panes), (5.6 * len(panes), 4.6), squeeze=False)
     fractions = sorted({f["fraction"] for f in results["fits"] if f["drift"] in panes})
-    colours = plt.cm.plasma([i / max(1, len(fractions)) for i in range(len(fractions))])
     for ax, label in zip(axes[0], panes):
         rows = [f for f in results["fits"] if f["drift"] == label]
-        for fraction, colour in zip(fractions, colours):
-            # Grouped by corrector, not by parameter count: 1x4D and 2x2D both have 552 parameters.
-            by_corrector: dict[tuple[int, int], list[dict]] = {}
-            for r in rows:
-                if r["fraction"] == fraction:
-                    by_corrector.setdefault((r["params"], r["corrector_layers"]), []).append(r)
-            keys = sorted(by_corrector)
-            params = [k[0] for k in keys]
-            kls = [[r["corrected_kl"] for r in by_corrector[k]] for k in keys]
-            means = [statistics.fmean(k) for k in kls]
-            targets = by_corrector[keys[0]][0]["sampled_targets"]
-            ax.plot(
-                params, means, "-", color=colour, lw=1.2, label=f"{100 * fraction:g}% ({targets} targets)"
-            )
-            for layers, marker in DEPTH_MARKERS.items():
-                at = [i for i, k in enumerate(keys) if k[1] == layers]
-                ax.plot(
-                    [params[i] for i in at], [means[i] for i in at], marker, color=colour, ms=4, ls="none"
+        for fraction, colour in zip(
+            fractions, plt.cm.plasma([i / len(fractions) for i in range(len(fractions))])
+        ):
+            shapes = sorted({(r["params"], r["corrector_layers"]) for r in rows if r["fraction"] == fraction})
+            kl = [
+                statistics.fmean(
+                    r["corrected_kl"]
+                    for r in rows
+                    if r["fraction"] == fraction and (r["params"], r["corrector_layers"]) == s
                 )
-            if len(kls[0]) > 1:
-                ax.fill_between(
-                    params, [min(k) for k in kls], [max(k) for k in kls], color=colour, alpha=0.15
-                )
-        stale = statistics.fmean(r["stale_kl"] for r in rows)  # every seed has the same number of rows
+                for s in shapes
+            ]
+            ax.plot([s[0] for s in shapes], kl, "-o", color=colour, ms=4, label=f"{100 * fraction:g}%")
+        stale = statistics.fmean(r["stale_kl"] for r in rows)
         ax.axhline(stale, color="r", ls="--", lw=1, label="stale (no corrector)")
-        ax.set(xscale="log", yscale="log")
-        ax.set_xlabel("corrector parameters |Psi|")
-        ax.set_ylabel("KL(P || P_h), held-out queries")
+        ax.set(
+            xscale="log", yscale="log", xlabel="corrector parameters |Psi|", ylabel="KL(P || P_h), held-out"
+        )
         ax.set_title(f"drift {label}: stale KL(P || P_g') = {stale:.3g}")
-        ax.grid(True, which="major", alpha=0.3)
-    seeds = len(results["seeds"])
-    if seeds > 1:
-        fig.suptitle(f"mean over {seeds} seeds, band = min-max", fontsize=9)
-    from matplotlib.lines import Line2D
+        ax.legend(title="targets sampled", fontsize=8)
+    return fig
 
-    depth = [
-        Line2D([], [], marker=m, color="k", ls="none", ms=4, label=_depth_label(n))
-        for n, m in DEPTH_MARKERS.items()
+
+def markdown(results: dict, out: Path) -> str:
+    world, train, fits, regressions = (
+        results["world"],
+        results["train"],
+        results["fits"],
+        results["regressions"],
+    )
+    seeds, at = results["seeds"], results["fig4_fraction"]
+    order = sorted(
+        {d["label"] for d in results["drifts"]},
+        key=lambda x: statistics.fmean(d["stale_kl"] for d in results["drifts"] if d["label"] == x),
+    )
+    correctors = sorted(
+        {(f["corrector_layers"], f["corrector_width_mult"], f["corrector"], f["params"]) for f in fits}
+    )
+    kernels = [k for k in REGRESSION if any(r["kernel"] == k for r in regressions)]
+    drift_rows = lambda label: [f for f in fits if f["drift"] == label]  # noqa: E731
+    stale = lambda label: mean_std([d for d in results["drifts"] if d["label"] == label], "stale_kl")  # noqa: E731
+    fig4 = [("drift", "drift", ""), ("stale KL", lambda r: stale(r["drift"]), "")]
+    fig4 += [
+        (
+            f"{c[2]} ({c[3]})",
+            lambda r, c=c: mean_std(
+                [f for f in drift_rows(r["drift"]) if f["corrector"] == c[2] and f["fraction"] == at],
+                "corrected_kl",
+            ),
+            "",
+        )
+        for c in correctors
     ]
-    handles, _ = axes[0][0].get_legend_handles_labels()
-    if len(panes) > 1:
-        axes[0][0].legend(handles=handles, title="targets sampled", fontsize=8)
-        axes[0][-1].legend(handles=depth, title="corrector", fontsize=8)
-    else:
-        axes[0][0].legend(handles=handles + depth, title="targets sampled / corrector", fontsize=8)
-    _save(fig, path)
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-
-
-def render_markdown(results: dict, previous: str | None) -> str:
-    """Tables of both figures; keeps the findings section of `previous` (the existing report) if it has one."""
-    world, train, seeds = results["world"], results["train"], results["seeds"]
-    fits = results["fits"]
-    spread = f"mean ± std over {len(seeds)} seeds" if len(seeds) > 1 else "one seed"
+    fig4 += [
+        (
+            f"Nystrom {k}",
+            lambda r, k=k: mean_std(
+                [
+                    x
+                    for x in regressions
+                    if x["drift"] == r["drift"] and x["kernel"] == k and x["fraction"] == at
+                ],
+                "regression_kl",
+            ),
+            "",
+        )
+        for k in kernels
+    ]
     capped = sum(f["fit_epochs"] >= train["max_epochs"] for f in fits)
     lines = [
         "# Synthetic corrector study (paper Section 5.3, Figures 3 and 4)",
         "",
         f"Command: `{results['command']}` ({results['seconds'] / 60:.1f} min, {results['threads']} thread(s), "
-        f"{results['machine']}; {len(fits)} corrector fits, {capped} of them stopped by the "
-        f"{train['max_epochs']}-epoch cap rather than by patience).",
+        f"{results['machine']}; {len(fits)} corrector fits, {capped} stopped by the {train['max_epochs']}-epoch cap).",
         "",
-        f"Set-up: {world['num_targets']} stale targets g' in D = {world['dim']} from a mixture of "
-        f"{world['num_components']} Gaussians; fresh g = m(g') with m a random residual MLP (label "
-        "`hidden layers x width @ init scale`, see `rlm/experiments/synthetic.py`); queries from the same mixture "
-        f"({world['num_train_queries']} to train h, {world['num_eval_queries']} held out to score it); "
-        f"beta = {world['beta']:g}. Correctors (label `hidden layers x width`, `linear` = 0 hidden layers) "
-        "trained alone with the cross-entropy between the truncated softmaxes of g and h(g') over the sampled "
-        f"targets, Adam lr {train['lr']}, at most {train['max_epochs']} full-batch epochs, patience "
-        f"{train['patience']}. KL in nats, over all targets, on the held-out queries; {spread} "
-        f"(seeds {', '.join(map(str, seeds))}: each draws its own world, drifts, samples and inits).",
+        f"Set-up: {world['num_targets']} stale targets g' in D = {world['dim']} from a mixture of {world['num_components']} "
+        "Gaussians; fresh g = m(g') with m a random residual MLP (label `hidden layers x width @ init scale`, "
+        f"`rlm/experiments/synthetic.py`); {world['num_train_queries']} queries to train h, {world['num_eval_queries']} "
+        f"held out to score it; beta = {world['beta']:g}. Correctors (`hidden layers x width`, `linear` = 0 hidden "
+        f"layers) fit the truncated softmax of g over the sampled targets, Adam lr {train['lr']}, at most "
+        f"{train['max_epochs']} epochs, patience {train['patience']}. KL in nats over all targets, held-out queries; "
+        f"{'mean ± std over ' + str(len(seeds)) + ' seeds' if len(seeds) > 1 else 'one seed'}. Beside them, Dynnibal's "
+        f"Nystrom regression g' -> g (`retriever/reencode.py`) on the same samples, {LANDMARKS} landmarks, ridge chosen "
+        "on a held-out fifth of the samples, kernels `rbf` and `linear`.",
         "",
+        f"{FINDINGS_START}\n(findings not written yet)\n{FINDINGS_END}",
+        "",
+        f"## Fig. 4 analogue: KL(P || P_h) per staleness setting and corrector ({100 * at:g}% of targets sampled)",
+        "",
+        f"![Fig. 4 analogue]({out.name}_fig4.png)",
+        "",
+        table([{"drift": label} for label in order], fig4),
+        "",
+        f"![Fig. 3 analogue]({out.name}_fig3.png)",
     ]
-    regressions = results.get("regressions", [])
-    if regressions:
-        reg = results["regression"]
-        how = (
-            f" (added to the kept corrector fits by `{results['regression_command']}`)"
-            if "regression_command" in results
-            else ""
-        )
-        lines += [
-            "Beside the correctors, Dynnibal's approximate re-encoding (`retriever/reencode.py`) at the same "
-            "re-embedding budget: a Nystrom kernel ridge regression g' -> g fitted in closed form on the same "
-            f"sampled targets, {reg['landmarks']} random stale targets as landmarks, "
-            + (
-                f"ridge {reg['ridge']:g}, "
-                if reg["ridge"] is not None
-                else "ridge chosen per fit on a held-out fifth of the samples (as in training), "
-            )
-            + "kernels `rbf` (median-heuristic width) and `linear`, applied to all targets and scored by the "
-            f"same held-out KL{how}.",
-            "",
-        ]
-    previous_findings = None
-    if previous:
-        match = re.search(re.escape(FINDINGS_START) + r".*?" + re.escape(FINDINGS_END), previous, re.S)
-        previous_findings = match.group(0) if match else None
-    lines += [previous_findings or f"{FINDINGS_START}\n(findings not written yet)\n{FINDINGS_END}", ""]
-
-    def cell(rows: list[dict], key: str = "corrected_kl") -> str:
-        return _fmt([r[key] for r in rows])
-
-    order = drift_order(results)
-    fig4 = [f for f in fits if f["fraction"] == results["fig4_fraction"]]
-    correctors = sorted(
-        {(f["corrector_layers"], f["corrector_width_mult"], f["corrector"], f["params"]) for f in fig4}
-    )
-    pct = f"{100 * results['fig4_fraction']:g}%"
-    kernels = sorted({r["kernel"] for r in regressions}, key=REGRESSION_KERNELS.index)
-    lines += [
-        f"## Fig. 4 analogue: KL(P || P_h) per staleness setting and corrector ({pct} of targets sampled)",
-        "",
-        f"![Fig. 4 analogue]({results['png_fig4']})",
-        "",
-        "Rows from least to most stale. Columns: corrector (parameter count)"
-        + (", then the Nystrom regressions at the same budget." if kernels else "."),
-        "",
-        "| drift | stale KL | "
-        + " | ".join([*(f"{c[2]} ({c[3]})" for c in correctors), *(f"Nystrom {k}" for k in kernels)])
-        + " |",
-        "| --- | ---: | " + " | ".join("---:" for _ in [*correctors, *kernels]) + " |",
-    ]
-    for label in order:
-        rows = [f for f in fig4 if f["drift"] == label]
-        stale = [d["stale_kl"] for d in results["drifts"] if d["label"] == label]
-        cells = [cell([r for r in rows if r["corrector"] == c[2]]) for c in correctors]
-        at = [r for r in regressions if r["drift"] == label and r["fraction"] == results["fig4_fraction"]]
-        cells += [cell([r for r in at if r["kernel"] == k], "regression_kl") for k in kernels]
-        lines.append(f"| {label} | {_fmt(stale)} | " + " | ".join(cells) + " |")
-    lines.append("")
-    lines += [f"![Fig. 3 analogue]({results['png_fig3']})", ""]
     for label in results["fig3_drifts"]:
-        rows = [f for f in fits if f["drift"] == label]
-        stale = [d["stale_kl"] for d in results["drifts"] if d["label"] == label]
+        rows = drift_rows(label)
         fractions = sorted({f["fraction"] for f in rows})
-        lines += [
-            f"## Fig. 3 analogue, drift {label} (stale KL {_fmt(stale)}): KL(P || P_h) by sampled fraction",
-            "",
-            "Held-out KL over all targets; below it, in brackets, the truncated training KL over the sampled "
-            "targets (a small training KL with a large held-out KL is overfitting to the sample).",
-            "",
-            "| corrector | params | " + " | ".join(f"{100 * x:g}%" for x in fractions) + " |",
-            "| --- | ---: | " + " | ".join("---:" for _ in fractions) + " |",
+        shapes = [{"corrector": c[2], "params": c[3]} for c in correctors]
+        shapes += [
+            {"corrector": f"Nystrom {k}", "params": f"{LANDMARKS} x {world['dim']}", "kernel": k}
+            for k in kernels
         ]
-        for corrector in sorted({(f["corrector_layers"], f["corrector_width_mult"]) for f in rows}):
-            sub = [f for f in rows if (f["corrector_layers"], f["corrector_width_mult"]) == corrector]
-            cells = []
-            for x in fractions:
-                at = [f for f in sub if f["fraction"] == x]
-                cells.append(f"{cell(at)}<br>({statistics.fmean(f['fit_train_kl'] for f in at):.4f})")
-            lines.append(f"| {sub[0]['corrector']} | {sub[0]['params']} | " + " | ".join(cells) + " |")
-        for kernel in kernels:
-            sub = [r for r in regressions if r["drift"] == label and r["kernel"] == kernel]
-            cells = [cell([r for r in sub if r["fraction"] == x], "regression_kl") for x in fractions]
-            size = f"{sub[0]['landmarks']} x {world['dim']}" if sub else ""
-            lines.append(f"| Nystrom {kernel} | {size} | " + " | ".join(cells) + " |")
-        lines.append("")
+
+        def at_fraction(r, x, label=label, rows=rows):
+            if "kernel" in r:
+                return mean_std(
+                    [
+                        g
+                        for g in regressions
+                        if g["drift"] == label and g["kernel"] == r["kernel"] and g["fraction"] == x
+                    ],
+                    "regression_kl",
+                )
+            sub = [f for f in rows if f["corrector"] == r["corrector"] and f["fraction"] == x]
+            return (
+                f"{mean_std(sub, 'corrected_kl')}<br>({statistics.fmean(f['fit_train_kl'] for f in sub):.4f})"
+            )
+
+        columns = [("corrector", "corrector", ""), ("params", "params", "")]
+        columns += [(f"{100 * x:g}%", lambda r, x=x: at_fraction(r, x), "") for x in fractions]
+        lines += [
+            "",
+            f"## Fig. 3 analogue, drift {label} (stale KL {stale(label)}): KL(P || P_h) by sampled fraction",
+            "",
+            "Held-out KL over all targets; in brackets the truncated training KL over the sampled targets (small "
+            "training KL with large held-out KL is overfitting to the sample).",
+            "",
+            table(shapes, columns),
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    out: Path = args.out
+    json_path = args.out.with_suffix(".json")
+    if (args.replot or args.regression_only) and not json_path.exists():
+        raise FileNotFoundError(
+            f"{json_path} not found: run the study first (without --replot/--regression-only)"
+        )
     if args.replot:
-        json_path = out.with_suffix(".json")
-        if not json_path.exists():
-            raise FileNotFoundError(f"{json_path} not found: run the study first (without --replot)")
         results = json.loads(json_path.read_text())
     elif args.regression_only:
-        json_path = out.with_suffix(".json")
-        if not json_path.exists():
-            raise FileNotFoundError(f"{json_path} not found: run the study first (without --regression-only)")
         previous = json.loads(json_path.read_text())
         for key in ("quick", "seed", "seeds", "beta", "fig4_fraction"):  # the grid of the kept fits
             setattr(args, key, previous["args"][key])
-        results = run_study(args, previous)
-        given = sys.argv[1:] if argv is None else argv
-        results["regression_command"] = shlex.join(["python", "scripts/synthetic_corrector.py", *given])
+        results = run_study(args, previous) | {"regression_command": command("synthetic_corrector.py", argv)}
     else:
-        results = run_study(args)
-        given = sys.argv[1:] if argv is None else argv
-        results["command"] = shlex.join(["python", "scripts/synthetic_corrector.py", *given])
-    # Names relative to the report, which sits next to the plots.
-    results["png_fig3"], results["png_fig4"] = f"{out.name}_fig3.png", f"{out.name}_fig4.png"
-    plot_fig3(results, out.with_name(results["png_fig3"]))
-    plot_fig4(results, out.with_name(results["png_fig4"]))
-    atomic_write_text(out.with_suffix(".json"), json.dumps(results, indent=2) + "\n")
-    md_path = out.with_suffix(".md")
-    previous = md_path.read_text() if md_path.exists() else None
-    atomic_write_text(md_path, render_markdown(results, previous) + "\n")
-    print(f"wrote {md_path}, {out.with_suffix('.json')} and the two plots next to them")
+        results = run_study(args) | {"command": command("synthetic_corrector.py", argv)}
+    plots = {"_fig3.png": lambda: plot_fig3(results), "_fig4.png": lambda: plot_fig4(results)}
+    write_report(args.out, markdown(results, args.out), results, plots, echo=False)
+    print(f"wrote {args.out}.md, .json and the two plots next to them")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

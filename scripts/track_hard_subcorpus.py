@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from atomicio import atomic_write_json
+from rlm.experiments.reporting import table
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoints, examples, corpus, subcorpus, retrieval_only=args.retrieval_only, k=args.k
     )
     atomic_write_json(out / "tracking.json", report)
-    print("| metric | spearman | kendall |\n| --- | --- | --- |")
-    for metric, corr in report["correlation"].items():
-        print(f"| {metric} | {corr['spearman']:.3f} | {corr['kendall']:.3f} |")
+    rows = [{"metric": metric, **corr} for metric, corr in report["correlation"].items()]
+    print(
+        table(
+            rows, [("metric", "metric", ""), ("spearman", "spearman", ".3f"), ("kendall", "kendall", ".3f")]
+        )
+    )
     print(f"\nwrote {out / 'tracking.json'}")
     return 0
 

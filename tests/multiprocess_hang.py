@@ -10,7 +10,7 @@ import argparse
 import time
 
 from rlm.config import add_override_argument, load_config
-from rlm.train import make_accelerator
+from rlm.training.accelerator import make_accelerator
 
 
 def main() -> None:

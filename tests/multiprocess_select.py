@@ -14,9 +14,11 @@ from pathlib import Path
 
 import torch
 
+from retriever.distributed import Processes
 from rlm.config import RegressionConfig, add_override_argument, load_config
-from rlm.train import build_run, processes
-from rlm.training.strategies import Processes, make_strategy
+from rlm.training.accelerator import processes
+from rlm.training.run import build_run
+from rlm.training.strategies import make_strategy
 
 # (strategy, the step whose refresh is compared, Algorithm 1's forced label + uniform rows)
 CASES = [

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from rlm.config import add_override_argument, load_config
-from rlm.train import build_run, train_step
+from rlm.train import train_step
+from rlm.training.run import build_run
 
 
 def main() -> None:

@@ -231,7 +231,7 @@ def test_rlm_evaluate_records_confidence_and_abstention_per_prediction(calibrate
 
 
 def test_unanswerable_toy_questions_are_deterministic_and_ask_nothing_the_corpus_states(calibrated):
-    from rlm.data.qa import load_qa_dataset
+    from rlm.data.qa import load_qa_dataset, read_qa_jsonl
     from rlm.data.unanswerable import unanswerable_path, write_unanswerable_questions
 
     _, world = calibrated
@@ -246,7 +246,7 @@ def test_unanswerable_toy_questions_are_deterministic_and_ask_nothing_the_corpus
     titles = {json.loads(line)["title"] for line in (world / "corpus.jsonl").read_text().splitlines()}
     assert not {q.meta["subject"] for q in dev + test if q.meta["type"] == "unknown_entity"} & titles
     before = unanswerable_path(world, "dev").read_bytes()
-    write_unanswerable_questions(world, "dev", overwrite=True)
+    write_unanswerable_questions(world, "dev", read_qa_jsonl(f"{world}/dev.jsonl"), overwrite=True)
     assert unanswerable_path(world, "dev").read_bytes() == before
 
 

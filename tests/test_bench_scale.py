@@ -28,8 +28,6 @@ def test_bench_scale_quick_one_and_two_processes(tmp_path):
         "--quick",
         "--sizes",
         "4000",  # one size: each (size, processes) pair costs ~40 s of process start-up on a 2-core CPU
-        "--encode-passages",
-        "8",
         "--slice-hidden",
         "3072:2000,8192:1000",
     ]
@@ -57,10 +55,9 @@ def test_bench_scale_quick_one_and_two_processes(tmp_path):
         assert row["rows"] == row["n"] // row["world"]
         assert row["buffer_bytes_scanned"] == row["rows"] * 768 * 2
         assert row["corrected_wall_s"] > 0 and row["corrected_cpu_s"] > 0 and row["stale_wall_s"] > 0
-        assert row["peak_rss_selection_bytes"] > 0 and row["refresh_s"] > 0
+        assert row["peak_rss_selection_bytes"] > 0
         assert set(row["scaled"]) == {"3072", "8192"} and set(row["loss_ms"]) == {"768", "3072", "8192"}
     assert [r["n"] for r in results["ratios"]] == [4000]
-    assert results["encoder"]["passages"] == 8 and results["encoder"]["passages_per_s"] > 0
     proj = results["projection"]
     assert proj["rows_per_process"] == 2_625_000 and proj["accumulation"] == 4
     assert [h["hidden"] for h in proj["by_hidden"]] == [3072, 8192]

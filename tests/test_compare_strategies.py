@@ -51,7 +51,8 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
         (tmp_path / "out" / name).unlink()
     script = [
         sys.executable,
-        str(ROOT / "scripts" / "comparison_table.py"),
+        str(ROOT / "scripts" / "compare_strategies.py"),
+        "--render",
         str(tmp_path / "out" / "table.json"),
     ]
     rendered = subprocess.run(script, capture_output=True, text=True, timeout=300)

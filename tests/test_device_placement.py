@@ -365,8 +365,8 @@ def test_algorithm_steps_with_the_model_on_a_device_and_the_buffer_on_the_host(
 ):
     """Both algorithm steps, as training runs them: every loss term on the device, values as on the host."""
     from rlm.config import load_config
-    from rlm.train import make_batch
     from rlm.training.model import RetrievalAugmentedModel, embed_rows
+    from rlm.training.schedule import make_batch
     from rlm.training.strategies import make_strategy
 
     root, overrides, build_components = training_parts
@@ -399,9 +399,10 @@ def test_algorithm_steps_with_the_model_on_a_device_and_the_buffer_on_the_host(
 def test_regression_refresh_with_the_passage_tower_on_a_device(training_parts, placement):
     """Approximate re-encoding as training runs it on a GPU: samples re-embedded on the device, the fit on
     the host, the map applied to host buffer rows, the mapped rows scanned from the host or the device."""
+    from retriever.distributed import Processes
     from rlm.config import load_config
     from rlm.training.model import embed_rows
-    from rlm.training.strategies import Processes, make_strategy
+    from rlm.training.strategies import make_strategy
 
     root, overrides, build_components = training_parts
     extra = ["strategy.name=regression", "strategy.refresh_every=1", "strategy.regression.samples=30"]
@@ -435,8 +436,9 @@ def test_corrector_selection_keeps_h_of_b_on_the_queries_device(placement):
     """The corrector strategy's kept h(B) (`strategy.cache_corrected_mb`) with h and the queries on the
     accelerator: built there from host rows (streamed) or from rows resident on the device, reused by the next
     selection, rebuilt after h's weights change in place, and always the top-k of a host run without it."""
+    from retriever.distributed import Processes
     from rlm.config import StrategyConfig
-    from rlm.training.strategies import Processes, make_strategy
+    from rlm.training.strategies import make_strategy
 
     buffer, queries, corrector = search_inputs()
     update = 0.5 * torch.randn(corrector.output.weight.shape, generator=torch.Generator().manual_seed(1))
@@ -453,7 +455,7 @@ def test_corrector_selection_keeps_h_of_b_on_the_queries_device(placement):
         picked.append(strategy.select(q, corrector))
         with torch.no_grad():
             weight.sub_(update.to(weight.device))
-        return picked, strategy._h_cache
+        return picked, strategy.search._h_cache
 
     ref, none = selections(None, "cpu", 0)
     assert none is None

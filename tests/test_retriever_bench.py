@@ -8,17 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_bench_retrieval_tiny(tmp_path):
     out = tmp_path / "bench"
-    args = ["--sizes", "3000", "--build-passages", "8", "--threads", "1", "--out", str(out)]
-    # A corpus that is not there (as ../shared/data is not, beside a bare clone): a generated world stands in.
-    args += ["--build-corpus", str(tmp_path / "missing.jsonl")]
+    args = ["--sizes", "3000", "--threads", "1", "--out", str(out)]
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_retrieval.py"), *args],
         cwd=ROOT,
@@ -27,14 +23,10 @@ def test_bench_retrieval_tiny(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.with_suffix(".json").read_text())
-    (row,) = results["topk"]
-    assert row["n"] == 3000 and row["fp32"]["seconds"] > 0 and row["bf16"]["ratio_to_plain"] > 0
-    assert {r["index"] for r in row["two_stage"]} == {"Flat", "IVF208,Flat"}
-    assert all(r["overlap_top32"] > 0.5 for r in row["two_stage"])
-    assert results["build"]["passages"] == 8 and results["build"]["source"] == "toy-world"
-    table = out.with_suffix(".md").read_text()
-    assert "| 3,000 | fp32 |" in table and "Two-stage vs full" in table and "Buffer build" in table
+    fp32, bf16 = json.loads(out.with_suffix(".json").read_text())["topk"]
+    assert (fp32["n"], fp32["compute"], bf16["compute"]) == (3000, "fp32", "bf16")
+    assert fp32["seconds"] > 0 and bf16["ratio_to_plain"] > 0 and fp32["stale_vs_corrected_overlap"] > 0.5
+    assert "| 3,000 | fp32 |" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.slow
@@ -66,36 +58,3 @@ def test_bench_buffer_build_tiny(tmp_path):
     assert all(r["padded_over_real_tokens"] >= 1 and r["fraction_of_matmul"] > 0 for r in results["rows"])
     assert new20["max_abs_diff_from_old"] < 1e-2
     assert "| 20 | new: one forward a batch | float32 | 1 |" in out.with_suffix(".md").read_text()
-
-
-@pytest.mark.parametrize("gpus", [0, 1])
-def test_two_stage_sets_nprobe_through_the_index_on_cpu_and_on_a_gpu(monkeypatch, gpus):
-    """The IVF rows get their nprobe from `PassageIndex.search_rows` (ParameterSpace on CPU, GpuParameterSpace
-    for a GPU clone), not from faiss's CPU ParameterSpace applied by the script, which fails on a GpuIndexIVF.
-    The GPU case runs on test_retriever_index_gpu's fakes of faiss-gpu."""
-    faiss = pytest.importorskip("faiss")
-    from test_retriever_index_gpu import FakeGpu
-
-    from retriever.index import PassageIndex
-    from retriever.search import corrected_topk
-    from rlm.experiments.benchmarking import corrector_moving
-
-    if gpus:
-        FakeGpu(monkeypatch, ngpu=gpus)
-    bench = load_script("bench_retrieval")
-    search_rows, seen = PassageIndex.search_rows, set()
-
-    def recording(self, queries, k, nprobe=None):
-        out = search_rows(self, queries, k, nprobe)
-        ivf = faiss.try_extract_index_ivf(getattr(self.index, "cpu", self.index))
-        seen.add((self.factory, self.on_gpu, nprobe, None if ivf is None else int(ivf.nprobe)))
-        return out
-
-    monkeypatch.setattr(PassageIndex, "search_rows", recording)
-    buffer, queries, _ = bench.synthetic_buffer(2000)
-    net = corrector_moving(bench.D, bench.HIDDEN)
-    full = corrected_topk(queries, buffer, net, bench.K)
-    rows = bench.bench_two_stage(buffer, queries, net, full, full_seconds=1.0)
-    on_gpu = bool(gpus)
-    assert seen == {("Flat", on_gpu, None, None), ("IVF176,Flat", on_gpu, 32, 32)}
-    assert [(r["index"], r["nprobe"]) for r in rows] == [("Flat", None)] * 2 + [("IVF176,Flat", 32)] * 2

@@ -298,77 +298,9 @@ def test_given_corpus_fingerprint_is_recorded_without_a_pass_over_the_texts(enco
     )
     assert texts.reads == len(TEXTS)  # the embedding pass only, no fingerprint pass
     assert buffer.meta["corpus_fingerprint"] == NEW_FINGERPRINT
-    texts.reads = 0
-    PassageBuffer.load(tmp_path / "b", corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, texts))
-    assert texts.reads == 0
+    PassageBuffer.load(tmp_path / "b", corpus_fingerprint=NEW_FINGERPRINT)
     with pytest.raises(ValueError, match="corpus given has fingerprint jsonl:sha256:cd"):
-        PassageBuffer.load(
-            tmp_path / "b", corpus_fingerprint="jsonl:sha256:" + "cd" * 32, legacy_corpus=(IDS, texts)
-        )
-    assert texts.reads == 0
-
-
-def test_old_style_meta_is_verified_once_then_loads_without_a_pass(encoder, tmp_path, capsys):
-    out = tmp_path / "b"
-    build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)  # old-style meta
-    old = json.loads((out / "meta.json").read_text())["corpus_fingerprint"]
-    assert old == corpus_fingerprint(IDS, TEXTS) and len(old) == 32
-    capsys.readouterr()
-    texts = CountingTexts(TEXTS)
-    first = PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, texts))
-    assert texts.reads == len(TEXTS), "the old-style fingerprint is verified the old way, once"
-    notice = capsys.readouterr().out.strip().splitlines()
-    assert len(notice) == 1 and "old-style corpus fingerprint verified" in notice[0]
-    meta = json.loads((out / "meta.json").read_text())
-    assert meta["corpus_fingerprint"] == NEW_FINGERPRINT and meta["legacy_corpus_fingerprint"] == old
-    assert not list(out.glob(".meta.json.*")), "written through a temporary file that was renamed"
-    texts.reads = 0
-    again = PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, texts))
-    assert texts.reads == 0 and capsys.readouterr().out == ""
-    assert torch.equal(again.embeddings, first.embeddings)
-    PassageBuffer.load(out, corpus_fingerprint=old)  # a caller still hashing (id, text) pairs is accepted
-    with pytest.raises(ValueError, match="corpus given has fingerprint"):
-        PassageBuffer.load(out, corpus_fingerprint=corpus_fingerprint(IDS, TEXTS[:-1] + ["changed"]))
-
-
-def test_old_style_meta_of_another_corpus_or_encoder_is_refused(encoder, tmp_path):
-    out = tmp_path / "b"
-    build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
-    before = (out / "meta.json").read_text()
-    changed = CountingTexts(TEXTS[:-1] + ["changed"])
-    with pytest.raises(ValueError, match=r"corpus fingerprint .*\(old-style.*rlm embed"):
-        PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, changed))
-    with pytest.raises(ValueError, match="encoder fingerprint"):
-        PassageBuffer.load(out, "abc", corpus_fingerprint=NEW_FINGERPRINT, legacy_corpus=(IDS, changed))
-    assert changed.reads == len(TEXTS), "another encoder is refused before the old-style pass"
-    assert (out / "meta.json").read_text() == before  # nothing recorded for a refused corpus
-    # A load without the corpus to verify with cannot upgrade: the new fingerprint is refused, as before.
-    with pytest.raises(ValueError, match="corpus given has fingerprint"):
-        PassageBuffer.load(out, corpus_fingerprint=NEW_FINGERPRINT)
-
-
-def test_rebuild_over_old_style_meta_upgrades_instead_of_refusing(encoder, tmp_path):
-    out = tmp_path / "b"
-    built = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
-    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.npy")}
-    again = build_passage_buffer(
-        IDS, TEXTS, encoder, out, shard_size=10, show_progress=False, corpus_fingerprint=NEW_FINGERPRINT
-    )
-    assert {p.name: p.stat().st_mtime_ns for p in out.glob("shard_*.npy")} == stamps  # nothing re-embedded
-    assert torch.equal(again.embeddings, built.embeddings)
-    assert json.loads((out / "meta.json").read_text())["corpus_fingerprint"] == NEW_FINGERPRINT
-
-
-def test_unfinished_old_style_build_resumes_with_a_new_fingerprint(encoder, tmp_path):
-    out = tmp_path / "b"
-    with pytest.raises(RuntimeError):
-        build_passage_buffer(
-            IDS, FailingTexts(TEXTS, len(TEXTS) + 20), encoder, out, shard_size=10, show_progress=False
-        )
-    buffer = build_passage_buffer(
-        IDS, TEXTS, encoder, out, shard_size=10, show_progress=False, corpus_fingerprint=NEW_FINGERPRINT
-    )
-    assert buffer.meta["corpus_fingerprint"] == NEW_FINGERPRINT and len(buffer) == len(IDS)
+        PassageBuffer.load(tmp_path / "b", corpus_fingerprint="jsonl:sha256:" + "cd" * 32)
 
 
 def test_loaded_ids_are_one_blob(encoder, tmp_path):
@@ -505,31 +437,6 @@ def test_a_bf16_buffer_is_never_taken_for_a_float32_one(encoder, tmp_path):
         )
     with pytest.raises(InputError, match="unfinished build with other settings.*precision: folder has bf16"):
         build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
-
-
-def test_buffers_recorded_before_the_precision_are_float32(encoder, tmp_path):
-    """Their builds ran the tower in float32 (no autocast): they load, complete and resume as float32 ones."""
-    out = tmp_path / "b"
-    built = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
-    meta = json.loads((out / "meta.json").read_text())
-    del meta["precision"]
-    (out / "meta.json").write_text(json.dumps(meta))
-    assert len(PassageBuffer.load(out, precision="float32")) == len(IDS)
-    with pytest.raises(InputError, match="in float32, not bf16"):
-        PassageBuffer.load(out, precision="bf16")
-    again = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=10, show_progress=False)
-    assert torch.equal(again.embeddings, built.embeddings)
-
-    unfinished = tmp_path / "unfinished"
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        build_passage_buffer(
-            IDS, FailingTexts(TEXTS, len(TEXTS) + 10), encoder, unfinished, shard_size=10, show_progress=False
-        )
-    record = json.loads((unfinished / "build.json").read_text())
-    del record["precision"]
-    (unfinished / "build.json").write_text(json.dumps(record))
-    resumed = build_passage_buffer(IDS, TEXTS, encoder, unfinished, shard_size=10, show_progress=False)
-    assert torch.equal(resumed.embeddings, built.embeddings)
 
 
 def test_a_callers_autocast_does_not_change_a_float32_build(encoder, tmp_path):

@@ -185,13 +185,13 @@ def test_sigterm_to_accelerate_launch_stops_both_processes_at_one_step_and_resum
 def test_a_signal_during_a_refresh_stops_it_and_the_refresh_is_redone_on_resume(root, monkeypatch):
     """Exhaustive re-embeds before every step; SIGTERM arrives while step 3's refresh embeds its first part:
     the rest of the refresh is not done, the checkpoint is step 3's start, and resuming redoes the refresh."""
-    import rlm.train
+    import rlm.training.run
 
     extra = ("strategy.name=exhaustive", "strategy.refresh_every=1", "save_every=0")
     assert train_here(args(root, "refresh_ref", *extra)) == 0
     reference = read_log(root / "refresh_ref" / "log.jsonl")
 
-    embed_rows, parts = rlm.train.embed_rows, []
+    embed_rows, parts = rlm.training.run.embed_rows, []
     per_refresh = -(-len((root / "toy" / "corpus.jsonl").read_text().splitlines()) // 32)
     assert per_refresh > 1
 
@@ -201,8 +201,8 @@ def test_a_signal_during_a_refresh_stops_it_and_the_refresh_is_redone_on_resume(
             os.kill(os.getpid(), signal.SIGTERM)
         return embed_rows(tower, texts, rows, batch_size)
 
-    monkeypatch.setattr(rlm.train, "REEMBED_PART_ROWS", 32)  # a refresh in several parts
-    monkeypatch.setattr(rlm.train, "embed_rows", embed_and_signal)
+    monkeypatch.setattr(rlm.training.run, "REEMBED_PART_ROWS", 32)  # a refresh in several parts
+    monkeypatch.setattr(rlm.training.run, "embed_rows", embed_and_signal)
     out = root / "refresh_stop"
     assert train_here(args(root, out.name, *extra)) == EXIT_PREEMPTED
     assert len(parts) == 2 * per_refresh + 1, "the refresh went on after the signal"

@@ -22,11 +22,12 @@ from torch import nn
 import rlm.training.steps
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
+from retriever.distributed import Processes
 from retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
 from rlm.config import StrategyConfig, TrainConfig
 from rlm.training.model import QueryEmbeddingCache, null_timer
 from rlm.training.steps import Batch, algorithm1_step, algorithm2_step
-from rlm.training.strategies import Processes, make_strategy
+from rlm.training.strategies import make_strategy
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 

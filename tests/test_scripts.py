@@ -87,7 +87,7 @@ def test_bench_query_tower_times_the_full_and_a_light_tower_side_by_side(tmp_pat
 
 
 def test_selection_distractors_sorts_each_selected_passage_by_what_it_is(tmp_path):
-    """The analysis behind docs/results/quickstart.md: gold, a relative's fact about the subject, another fact
+    """The analysis behind docs/results/quickstart/quickstart.md: gold, a relative's fact about the subject, another fact
     of the subject, another entity's passage."""
     import json
 

@@ -1,6 +1,5 @@
 """Start-up cost: the corpus fingerprint comes from the corpus scan, so a training start or a demo start
-reads no passage for it; buffers and cached demo indexes recorded with the old (id, text) pair fingerprint
-are verified once and reused."""
+reads no passage for it."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
-from retriever.buffer import corpus_fingerprint
 from retriever.encoder import SentenceEncoder
 from retriever.ids import IdSequence
 from rlm.data import corpus as corpus_module
@@ -81,48 +79,20 @@ def test_training_start_reads_no_passage_for_the_fingerprint(tower, corpus_file,
     assert passage_reads == []
 
 
-def test_training_start_upgrades_an_old_style_buffer_once(
-    tower, corpus_file, tmp_path, passage_reads, capsys
-):
-    from rlm.components import load_or_build_buffer
-
-    cfg, retriever = _cfg(tmp_path), SimpleNamespace(passage_tower=tower)
-    corpus = load_corpus(corpus_file)
-    load_or_build_buffer(cfg, retriever, corpus)
-    meta_file = tmp_path / "buffer" / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    old = corpus_fingerprint(corpus.ids, corpus.retrieval_texts())
-    meta_file.write_text(json.dumps({**meta, "corpus_fingerprint": old}))  # as the old code wrote it
-    passage_reads.clear()
-    capsys.readouterr()
-    load_or_build_buffer(cfg, retriever, load_corpus(corpus_file))
-    assert len(passage_reads) == N and "old-style corpus fingerprint verified" in capsys.readouterr().out
-    assert json.loads(meta_file.read_text())["corpus_fingerprint"] == corpus.fingerprint
-    passage_reads.clear()
-    load_or_build_buffer(cfg, retriever, load_corpus(corpus_file))
-    assert passage_reads == [] and capsys.readouterr().out == ""
-
-
-def test_demo_index_key_uses_the_file_fingerprint_and_adopts_an_old_key(
-    tower, corpus_file, tmp_path, monkeypatch
-):
+def test_demo_index_key_uses_the_file_fingerprint(tower, corpus_file, tmp_path, monkeypatch):
     from app.qa import INDEX_CACHE, _index_key, cached_index
-    from retriever.index import PassageIndex
     from rlm.inference import evaluation
 
     corpus = load_corpus(corpus_file)
     root = tmp_path / "ckpt"
-    old_key = _index_key(tower.fingerprint(), corpus_fingerprint(corpus.ids, corpus.retrieval_texts()))
-    embeddings = np.random.default_rng(0).standard_normal((N, 16)).astype(np.float32)
-    PassageIndex.build(embeddings, corpus.ids).save(root / INDEX_CACHE / old_key)
+    built = cached_index(root, tower, corpus)
+    key = _index_key(tower.fingerprint(), corpus.fingerprint)
+    assert [p.name for p in (root / INDEX_CACHE).iterdir()] == [key]
 
     def no_embedding(*args, **kwargs):
         raise AssertionError("the cached index must be reused, not rebuilt")
 
     monkeypatch.setattr(evaluation, "embed_corpus", no_embedding)
-    index = cached_index(root, tower, corpus)
-    new_key = _index_key(tower.fingerprint(), corpus.fingerprint)
-    assert [p.name for p in (root / INDEX_CACHE).iterdir()] == [new_key]
-    assert index.ids == corpus.ids and isinstance(index.ids, IdSequence)
-    np.testing.assert_allclose(index.index.reconstruct(3), embeddings[3])
-    assert cached_index(root, tower, corpus).ntotal == N  # the renamed folder is found directly now
+    index = cached_index(root, tower, load_corpus(corpus_file))
+    assert index.ids == corpus.ids and isinstance(index.ids, IdSequence) and index.ntotal == N
+    np.testing.assert_allclose(index.index.reconstruct(3), built.index.reconstruct(3))

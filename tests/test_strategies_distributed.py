@@ -25,8 +25,9 @@ from device_check import ACCELERATOR, on_accelerator, simulated_accelerator
 
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
+from retriever.distributed import Processes
 from rlm.config import RegressionConfig, StrategyConfig
-from rlm.training.strategies import STRATEGY_CLASSES, Processes, make_strategy
+from rlm.training.strategies import STRATEGY_CLASSES, make_strategy
 
 WORLD = 2
 N, DIM, BATCH, MAX_STEPS = 90, 8, 3, 4
@@ -188,7 +189,6 @@ def run_strategy(case: Case, procs: Processes, device, refresh_dir, queries, gol
     def run(strategy, steps):
         picks = []
         for step in steps:
-            strategy.begin_step(step)
             strategy.before_step(step, partial(tower, step))
             picks.append(case.select(strategy, queries, gold, corrector))
         return picks

@@ -36,7 +36,7 @@ def test_print_config_shows_the_resolved_config_and_it_loads_back(capsys, tmp_pa
 def test_a_launcher_config_with_other_mixed_precision_is_named(monkeypatch):
     from accelerate.state import AcceleratorState
 
-    from rlm.train import make_accelerator
+    from rlm.training.accelerator import make_accelerator
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -1,9 +1,10 @@
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from rlm.config import TrainConfig, apply_override, dump_config, load_config
+from rlm.config import TrainConfig, apply_override, dump_config, from_dict, load_config, to_dict
 from rlm.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -172,36 +173,21 @@ def test_each_strategy_is_checked_by_what_its_class_says(name):
 
 
 @pytest.mark.parametrize("name", ["gold_passage_steps", "reader_only_steps", "final_reader_only_steps"])
-def test_the_schedule_has_its_own_section_and_old_keys_name_the_new_ones(name, tmp_path):
+def test_the_schedule_has_its_own_section(name):
     cfg = load_config(None, [f"schedule.{name}=7"])
     assert getattr(cfg.schedule, name) == 7 and not hasattr(cfg.reader, name)
-    with pytest.raises(ValueError, match=f"reader.{name} moved to schedule.{name}.*--set schedule.{name}=7"):
+    with pytest.raises(ValueError, match=f"unknown config key config.reader.{name}"):
         load_config(None, [f"reader.{name}=7"])
-    old = tmp_path / "old.yaml"
-    old.write_text(f"reader:\n  d_model: 64\n  {name}: 7\n")
-    with pytest.raises(ValueError, match=f"reader.{name} moved to schedule.{name}"):
-        load_config(old)
-    # A run's own config.yaml written before the move still loads: the key is moved, not refused.
-    saved = load_config(old, saved=True)
-    assert getattr(saved.schedule, name) == 7 and saved.reader.d_model == 64
     with pytest.raises(ValueError, match=f"schedule.{name} must be >= 0"):
         load_config(None, [f"schedule.{name}=-1"])
 
 
-def test_values_are_checked_when_the_config_is_validated_not_when_a_section_is_built():
+def test_values_are_checked_when_the_config_is_loaded_not_when_a_section_is_built():
     from rlm.config import ReaderConfig
 
     ReaderConfig(arch="nonsense")  # a section alone is plain data
     with pytest.raises(ValueError, match="reader.arch must be one of"):
         load_config(None, ["reader.arch=nonsense"])
-
-
-def test_the_old_per_strategy_config_names_say_what_replaced_them(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"configs/nq.yaml --set strategy.name=exhaustive"):
-        load_config("configs/nq_exhaustive.yaml")
-    with pytest.raises(ValueError, match=r"configs/nq_alg1.yaml --set strategy.name=corrector"):
-        load_config("nq_alg1_corrector")
 
 
 @pytest.mark.parametrize(
@@ -244,3 +230,193 @@ def test_every_numeric_setting_has_a_range_and_nan_is_in_none():
         for value in (below, ".nan"):
             with pytest.raises(UserError, match=rf"{re.escape(name)}\b.*(must be|expected int|does not fit)"):
                 load_config(None, [f"{name}={value}"])
+
+
+def choice_fields(cls=TrainConfig, prefix=""):
+    """(dotted name, choices) of every field annotated with a Literal, in every section."""
+    import dataclasses
+    import typing
+
+    found = []
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp):
+            found += choice_fields(tp, f"{prefix}{name}.")
+        elif typing.get_origin(tp) is typing.Literal:
+            found.append((f"{prefix}{name}", typing.get_args(tp)))
+    return found
+
+
+def test_every_choice_is_refused_outside_its_literal_naming_key_value_and_choices():
+    fields = dict(choice_fields())
+    assert {"strategy.name", "reader.arch", "report_to", "mixed_precision", "buffer.placement"} <= set(fields)
+    for name, choices in fields.items():
+        for choice in choices:  # each choice passes the loader (the cross-field rules are validate()'s)
+            data = {}
+            apply_override(data, f"{name}={choice}")
+            from_dict(TrainConfig, data)
+        listed = re.escape(", ".join(map(str, choices)))
+        with pytest.raises(UserError, match=rf"^{re.escape(name)} must be one of {listed}; got 'bogus'$"):
+            load_config(None, [f"{name}=bogus"])
+    with pytest.raises(
+        UserError, match=r"strategy.name must be .*; got 'corector' \(did you mean corrector\?\)"
+    ):
+        load_config(None, ["strategy.name=corector"])
+    # The type counts: YAML's true equals 1 and 2.0 equals 2, but neither is an algorithm.
+    for value in ("true", "2.0"):
+        with pytest.raises(UserError, match="algorithm must be one of 1, 2"):
+            load_config(None, [f"algorithm={value}"])
+
+
+def test_the_config_names_what_the_strategy_registry_kernels_and_dtypes_name():
+    """The choices in rlm.config are literals (loading a config imports neither the training code nor the
+    retriever); here they are held equal to the registries they mirror."""
+    import typing
+
+    from retriever.buffer import DTYPES
+    from retriever.reencode import KERNELS
+    from rlm.config import SCANS_FIXED_BUFFER, STRATEGY_ONLY_FOR, USES_CORRECTOR, StrategyName
+    from rlm.training.strategies import STRATEGY_CLASSES
+
+    assert list(typing.get_args(StrategyName)) == list(STRATEGY_CLASSES)
+    for name, cls in STRATEGY_CLASSES.items():
+        assert tuple(cls.algorithms) == STRATEGY_ONLY_FOR.get(name, ((1, 2), ""))[0], name
+        assert cls.scans_fixed_buffer == (name in SCANS_FIXED_BUFFER), name
+        assert cls.uses_corrector == (name in USES_CORRECTOR), name
+        assert bool(STRATEGY_ONLY_FOR.get(name, ((), ""))[1]) == cls.shares_batch, name
+    fields = dict(choice_fields())
+    assert fields["strategy.regression.kernel"] == tuple(KERNELS)
+    assert set(fields["buffer.dtype"]) == set(DTYPES)
+
+
+def test_loading_a_config_imports_no_training_code_and_of_the_retriever_only_its_errors():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from rlm.config import load_config; "
+        "load_config('nq', ['strategy.search=two_stage', 'strategy.regression.kernel=linear']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('rlm.training', 'retriever'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['retriever', 'retriever.errors']"  # rlm.errors names the retriever's InputError
+
+
+def test_every_default_is_in_its_range():
+    """The loader checks the values a config gives; the defaults it does not give are checked here."""
+    from functools import reduce
+
+    from rlm.config import NUMERIC_RANGES, _check_range, numeric_fields
+
+    cfg = TrainConfig()
+    for name, optional in numeric_fields(TrainConfig):
+        _check_range(name, reduce(getattr, name.split("."), cfg), NUMERIC_RANGES[name], optional)
+
+
+def flat(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "options":
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# What each shipped paper config sets, written out (every other key keeps its default): the configs that
+# extend configs/base_gpu.yaml load to what they did as one file each.
+PAPER_RLM = {
+    "mixed_precision": "bf16",
+    "gradient_checkpointing": True,
+    "log_every": 50,
+    "eval_every": 2000,
+    "save_every": 1000,
+    "data.corpus": "psgs_w100.tsv",
+    "data.dev_split": "validation",
+    "data.max_dev_examples": 2000,
+    "data.dev_subcorpus": "build",
+    "retriever.path": "sentence-transformers/gtr-t5-base",
+    "retriever.passage_max_length": 256,
+    "reader.path": "t5-base",
+    "reader.max_passage_length": 256,
+    "reader.max_answer_length": 32,
+    "buffer.dir": "runs/buffers/psgs_w100-gtr-t5-base",
+    "buffer.batch_size": 512,
+    "corrector.hidden_dim": 8192,
+    "optim.lr_reader": 1e-4,
+    "optim.lr_retriever": 1e-5,
+    "optim.lr_corrector": 1e-4,
+    "optim.warmup_steps": 1000,
+    "optim.max_steps": 20000,
+    "optim.questions_per_step": 128,
+    "optim.batch_size": 4,
+}
+SHIPPED = {
+    **{
+        name: {**PAPER_RLM, "output_dir": f"runs/{name}_corrector", "data.train": data, "data.dev": data}
+        for name, data in (("nq", "nq_open"), ("tqa", "trivia_qa"), ("hotpotqa", "hotpot_qa"))
+    },
+    "nq_alg1": {
+        "algorithm": 1,
+        "output_dir": "runs/nq_alg1_corrector",
+        "mixed_precision": "bf16",
+        "log_every": 50,
+        "save_every": 1000,
+        "data.corpus": "psgs_w100.tsv",
+        "data.train": "nq_train_gold.jsonl",
+        "data.dev": None,
+        "retriever.path": "sentence-transformers/gtr-t5-base",
+        "retriever.passage_max_length": 256,
+        "buffer.dir": "runs/buffers/psgs_w100-gtr-t5-base",
+        "buffer.batch_size": 512,
+        "corrector.hidden_dim": 8192,
+        "strategy.k": 64,
+        "strategy.num_random": 64,
+        "strategy.share_across_batch": True,
+        "optim.lr_retriever": 1e-5,
+        "optim.lr_corrector": 1e-4,
+        "optim.warmup_steps": 1000,
+        "optim.max_steps": 40000,
+        "optim.questions_per_step": 128,
+        "optim.batch_size": 16,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_each_paper_config_loads_to_its_written_out_settings(name):
+    defaults = flat(to_dict(TrainConfig()))
+    assert set(SHIPPED[name]) <= set(defaults)
+    assert flat(to_dict(load_config(name))) == {**defaults, **SHIPPED[name]}
+
+
+def test_a_users_config_extends_a_base_file_key_by_key(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "common.yaml").write_text(
+        "seed: 3\noptim:\n  max_steps: 50\n  batch_size: 2\ndata:\n  dev: null\n"
+    )
+    (tmp_path / "mine" / "run.yaml").write_text("base: ../common.yaml\noptim:\n  max_steps: 7\n")
+    cfg = load_config(tmp_path / "mine" / "run.yaml", ["optim.batch_size=5"])
+    assert cfg.seed == 3 and cfg.data.dev is None  # from the base
+    assert cfg.optim.max_steps == 7  # the extending file wins, key by key within a section
+    assert cfg.optim.batch_size == 5  # --set wins over both
+    # A base may be a shipped config's name, and bases chain (nq extends base_gpu).
+    (tmp_path / "nq_short.yaml").write_text("base: nq\noutput_dir: runs/short\noptim:\n  max_steps: 10\n")
+    short = load_config(tmp_path / "nq_short.yaml")
+    assert short == replace(
+        load_config("nq"), output_dir="runs/short", optim=replace(load_config("nq").optim, max_steps=10)
+    )
+
+
+def test_a_base_cycle_or_a_missing_base_is_an_error(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\nseed: 1\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nseed: 2\n")
+    with pytest.raises(UserError, match=r"extend each other in a cycle: .*a.yaml -> .*b.yaml -> .*a.yaml"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "self.yaml").write_text("base: self.yaml\n")
+    with pytest.raises(UserError, match="cycle"):
+        load_config(tmp_path / "self.yaml")
+    (tmp_path / "lost.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(UserError, match=r"lost.yaml: base nowhere.yaml not found"):
+        load_config(tmp_path / "lost.yaml")
+    with pytest.raises(UserError, match="unknown config key config.base"):
+        load_config(None, ["base=nq"])  # a file says what it extends, not the command line

@@ -11,7 +11,9 @@ from accelerate.state import AcceleratorState
 from tiny_run import tiny_overrides
 
 from rlm.config import load_config
-from rlm.train import build_run, lr_lambda, train_step
+from rlm.train import train_step
+from rlm.training.run import build_run
+from rlm.training.schedule import lr_lambda
 
 TINY = ["cpu=true", "save_every=0"]
 
@@ -218,7 +220,7 @@ def test_two_stage_search_in_training_logs_its_overlap_with_exact(world):
     records = [train_step(run) for _ in range(3)]
     assert [("two_stage_overlap@4" in r) for r in records] == [True, False, True]
     assert records[0]["two_stage_overlap@4"] == 1.0
-    assert run.strategy._index.factory == "IVF4,Flat" and run.strategy._index.ntotal == 120
+    assert run.strategy.search._index.factory == "IVF4,Flat" and run.strategy.search._index.ntotal == 120
     with pytest.raises(ValueError, match="two_stage searches an index over the fixed buffer"):
         load_config(None, ["strategy.search=two_stage", "strategy.name=exhaustive"])
 
@@ -245,8 +247,8 @@ def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
     assert [r["two_stage_overlap@4"] for r in got] == [1.0, 1.0]
     for key in ("loss", "reader_loss", "retriever_loss", "corrector_loss"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
-    assert scan.strategy._index is None
-    with pytest.raises(ValueError, match="first_stage must be index or scan"):
+    assert scan.strategy.search._index is None
+    with pytest.raises(ValueError, match="first_stage must be one of index, scan"):
         load_config(None, ["strategy.first_stage=flat"])
 
 
@@ -322,7 +324,8 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
 def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_path):
     """retriever.collapse_cosine: validation logs the dev questions' mean pairwise query cosine, and a run
     whose value passes the limit stops (here the limit is set below what any tower gives, to force it)."""
-    from rlm.train import RepresentationCollapseError, train
+    from rlm.train import train
+    from rlm.training.alignment import RepresentationCollapseError
 
     cfg = load_config(
         None,
@@ -371,9 +374,9 @@ def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
             assert same(start["passage"], towers["passage"]) and same(start["corrector"], raw.corrector)
     assert [r.get("aligning", 0) for r in records] == [1, 1, 1, 0, 0]
     assert [("align_knn_kl" in r) for r in records] == [True, True, True, False, False]
-    assert records[2]["align_end"] == 3 and run.state.align_end == 3 and run.strategy.start_step == 3
+    assert records[2]["align_end"] == 3 and run.alignment.end == 3 and run.strategy.start_step == 3
     assert not same(start["passage"], towers["passage"]) and not same(start["corrector"], raw.corrector)
-    assert run.state.state_dict()["align_end"] == 3  # saved with checkpoints
+    assert run.alignment.state_dict()["end"] == 3  # saved with checkpoints (`TrainRun.save`)
 
 
 def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(world):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from tiny_run import as_set_args, tiny_overrides
 
-from rlm.train import lr_lambda
+from rlm.training.schedule import lr_lambda
 
 pytestmark = pytest.mark.slow
 

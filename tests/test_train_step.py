@@ -9,8 +9,8 @@ from tiny_run import tiny_overrides
 
 from rlm.components import build_components
 from rlm.config import load_config
-from rlm.train import make_batch
 from rlm.training.model import RetrievalAugmentedModel
+from rlm.training.schedule import make_batch
 from rlm.training.strategies import StaleStrategy, make_strategy
 
 

@@ -15,8 +15,9 @@ import torch
 
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
+from retriever.distributed import Processes, ShardedRows
 from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
-from rlm.training.strategies import Processes, ShardedRows, make_strategy
+from rlm.training.strategies import make_strategy
 from rlm.training.validation import validate
 
 

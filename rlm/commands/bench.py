@@ -8,14 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-HELP = (
-    "Run a benchmark: retrieval (top-k, index), reader (FiD step), training (per-strategy step time), "
-    "scale (sharded top-k on 1 and 2 processes, 21M-row projection), two-stage (faiss candidates re-scored "
-    "with h vs exact at 1M-4M rows), startup (corpus scan and fingerprint at 5M passages), bf16 (is bf16 "
-    "native on this CPU), strategies (the paper's Tables 1 and 3), "
-    "synthetic (its Section 5.3 study)."
-)
-
 SCRIPTS_DIR = Path(__file__).resolve().parents[2] / "scripts"
 BENCHMARKS = {
     "retrieval": "bench_retrieval.py",
@@ -32,11 +24,21 @@ BENCHMARKS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm bench`: the benchmark's name, then that script's own options."""
-    parser.add_argument("benchmark", choices=sorted(BENCHMARKS), help="which benchmark to run")
+    parser.add_argument(
+        "benchmark",
+        choices=sorted(BENCHMARKS),
+        metavar="benchmark",
+        help="retrieval (corrected top-k, two-stage search, buffer build), reader (FiD train step and scoring), "
+        "training (per-strategy step time), scale (sharded top-k on 1 and 2 processes, 21M-row projection), "
+        "two-stage (faiss candidates re-scored with h against the exact top-k at 1M-4M rows), startup "
+        "(corpus scan and fingerprint), bf16 (is bf16 native on this CPU), strategies (the paper's Tables 1 "
+        "and 3 at CPU scale), synthetic (its Section 5.3 study)",
+    )
     parser.add_argument(
         "script_args",
         nargs=argparse.REMAINDER,
-        help="passed on to scripts/bench_<name>.py (e.g. --quick; see `rlm bench <name> --help`)",
+        help="passed on to the benchmark's script in scripts/ (bench_<name>.py; compare_strategies.py for "
+        "strategies, synthetic_corrector.py for synthetic); `rlm bench <name> --help` shows its options",
     )
 
 

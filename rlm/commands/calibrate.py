@@ -13,13 +13,11 @@ from pathlib import Path
 
 from rlm.inference.answer_policy import DEFAULT_KEEP
 
-HELP = "Fit a checkpoint's calibrated confidence and abstention rule on its dev split."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm calibrate`."""
     parser.add_argument("--checkpoint", required=True, help="the final/ folder of a run")
-    parser.add_argument("--dataset", default="toy", help="QA dataset of the fit questions (default: toy)")
+    parser.add_argument("--dataset", default="toy", help="QA dataset of the fit questions")
     parser.add_argument("--split", default="dev", help="the split to fit on; never the one you report on")
     parser.add_argument(
         "--data-path", help="dataset file or folder (default for toy: the checkpoint's toy world folder)"
@@ -36,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep",
         type=float,
         default=DEFAULT_KEEP,
-        help=f"share of correct fit answers the threshold keeps (default {DEFAULT_KEEP})",
+        help="share of correct fit answers the threshold keeps",
     )
 
 

@@ -7,8 +7,6 @@ import argparse
 from rlm.commands.evaluate import add_device_arguments
 from rlm.errors import UserError
 
-HELP = "Serve the Gradio QA demo over a trained checkpoint (reader + retriever + faiss index)."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm demo`."""
@@ -32,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--buffer", help="with --corrected-buffer: the run's buffer folder (default: its config)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it)")
-    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--port", type=int, default=7860, help="port to serve on")
     parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
     add_device_arguments(parser)
 

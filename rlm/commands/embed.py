@@ -10,8 +10,6 @@ from pathlib import Path
 from rlm.config import RetrieverConfig
 from rlm.errors import UserError, check_output_folder
 
-HELP = "Embed a corpus once into a fixed passage buffer (memory-mapped shards)."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm embed`."""
@@ -32,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="buffer folder (an unfinished build there is resumed; a folder holding other files is refused)",
     )
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="passages per forward pass")
     parser.add_argument(
         "--max-length",
         type=int,

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from rlm.errors import UserError, check_output_folder
 
-HELP = "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm evaluate`."""
@@ -17,10 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--retriever", help="retriever folder instead of <checkpoint>/retriever (e.g. MiniLM)"
     )
     parser.add_argument("--dataset", default="toy", help="QA dataset name (toy, nq_open, trivia_qa, ...)")
-    parser.add_argument("--split", default="dev")
+    parser.add_argument("--split", default="dev", help="split to evaluate (dev is the hub's validation)")
     parser.add_argument("--data-path", help="local dataset file or folder (a toy world folder for 'toy')")
     parser.add_argument("--corpus", help="corpus file; default: corpus.jsonl in --data-path when present")
-    parser.add_argument("--corpus-format", choices=("jsonl", "dpr_tsv", "pyserini"), default=None)
+    parser.add_argument(
+        "--corpus-format", choices=("jsonl", "dpr_tsv", "pyserini"), default=None, help="default: detect"
+    )
     parser.add_argument(
         "--subcorpus", help="ids file (one per line) restricting the corpus, e.g. a hard subcorpus"
     )
@@ -42,9 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-passages", type=int, default=None, help="passages the reader reads (default: config)"
     )
-    parser.add_argument("--max-examples", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--num-beams", type=int, default=1)
+    parser.add_argument("--max-examples", type=int, default=None, help="at most this many questions")
+    parser.add_argument("--batch-size", type=int, default=16, help="questions per batch")
+    parser.add_argument("--num-beams", type=int, default=1, help="beam width of the reader's decoding")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--retrieval-only", action="store_true", help="no reader: recall@k only")
     mode.add_argument("--closed-book", action="store_true", help="reader only, no passages")

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from rlm.errors import UserError, check_output_folder
 
-HELP = "Build a faiss index over passage embeddings for inference."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm index`."""

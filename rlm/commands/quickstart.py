@@ -6,8 +6,6 @@ import argparse
 
 from rlm.config import add_override_argument
 
-HELP = "Offline end to end: toy world, buffer, Algorithm 2 training, dev EM vs baselines, then the demo."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm quickstart`."""
@@ -23,15 +21,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_const",
         const="always",
         default="missing",
-        help="retrain the four baselines (exhaustive, stale, frozen, closed book; same config and budget) "
-        "even when cached; by default they are trained only when the cache has no figures for these settings",
+        help="retrain all four baselines (exhaustive, stale, frozen, closed book: the same config and budget, "
+        "only strategy.name changed) even when cached; by default a baseline is trained only when "
+        "<output-dir>/baselines.json has no figure for it under these settings, and reused otherwise",
     )
     which.add_argument(
         "--no-baselines",
         dest="baselines",
         action="store_const",
         const="never",
-        help="train no baseline; show the cached figures, if any, labelled with their date",
+        help="train the corrector run alone; show the baselines' cached figures, if any, labelled with their "
+        "date (and 'other settings' when they were measured under another config)",
     )
     parser.add_argument(
         "--jobs",
@@ -39,9 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="runs trained at a time, each on one torch thread (default: one per CPU core)",
     )
-    parser.add_argument(
-        "--no-serve", action="store_true", help="stop after evaluation; do not serve the demo"
-    )
+    parser.add_argument("--no-serve", action="store_true", help="stop after the table; do not serve the demo")
     parser.add_argument("--host", default="127.0.0.1", help="demo interface (0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=7860, help="demo port")
 

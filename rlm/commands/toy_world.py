@@ -7,8 +7,6 @@ import json
 
 from rlm.errors import check_output_folder
 
-HELP = "Generate the offline toy world: a corpus of invented facts and held-out QA splits."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm toy-world`."""
@@ -21,9 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is refused",
     )
     parser.add_argument("--num-passages", type=int, default=2000, help="exact corpus size (100 to millions)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="world seed: the same seed, the same world")
     parser.add_argument("--num-cities", type=int, default=24, help="distinct city answers (closed-book ~1/N)")
-    parser.add_argument("--num-occupations", type=int, default=16)
+    parser.add_argument("--num-occupations", type=int, default=16, help="distinct occupation answers")
     parser.add_argument(
         "--twin-rate", type=float, default=0.5, help="share of people with a near-duplicate name"
     )
@@ -43,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(QUESTION_TYPES),
         help=f"comma-separated subset of {','.join(QUESTION_TYPES)}",
     )
-    parser.add_argument("--max-train-questions", type=int, default=None)
+    parser.add_argument(
+        "--max-train-questions", type=int, default=None, help="cap on train questions (default: all)"
+    )
     parser.add_argument(
         "--max-eval-questions", type=int, default=2000, help="cap on dev and on test questions"
     )

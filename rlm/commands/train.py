@@ -1,7 +1,63 @@
-"""`rlm train`: joint training from a YAML config (also `accelerate launch -m rlm.train ...`)."""
+"""`rlm train`: joint training from a YAML config (also `python -m rlm.train` and `accelerate launch -m rlm.train`)."""
 
-from rlm.train import add_arguments, run
+from __future__ import annotations
 
-HELP = "Train reader + retriever jointly (Algorithm 2) or the retriever alone (Algorithm 1)."
+import argparse
+import json
+import math
+import sys
 
-__all__ = ["HELP", "add_arguments", "run"]
+from rlm.config import add_override_argument, dump_config, load_config
+from rlm.errors import main_process
+from rlm.train import train
+from rlm.training.alignment import RepresentationCollapseError
+from rlm.training.preemption import EXIT_PREEMPTED, Preempted
+from rlm.training.run import NonFiniteLossError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML run config (configs/*.yaml); defaults when omitted")
+    add_override_argument(parser)
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in output_dir (with the same settings)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an output_dir that holds a run (its checkpoints, log and final models are deleted)",
+    )
+    parser.add_argument(
+        "--allow-changed",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="with --resume: accept this setting differing from the checkpoint's (e.g. optim.max_steps to "
+        "train longer); repeat for several",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (the file, the defaults and every --set) as YAML and exit",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    try:
+        summary = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_changed=args.allow_changed)
+    except Preempted as err:
+        if main_process():
+            print(f"rlm train: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except (NonFiniteLossError, RepresentationCollapseError) as err:
+        if main_process():
+            print(f"error: {err}", file=sys.stderr)
+        return 1
+    if main_process():
+        print(json.dumps(summary, indent=2))
+    return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in summary.values()) else 1

@@ -26,7 +26,7 @@ import numpy as np
 
 from atomicio import atomic_write_json
 from retriever.ids import IdSequence
-from rlm.errors import UserError, not_utf8
+from rlm.errors import UnknownPassageError, UserError, not_utf8
 
 FORMATS = ("jsonl", "dpr_tsv", "pyserini")
 _DPR_HEADER = b"id\ttext\ttitle"
@@ -39,14 +39,6 @@ class Passage:
     id: str
     title: str
     text: str
-
-
-class UnknownPassageError(KeyError):
-    """A passage id the corpus does not hold: a mistake in the user's data (a gold id, an ids file), reported
-    by the CLI as one line, unlike any other KeyError, which is a bug and keeps its traceback."""
-
-    def __str__(self) -> str:  # KeyError's str() quotes its message
-        return str(self.args[0]) if self.args else ""
 
 
 def retrieval_text(title: str, text: str) -> str:

@@ -183,9 +183,9 @@ def _toy(split: str, path: str | None) -> list[QAExample]:
         # Questions its corpus does not answer (rlm.data.unanswerable), made beside the world on first use.
         from rlm.data.unanswerable import write_unanswerable_questions
 
-        return read_qa_jsonl(
-            write_unanswerable_questions(path, split.split("_")[0]), allow_empty_answers=True
-        )
+        asked = split.split("_")[0]
+        questions = read_qa_jsonl(Path(path) / f"{asked}.jsonl")
+        return read_qa_jsonl(write_unanswerable_questions(path, asked, questions), allow_empty_answers=True)
     if split not in ("train", "dev", "test"):
         raise UserError(
             "toy world splits are train, dev and test (and dev_unanswerable, test_unanswerable: questions its "

@@ -20,7 +20,6 @@ import random
 from pathlib import Path
 
 from atomicio import atomic_open
-from rlm.data.qa import read_qa_jsonl
 from rlm.errors import UserError
 
 KINDS = ("unstated_fact", "unknown_entity")
@@ -53,9 +52,10 @@ def unanswerable_path(world_dir: str | os.PathLike, split: str) -> Path:
 
 
 def write_unanswerable_questions(
-    world_dir: str | os.PathLike, split: str, per_kind: int = 100, overwrite: bool = False
+    world_dir: str | os.PathLike, split: str, questions, per_kind: int = 100, overwrite: bool = False
 ) -> Path:
-    """Write `per_kind` questions of each kind for `split` ("dev" or "test") of the toy world in `world_dir`.
+    """Write `per_kind` questions of each kind for `split` ("dev" or "test") of the toy world in `world_dir`,
+    whose questions of that split (`rlm.data.qa.QAExample`s: their subjects are asked about) are `questions`.
 
     Kept when already there (unless `overwrite`): the file depends on the world alone."""
     from rlm.data.toy_world import _QUESTION_TEMPLATES, _Names
@@ -70,7 +70,6 @@ def write_unanswerable_questions(
     if not manifest.is_file():
         raise UserError(f"{root} is not a toy world folder (no world.json)")
     world = json.loads(manifest.read_text())
-    questions = read_qa_jsonl(root / f"{split}.jsonl")
     titles = set()
     with open(root / "corpus.jsonl", encoding="utf-8") as f:
         for line in f:

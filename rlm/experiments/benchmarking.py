@@ -1,6 +1,6 @@
 """What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: where a timing was taken, best-of
-timing, peak RSS, top-k overlap, a corrector that moves vectors by a stated amount, and the paper-scale
-projection constants.
+timing, peak RSS, top-k overlap, a corrector that moves vectors by a stated amount, synthetic buffers written
+the way `rlm embed` writes them, and the paper-scale projection constants.
 
 The scripts import these from the installed package instead of from each other: a script folder put on
 `sys.path` would shadow installed packages by its file names (`scripts/evaluate.py` hides the `evaluate`
@@ -10,12 +10,15 @@ library from every later import in that process).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
+import shutil
 import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -83,7 +86,7 @@ def corrector_moving(dim: int, hidden: int, move: float = 0.2, seed: int = 1, nu
 
     A fresh corrector's output layer is zero (h = identity), which would time a corrector that changes nothing
     and select exactly what the stale buffer selects; a trained one moves vectors by ~0.2 here
-    (docs/results/bench_retrieval.md), and 1.0 is a corrector that rewrites them.
+    (docs/results/bench_retrieval/bench_retrieval.md), and 1.0 is a corrector that rewrites them.
     """
     import torch
     import torch.nn.functional as F
@@ -122,3 +125,72 @@ class PeakRSS:
         self.thread.join()
         self.peak = max(self.peak, self.proc.memory_info().rss)
         self.extra_mb = (self.peak - self.start) / 2**20
+
+
+def write_buffer(
+    folder: Path, n: int, dim: int, shard: Callable[[int, int], np.ndarray], source: str
+) -> dict:
+    """A fixed buffer of `n` synthetic rows, written by `retriever.buffer`'s own writer as `rlm embed` writes
+    one (shards of 100k rows with their receipts, then `finalize_buffer`: verified, ids.txt, meta.json), so
+    that `PassageBuffer.load` opens it memory-mapped as training does. Shard s holds `shard(s, rows)`, an
+    fp16 [rows, dim] array; `source` names the data: a folder already holding the same buffer is reused."""
+    from retriever import buffer as layout
+
+    rows = 100_000
+    settings = {
+        "format_version": layout.FORMAT_VERSION,
+        "encoder_fingerprint": "synthetic",
+        "corpus_fingerprint": source,
+        "count": n,
+        "dim": dim,
+        "dtype": "float16",
+        "shard_size": rows,
+        "num_shards": -(-n // rows),
+        "max_length": 0,
+        "precision": "float32",
+    }
+    meta = folder / layout.META_NAME
+    if meta.is_file() and all(json.loads(meta.read_text()).get(k) == v for k, v in settings.items()):
+        return {"seconds": 0.0, "reused": True}
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    start = time.perf_counter()
+    for s in range(settings["num_shards"]):
+        # The private writer until retriever.buffer names it public (a shard and its receipt, atomically).
+        layout._write_shard(folder, s, shard(s, min(rows, n - s * rows)))
+    layout.finalize_buffer(folder, range(n), settings)
+    return {"seconds": time.perf_counter() - start, "reused": False}
+
+
+def clustered(n: int, dim: int, cluster: int = 200, noise: float = 1.0, seed: int = 0):
+    """Synthetic passage embeddings with neighbourhoods (a top-k over pure noise measures nothing): unit vectors
+    around n // cluster random centres plus noise * N(0, I/dim). Returns (shard, queries): `shard(s, rows)`, an
+    fp16 [rows, dim] array from its own generator (the same rows whatever writes them, in any order), and
+    `queries(count)`, unit queries drawn the same way."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    centres = F.normalize(torch.randn(max(1, n // cluster), dim, generator=g), dim=-1)
+
+    def draw(count: int, g: torch.Generator):
+        picked = torch.randint(0, len(centres), (count,), generator=g)
+        return F.normalize(
+            centres[picked] + torch.randn(count, dim, generator=g) * (noise / dim**0.5), dim=-1
+        )
+
+    def shard(s: int, rows: int) -> np.ndarray:
+        return draw(rows, torch.Generator().manual_seed(seed * 1_000_003 + s + 1)).half().numpy()
+
+    return shard, lambda count: draw(count, torch.Generator().manual_seed(seed + 7919))
+
+
+def clustered_buffer(n: int, dim: int, queries: int, cluster: int = 200, noise: float = 1.0, seed: int = 0):
+    """(an in-memory fp16 [n, dim] buffer of `clustered` rows, `queries` unit queries drawn the same way)."""
+    import torch
+
+    shard, draw = clustered(n, dim, cluster, noise, seed)
+    buffer = torch.empty(n, dim, dtype=torch.float16)  # filled in place: no second copy of it all
+    for s, lo in enumerate(range(0, n, 100_000)):
+        buffer[lo : lo + 100_000] = torch.from_numpy(shard(s, min(100_000, n - lo)))
+    return buffer, draw(queries)

@@ -45,7 +45,7 @@ def run_buffer_dir(checkpoint: str | Path, buffer_dir: str | Path | None = None)
         return Path(buffer_dir)
     from rlm.config import load_config
 
-    cfg = load_config(Path(checkpoint) / "config.yaml", saved=True)
+    cfg = load_config(Path(checkpoint) / "config.yaml")
     return Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
 
 
@@ -94,7 +94,7 @@ def corrected_index(
         from rlm.components import build_retriever
         from rlm.config import load_config
 
-        encoder = build_retriever(load_config(root / "config.yaml", saved=True)).passage_tower.fingerprint()
+        encoder = build_retriever(load_config(root / "config.yaml")).passage_tower.fingerprint()
     try:
         buffer = PassageBuffer.load(
             folder, encoder_fingerprint=encoder, corpus_fingerprint=corpus.fingerprint

@@ -367,6 +367,117 @@ def majority_answer_baseline(train: Sequence[QAExample], examples: Sequence[QAEx
     return evaluate_reader(guesses, examples)
 
 
+def _check_evaluation_mode(
+    closed_book: bool, gold_passages: bool, has_reader: bool, has_retriever: bool, has_corpus: bool
+) -> None:
+    """Refuse a combination of modes and inputs that `run_evaluation` cannot run."""
+    if closed_book and not has_reader:
+        raise ValueError("closed-book evaluation needs a reader")
+    if closed_book and gold_passages:
+        raise ValueError("closed-book and gold-passage reading exclude each other")
+    if gold_passages and (not has_reader or not has_corpus):
+        raise ValueError("gold-passage reading needs a reader and the corpus holding the gold passages")
+    if not closed_book and not gold_passages and (not has_retriever or not has_corpus):
+        raise ValueError("retrieval needs a retriever and a corpus (or use closed-book mode)")
+
+
+def _retrieve_for_evaluation(
+    examples, corpus, retriever, index, k: int, embed_batch_size: int, show_progress: bool, timings: dict
+) -> Retrieved:
+    """The top `k` for every question, embedding the corpus first when no `index` is given; the seconds
+    each stage took go into `timings`."""
+    start = time.perf_counter()
+    if index is None:
+        tower = retriever.passage_tower
+        embeddings = embed_corpus(tower, corpus.retrieval_texts(), embed_batch_size, show_progress)
+        index = build_index(
+            embeddings, corpus.ids, use_gpu=index_on_gpu(tower.device), show_progress=show_progress
+        )
+        timings["embed_seconds"] = time.perf_counter() - start
+    start = time.perf_counter()
+    questions = [ex.question for ex in examples]
+    retrieved = retrieve(retriever.query_tower, index, questions, k, embed_batch_size, show_progress)
+    timings["retrieve_seconds"] = time.perf_counter() - start
+    return retrieved
+
+
+def _read_for_evaluation(
+    reader,
+    examples,
+    corpus,
+    retrieved,
+    num_passages: int,
+    gold_passages: bool,
+    batch_size: int,
+    num_beams: int,
+    show_progress: bool,
+    timings: dict,
+):
+    """(answer, reader probability) per question, and the passage ids read when the gold passages were
+    swapped in (None when the reader read the retrieved top or nothing)."""
+    start = time.perf_counter()
+    read_ids = with_gold_passages(examples, retrieved, num_passages) if gold_passages else None
+    answered = read(
+        reader,
+        examples,
+        corpus,
+        retrieved,
+        num_passages,
+        batch_size=batch_size,
+        num_beams=num_beams,
+        passage_ids=read_ids,
+        with_confidence=True,
+        show_progress=show_progress,
+    )
+    timings["read_seconds"] = time.perf_counter() - start
+    return answered, read_ids
+
+
+def _evaluation_record(ex: QAExample, i: int, answered, decisions, read_ids, retrieved) -> dict:
+    """Question `i`'s line of predictions.jsonl; `answered`, `read_ids`, `retrieved`: None when not done."""
+    record = {"id": ex.id, "question": ex.question, "answers": ex.answers}
+    if answered is not None:
+        prediction, probability = answered[i]
+        record["prediction"] = prediction
+        record["exact_match"] = evaluate_reader([prediction], [ex])["exact_match"]
+        record["reader_probability"] = round(probability, 5)
+        record["confidence"] = round(decisions[i].confidence, 5)
+        record["abstained"] = decisions[i].abstained
+        if decisions[i].reason:
+            record["reason"] = decisions[i].reason
+    if read_ids is not None:
+        record["read_ids"] = list(read_ids[i])
+    if retrieved is not None:
+        record["retrieved_ids"] = retrieved.ids[i]
+        record["retrieved_scores"] = [round(s, 5) for s in retrieved.scores[i]]
+    if ex.gold_passage_ids:
+        record["gold_passage_ids"] = ex.gold_passage_ids
+    if ex.meta:
+        record["meta"] = ex.meta
+    return record
+
+
+def _evaluation_mode(closed_book: bool, gold_passages: bool, has_retriever: bool, has_reader: bool) -> str:
+    if closed_book:
+        return "closed_book"
+    if gold_passages:
+        return "retrieve+gold_swapped_in" if has_retriever else "gold_passages"
+    return "retrieve+read" if has_reader else "retrieval_only"
+
+
+def _write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike) -> None:
+    """predictions.jsonl and metrics.json into `out_dir`, atomically; their paths are set on `result`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result.predictions_path, result.metrics_path = out / "predictions.jsonl", out / "metrics.json"
+    atomic_write_text(
+        result.predictions_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records)
+    )
+    atomic_write_text(
+        result.metrics_path, json.dumps({"mode": result.mode, **result.metrics}, indent=2) + "\n"
+    )
+
+
 def run_evaluation(
     examples: Sequence[QAExample],
     corpus=None,
@@ -401,49 +512,31 @@ def run_evaluation(
     `exact_match` is EM at full coverage (every best guess counted); `coverage` is the share answered and
     `answered_exact_match` the EM over the answered questions.
     """
-    if closed_book and reader is None:
-        raise ValueError("closed-book evaluation needs a reader")
-    if closed_book and gold_passages:
-        raise ValueError("closed-book and gold-passage reading exclude each other")
-    if gold_passages and (reader is None or corpus is None):
-        raise ValueError("gold-passage reading needs a reader and the corpus holding the gold passages")
-    if not closed_book and not gold_passages and (retriever is None or corpus is None):
-        raise ValueError("retrieval needs a retriever and a corpus (or use closed-book mode)")
+    _check_evaluation_mode(
+        closed_book, gold_passages, reader is not None, retriever is not None, corpus is not None
+    )
     timings: dict[str, float] = {}
     metrics: dict[str, float] = {"num_questions": len(examples)}
     retrieved = None
     if not closed_book and retriever is not None:
-        start = time.perf_counter()
-        if index is None:
-            tower = retriever.passage_tower
-            embeddings = embed_corpus(tower, corpus.retrieval_texts(), embed_batch_size, show_progress)
-            index = build_index(
-                embeddings, corpus.ids, use_gpu=index_on_gpu(tower.device), show_progress=show_progress
-            )
-            timings["embed_seconds"] = time.perf_counter() - start
-        start = time.perf_counter()
-        questions = [ex.question for ex in examples]
-        retrieved = retrieve(retriever.query_tower, index, questions, k, embed_batch_size, show_progress)
-        timings["retrieve_seconds"] = time.perf_counter() - start
+        retrieved = _retrieve_for_evaluation(
+            examples, corpus, retriever, index, k, embed_batch_size, show_progress, timings
+        )
         metrics.update(retrieval_metrics(corpus, examples, retrieved, [kk for kk in RECALL_KS if kk <= k]))
-    predictions = read_ids = None
+    answered = decisions = read_ids = None
     if reader is not None:
-        start = time.perf_counter()
-        if gold_passages:
-            read_ids = with_gold_passages(examples, retrieved, num_passages)
-        answered = read(
+        answered, read_ids = _read_for_evaluation(
             reader,
             examples,
             corpus,
             retrieved,
             num_passages,
-            batch_size=batch_size,
-            num_beams=num_beams,
-            passage_ids=read_ids,
-            with_confidence=True,
-            show_progress=show_progress,
+            gold_passages,
+            batch_size,
+            num_beams,
+            show_progress,
+            timings,
         )
-        timings["read_seconds"] = time.perf_counter() - start
         predictions = [answer for answer, _ in answered]
         questions = [ex.question for ex in examples]
         decisions = decide_all(answered, questions, retrieved, corpus, num_passages, policy, read_ids is None)
@@ -451,43 +544,13 @@ def run_evaluation(
         metrics.update(selective_scores(predictions, examples, decisions))
         metrics["reader_passages"] = 0 if closed_book else num_passages
     metrics.update({key: round(value, 2) for key, value in timings.items()})
-
-    records = []
-    for i, ex in enumerate(examples):
-        record = {"id": ex.id, "question": ex.question, "answers": ex.answers}
-        if predictions is not None:
-            record["prediction"] = predictions[i]
-            record["exact_match"] = evaluate_reader([predictions[i]], [ex])["exact_match"]
-            record["reader_probability"] = round(answered[i][1], 5)
-            record["confidence"] = round(decisions[i].confidence, 5)
-            record["abstained"] = decisions[i].abstained
-            if decisions[i].reason:
-                record["reason"] = decisions[i].reason
-        if read_ids is not None:
-            record["read_ids"] = list(read_ids[i])
-        if retrieved is not None:
-            record["retrieved_ids"] = retrieved.ids[i]
-            record["retrieved_scores"] = [round(s, 5) for s in retrieved.scores[i]]
-        if ex.gold_passage_ids:
-            record["gold_passage_ids"] = ex.gold_passage_ids
-        if ex.meta:
-            record["meta"] = ex.meta
-        records.append(record)
-    if closed_book:
-        mode = "closed_book"
-    elif gold_passages:
-        mode = "gold_passages" if retriever is None else "retrieve+gold_swapped_in"
-    else:
-        mode = "retrieval_only" if reader is None else "retrieve+read"
+    records = [
+        _evaluation_record(ex, i, answered, decisions, read_ids, retrieved) for i, ex in enumerate(examples)
+    ]
+    mode = _evaluation_mode(closed_book, gold_passages, retriever is not None, reader is not None)
     result = EvaluationResult(metrics=metrics, mode=mode, records=records)
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        result.predictions_path, result.metrics_path = out / "predictions.jsonl", out / "metrics.json"
-        atomic_write_text(
-            result.predictions_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        )
-        atomic_write_text(result.metrics_path, json.dumps({"mode": mode, **metrics}, indent=2) + "\n")
+        _write_evaluation(result, out_dir)
     return result
 
 

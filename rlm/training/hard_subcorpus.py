@@ -51,10 +51,10 @@ def hard_subcorpus_from_buffer(
 ) -> list[str]:
     """H_k from the fixed buffer B, which already holds the initial passage tower's embeddings: the dev
     questions' gold passages + their top-k rows of B by <f_0(x), B_y>, with no corpus pass of its own. With
-    several processes each scans its share of B (`rlm.training.strategies.Processes`); all return the same ids."""
+    several processes each scans its share of B (`retriever.distributed.Processes`); all return the same ids."""
     import torch
 
-    from rlm.training.strategies import Processes, ShardedRows, _slice_rows
+    from retriever.distributed import Processes, ShardedRows, slice_rows
 
     procs = procs or Processes()
     rows: set[int] = set()
@@ -68,7 +68,7 @@ def hard_subcorpus_from_buffer(
     if device is not None:
         queries = queries.to(device)
     start, stop = procs.part(len(buffer))
-    shard = ShardedRows(_slice_rows(buffer, start, stop), torch.arange(start, stop), procs)
+    shard = ShardedRows(slice_rows(buffer, start, stop), torch.arange(start, stop), procs)
     top = shard.topk(queries, None, min(k, len(buffer)), chunk_size=65536)
     rows.update(r for r in top.indices.reshape(-1).tolist() if r >= 0)
     return [corpus.ids[r] for r in sorted(rows)]

@@ -92,16 +92,8 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
     `reader_only` (the `schedule.reader_only_steps` warm-up) keeps the selection but trains the reader alone:
     steps 3-5 and 7 are skipped, so neither the retriever nor the corrector moves.
     """
-    beta, k_read = cfg.beta, cfg.reader.num_passages
-    reader = model.reader
-
     if not strategy.uses_passages or batch.reader_passages is not None:
-        # Closed book (no passages), or the curriculum's given passages: the reader alone, answer NLL only.
-        given = batch.reader_passages if strategy.uses_passages else None
-        inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
-        reader_loss = reader(**_reader_inputs(inputs)).loss
-        return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
-
+        return _reader_alone_step(model, batch, strategy)
     phase = model.timer  # per-phase wall time for the training benchmark; a no-op otherwise
     trains_retriever = strategy.trains_retriever and not reader_only
 
@@ -117,45 +109,24 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
     # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient.
     with phase("select"):
         top = strategy.select(queries.detach(), model.corrector)
-    rows, mask = top.indices, top.indices >= 0
+    rows = top.indices
     passages = [[(corpus[r].title, corpus[r].text) for r in row if r >= 0] for row in rows.tolist()]
 
-    # 3. p_y = g(y) for y in S_x with gradient; P~(y|x) = softmax(beta <q, p_y>) over S_x.
+    # 3-5 and 7: the retriever's and the corrector's losses.
     metrics: dict[str, float] = {}
     retriever_loss = corrector_loss = None
     if trains_retriever:
-        with phase("retriever"):
-            texts = corpus.retrieval_texts()
-            flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
-            fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
-            retriever_logits = beta * _scores(queries, fresh)
-
-        # 4. The reader scores each passage alone, without gradient: log P(a | y, x).
-        with phase("reader_scoring"):
-            answer_logprobs = _pad_scores(
-                score_passages(
-                    reader, batch.questions, passages, batch.answers, reduction=cfg.reader.score_reduction
-                ),
-                rows.shape,
-            )
-
-        # 5. Retriever loss L = KL(P_a || P~) (perplexity distillation, Eq. 8).
-        retriever_loss = perplexity_distillation_loss(
-            retriever_logits, answer_logprobs, mask, cfg.reader_temperature
+        retriever_loss, corrector_loss = _retriever_and_corrector_losses(
+            model, batch, strategy, corpus, cfg, queries, rows, passages, metrics
         )
-        metrics["retriever_loss"] = float(retriever_loss.detach())
-
-        # 7. Corrector loss l = CE(P~ (detached), P~_h), P~_h from <q (detached), h(B_y)>.
-        with phase("corrector"):
-            corrector_loss, quality = corrector_step_loss(
-                model, strategy, queries, rows, mask, fresh, retriever_logits, beta, cfg
-            )
-        metrics.update(quality)
 
     # 6. Reader loss L' = NLL of the answer from the FiD reader over the selected passages.
     with phase("reader"):
+        k_read = cfg.reader.num_passages
         read = passages if k_read is None else [p[:k_read] for p in passages]
-        reader_loss = reader(**_reader_inputs(model.collator(batch.questions, read, batch.answers))).loss
+        reader_loss = model.reader(
+            **_reader_inputs(model.collator(batch.questions, read, batch.answers))
+        ).loss
     metrics["reader_loss"] = float(reader_loss.detach())
 
     # 8. Retriever and reader on (L + L') / 2, the corrector on w * l; stop-gradients keep them apart.
@@ -165,6 +136,46 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
         terms["retriever"] = retriever_loss
         loss = (retriever_loss + reader_loss) / 2
     return with_corrector_term(loss, terms, metrics, corrector_loss, cfg.corrector.weight)
+
+
+def _reader_alone_step(model, batch: Batch, strategy) -> StepOutput:
+    """Closed book (no passages), or the curriculum's given passages: the reader alone, answer NLL only."""
+    given = batch.reader_passages if strategy.uses_passages else None
+    inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
+    reader_loss = model.reader(**_reader_inputs(inputs)).loss
+    return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
+
+
+def _retriever_and_corrector_losses(model, batch, strategy, corpus, cfg, queries, rows, passages, metrics):
+    """Algorithm 2's steps 3-5 and 7 over S_x (`rows`, -1 where fewer were found): (L, l)."""
+    phase, beta, mask = model.timer, cfg.beta, rows >= 0
+
+    # 3. p_y = g(y) for y in S_x with gradient; P~(y|x) = softmax(beta <q, p_y>) over S_x.
+    with phase("retriever"):
+        texts = corpus.retrieval_texts()
+        flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
+        fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
+        retriever_logits = beta * _scores(queries, fresh)
+
+    # 4. The reader scores each passage alone, without gradient: log P(a | y, x).
+    with phase("reader_scoring"):
+        reduction = cfg.reader.score_reduction
+        scores = score_passages(model.reader, batch.questions, passages, batch.answers, reduction=reduction)
+        answer_logprobs = _pad_scores(scores, rows.shape)
+
+    # 5. Retriever loss L = KL(P_a || P~) (perplexity distillation, Eq. 8).
+    retriever_loss = perplexity_distillation_loss(
+        retriever_logits, answer_logprobs, mask, cfg.reader_temperature
+    )
+    metrics["retriever_loss"] = float(retriever_loss.detach())
+
+    # 7. Corrector loss l = CE(P~ (detached), P~_h), P~_h from <q (detached), h(B_y)>.
+    with phase("corrector"):
+        corrector_loss, quality = corrector_step_loss(
+            model, strategy, queries, rows, mask, fresh, retriever_logits, beta, cfg
+        )
+    metrics.update(quality)
+    return retriever_loss, corrector_loss
 
 
 def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:

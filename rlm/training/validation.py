@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from retriever.alignment import alignment_metrics
+from retriever.distributed import Processes, ShardedRows
 from retriever.search import TopK
 from rlm.inference.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
-from rlm.training.strategies import Processes, ShardedRows, strategy_class
+from rlm.training.strategies import strategy_class
 
 SUBCORPUS_FILE = "dev_subcorpus.txt"
 
@@ -100,7 +101,7 @@ def selection_retrieve(
     """Top-k passages per query by the training strategy's own scoring (h(B) for the corrector, the buffer as
     last refreshed for the others): nothing re-embedded. Every process gets every query's passages; with
     `procs`, each brings only its share of the queries to the strategy's search."""
-    top = _per_question(queries, procs or Processes(), lambda mine: strategy.top(mine, corrector, k))
+    top = _per_question(queries, procs or Processes(), lambda mine: strategy.select(mine, corrector, k=k))
     return _as_retrieved(top, corpus)
 
 

@@ -1,0 +1,168 @@
+"""Rows spread over data-parallel processes: each process's share, a top-k merged across all of them, and
+re-embedded rows kept on disk as one fp16 file per process.
+
+Nothing here knows about training: `Processes` carries the rank, the world size and the collectives (from
+accelerate in training, from threads in tests), so the same code runs with one process, two CPU processes
+(gloo) or many GPUs (NCCL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from atomicio import atomic_open
+from retriever.buffer import PassageBuffer
+from retriever.search import TopK, corrected_topk, sort_desc_then_row, two_stage_corrected_topk
+
+
+def _all_gather_identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def _no_barrier() -> None:
+    return None
+
+
+@dataclass
+class Processes:
+    """This process's place among the data-parallel processes, and the collectives a sharded search needs:
+    `gather` all-gathers a tensor along dim 0 (same shape on every process), `barrier` waits for all.
+
+    `device` is where `gather`'s tensors must live: NCCL takes only tensors on this process's GPU, gloo takes
+    host tensors too (None: where they are, which a CPU-only 2-process test cannot tell apart)."""
+
+    rank: int = 0
+    world: int = 1
+    gather: Callable[[Tensor], Tensor] = field(default=_all_gather_identity)
+    barrier: Callable[[], None] = field(default=_no_barrier)
+    gather_object: Callable[[list], list] = field(default=list)  # concatenates every process's list, in order
+    device: torch.device | None = None
+
+    def part(self, n: int) -> tuple[int, int]:
+        """This process's contiguous share [start, stop) of n rows."""
+        per = -(-n // self.world)
+        return min(self.rank * per, n), min((self.rank + 1) * per, n)
+
+
+def slice_rows(source: PassageBuffer, start: int, stop: int) -> PassageBuffer:
+    """Rows [start, stop) of a (memory-mapped) buffer as a buffer of views: nothing is copied."""
+    views = []
+    for offset, block in source.iter_chunks(max(len(source), 1)):  # one chunk per shard
+        lo, hi = max(start, offset), min(stop, offset + block.shape[0])
+        if lo < hi:
+            views.append(block[lo - offset : hi - offset])
+    if not views:
+        return PassageBuffer(range(0), [torch.empty(0, source.dim, dtype=source.dtype)])
+    return PassageBuffer(range(stop - start), views)
+
+
+class ShardedRows:
+    """Rows [n, D] one process scans, with the corpus row of each; a top-k is merged across all processes.
+
+    Every process scores every process's queries against its own rows (queries are all-gathered, so a process
+    needs only its share of the rows), then the per-process top-k lists are all-gathered and each process keeps
+    the global top-k of its own queries. The result equals the top-k over all rows under the ordering contract
+    of `retriever.search` (score descending, then row ascending). With one process nothing is gathered.
+    """
+
+    def __init__(self, vectors: PassageBuffer | Tensor, row_ids: Tensor, procs: Processes):
+        self.vectors, self.row_ids, self.procs = vectors, row_ids, procs
+
+    def topk(self, queries: Tensor, corrector, k: int, chunk_size: int, two_stage=None) -> TopK:
+        """`two_stage` = (faiss index over these rows or None for a stale scan, candidates, nprobe): Appendix
+        B.2's search instead of every row through h."""
+        procs = self.procs
+        all_queries = procs.gather(queries)  # [W*B, D]
+        scores, rows = self._local_topk(all_queries, corrector, k, chunk_size, two_stage)
+        if procs.world == 1:
+            return TopK(scores[:, :k], rows[:, :k])
+        # Pad to k columns so every process contributes the same shape (-inf scores never win).
+        pad = k - scores.shape[1]
+        if pad > 0:
+            scores = torch.cat([scores, scores.new_full((scores.shape[0], pad), float("-inf"))], 1)
+            rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), -1)], 1)
+        scores = procs.gather(scores.contiguous())  # [W * W*B, k], process-major
+        rows = procs.gather(rows.contiguous())
+        batch = queries.shape[0]
+        mine = slice(procs.rank * batch, (procs.rank + 1) * batch)
+        scores = torch.cat([part[mine] for part in scores.chunk(procs.world)], dim=1)
+        rows = torch.cat([part[mine] for part in rows.chunk(procs.world)], dim=1)
+        # Row ascending first (padding -1 sorts first but carries -inf), then a stable sort by score.
+        scores, rows = sort_desc_then_row(scores, rows)
+        return TopK(scores[:, :k], rows[:, :k])
+
+    def _local_topk(
+        self, queries: Tensor, corrector, k: int, chunk_size: int, two_stage
+    ) -> tuple[Tensor, Tensor]:
+        """(scores, corpus rows) of the top-k among this process's rows; -1 where fewer than k were found."""
+        count = len(self.vectors)
+        if not count:  # a process with no rows (more processes than rows) still takes part in the gathers
+            return (
+                torch.empty(queries.shape[0], 0, device=queries.device),
+                torch.empty(queries.shape[0], 0, dtype=torch.long, device=queries.device),
+            )
+        if two_stage is None:
+            local = corrected_topk(queries, self.vectors, corrector, min(k, count), chunk_size=chunk_size)
+        else:
+            index, candidates, nprobe = two_stage
+            local = two_stage_corrected_topk(
+                queries,
+                self.vectors,
+                corrector,
+                min(k, count),
+                index,
+                candidates,
+                nprobe=nprobe,
+                chunk_size=chunk_size,
+            )
+        found = local.indices >= 0  # an approximate index may return fewer than k
+        row_ids = self.row_ids.to(local.indices.device)[local.indices.clamp_min(0)]
+        return local.scores, torch.where(found, row_ids, torch.full_like(row_ids, -1))
+
+
+class RefreshedRows:
+    """Re-embedded rows of the corpus (n of them): on disk as fp16 files (one per process) under a step's
+    folder, memory-mapped for reading any row, plus this process's own share in memory for scanning."""
+
+    def __init__(self, whole: PassageBuffer, mine: Tensor | None):
+        self.whole, self.mine = whole, mine
+
+    @staticmethod
+    def file_name(rank: int, start: int, stop: int) -> str:
+        return f"rank{rank:05d}_rows{start}-{stop}.npy"
+
+    @classmethod
+    def write(cls, folder: Path, procs: Processes, sharded: bool, n: int, part: Tensor) -> RefreshedRows:
+        """Write this process's `part` (its share when `sharded`, else all n rows); every process calls it."""
+        start, stop = procs.part(n) if sharded else (0, n)
+        folder.mkdir(parents=True, exist_ok=True)
+        final = folder / cls.file_name(procs.rank, start, stop)
+        with atomic_open(final, "wb") as fh:  # a file under its final name is complete
+            np.save(fh, part.to(torch.float16).cpu().numpy())
+        procs.barrier()  # every process's share is on disk before anyone opens them
+        return cls.open(folder, procs, sharded, n, mine=part)
+
+    @classmethod
+    def open(cls, folder: Path, procs: Processes, sharded: bool, n: int, mine: Tensor | None = None):
+        if sharded:
+            names = [cls.file_name(r, *Processes(r, procs.world).part(n)) for r in range(procs.world)]
+        else:
+            names = [cls.file_name(procs.rank, 0, n)]
+        missing = [name for name in names if not (folder / name).exists()]
+        if missing:
+            raise FileNotFoundError(
+                f"refreshed rows {missing} not found in {folder}: the run folder is incomplete"
+            )
+        blocks = [torch.from_numpy(np.load(folder / name, mmap_mode="c")) for name in names]
+        blocks = [b for b in blocks if b.shape[0]]
+        whole = PassageBuffer(range(n), blocks)
+        if mine is None:
+            start, stop = procs.part(n) if sharded else (0, n)
+            mine = whole.rows(torch.arange(start, stop))
+        return cls(whole, mine)

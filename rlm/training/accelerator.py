@@ -1,0 +1,276 @@
+"""The accelerate side of training: the accelerator (mixed precision, trackers, process-group timeout),
+DeepSpeed's batch sizes, where each process keeps the rows it scans, and the per-step collectives (a
+non-finite loss anywhere skips the step everywhere; losses averaged over processes; per-component clipping).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import yaml
+from accelerate import Accelerator
+from accelerate.utils import (
+    DistributedDataParallelKwargs,
+    DistributedType,
+    InitProcessGroupKwargs,
+    gather_object,
+)
+
+from retriever.distributed import Processes
+from rlm.config import TrainConfig, dump_config
+from rlm.errors import UserError
+from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
+from rlm.training import checkpointing
+from rlm.training.selection import SelectionStrategy
+
+
+class DeepSpeedClippingWarning(UserWarning):
+    """DeepSpeed clips one global gradient norm where DDP clips each component."""
+
+
+def trackers(report_to: str) -> list[str] | None:
+    """accelerate's `log_with` for `report_to`; W&B is an extra (`pip install .[wandb]`)."""
+    wanted = {"tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}.get(
+        report_to, []
+    )
+    if "wandb" in wanted:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError(
+                f"report_to={report_to} needs Weights & Biases: pip install 'rlm-corrector[wandb]'"
+            ) from None
+    return wanted or None
+
+
+def tracked_config(cfg: TrainConfig) -> dict:
+    """The run config as trackers store hyperparameters: flat keys, numbers, text and booleans only."""
+    flat = checkpointing.flat_config(yaml.safe_load(dump_config(cfg)) or {})
+    return {k: v if isinstance(v, bool | int | float | str) else str(v) for k, v in flat.items()}
+
+
+def launched_with_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def make_accelerator(cfg: TrainConfig) -> Accelerator:
+    cuda, deepspeed = torch.cuda.is_available(), launched_with_deepspeed()
+    # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
+    backend = {"backend": "gloo"} if deepspeed and not cuda else {}
+    handlers = [
+        DistributedDataParallelKwargs(find_unused_parameters=True),
+        InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout_s), **backend),
+    ]
+    # Training runs on CPU without CUDA, or with cfg.cpu (which DeepSpeed ignores: it finds the GPU itself).
+    on_cpu = not cuda or (cfg.cpu and not deepspeed)
+    mixed_precision, message = cfg.mixed_precision, None
+    if on_cpu and cfg.mixed_precision == "bf16":
+        # bf16 emulated on a CPU without AVX512-BF16/AMX makes every step ~18x slower. The choice comes from
+        # the CPU flags, the same on every process of a machine (checked below); the probe is only reported.
+        choice = cpu_mixed_precision("bf16", force=cfg.force_cpu_bf16, support=cpu_bf16_support())
+        mixed_precision, message = choice.mixed_precision, choice.warning
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launcher is not None and launcher != cfg.mixed_precision and os.environ.get("RANK", "0") == "0":
+        # One place decides: the run config (saved with every checkpoint and compared on resume).
+        warnings.warn(
+            f"the accelerate launcher config asks for mixed_precision={launcher}; the run config's "
+            f"mixed_precision={cfg.mixed_precision} is used (set it with --set mixed_precision=...)",
+            stacklevel=2,
+        )
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision,
+        # Without CUDA, accelerate must be told it is on CPU, or torchrun ranks run as unrelated processes;
+        # under DeepSpeed that would silently train plain DDP instead (DeepSpeed finds the CPU itself).
+        cpu=(cfg.cpu or not cuda) and not deepspeed,
+        log_with=trackers(cfg.report_to),
+        project_dir=cfg.output_dir,
+        # The schedule is stepped once per optimizer step by the loop: accelerate's own stepping advances it
+        # once per process per step, W times too fast with W processes.
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=handlers,
+    )
+    if on_cpu and cfg.mixed_precision == "bf16":
+        if accelerator.num_processes > 1:
+            # Processes on different machines could read different flags (or, without flags, time the probe
+            # differently); a DDP/DeepSpeed run whose ranks train in different precisions must not start.
+            chosen = gather_object([mixed_precision])
+            if len(set(chosen)) > 1:
+                raise UserError(
+                    f"the processes disagree on bf16 support of their CPUs ({chosen}): set mixed_precision=no, "
+                    "or mixed_precision=bf16 with force_cpu_bf16=true"
+                )
+        if message and accelerator.is_local_main_process:
+            warnings.warn(message, CpuBf16Warning, stacklevel=2)
+    return accelerator
+
+
+def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps: int) -> None:
+    """Fill DeepSpeed's batch sizes from our config (there is no prepared DataLoader for accelerate to read them
+    from) and refuse a launcher config that contradicts it."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    wanted = {
+        "train_micro_batch_size_per_gpu": optim_cfg.batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "train_batch_size": optim_cfg.batch_size * accumulation_steps * accelerator.num_processes,
+        # DeepSpeed clips inside its step, with one global norm (per-component clipping is not possible there).
+        "gradient_clipping": optim_cfg.max_grad_norm,
+    }
+    if optim_cfg.max_grad_norm > 0 and accelerator.is_main_process:
+        warnings.warn(
+            "under DeepSpeed the gradients of reader, retriever and corrector are clipped together, to one "
+            f"global norm of {optim_cfg.max_grad_norm} (DDP clips each component alone): a large corrector "
+            "gradient (loss weight corrector.weight) shrinks the reader's and retriever's steps too. The norm "
+            "is logged as grad_norm_global; docs/training.md compares the two on the toy world.",
+            DeepSpeedClippingWarning,
+            stacklevel=2,
+        )
+    for key, value in wanted.items():
+        have = ds.get(key, "auto")
+        if have in ("auto", None):
+            ds[key] = value
+        elif float(have) != value:
+            raise UserError(
+                f"the DeepSpeed config sets {key}={have} but the run config needs {value} (optim.batch_size, "
+                "optim.questions_per_step / gradient_accumulation_steps and the process count); set it to "
+                "'auto' in the accelerate config"
+            )
+
+
+def processes(accelerator: Accelerator) -> Processes:
+    return Processes(
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.gather,
+        accelerator.wait_for_everyone,
+        gather_object,
+        device=accelerator.device,  # NCCL gathers only tensors on this process's GPU
+    )
+
+
+def placement_device(placement: str, accelerator: Accelerator, nbytes: int) -> torch.device | None:
+    """Where a process keeps the rows it scans: None = host memory (streamed), else a device. "auto" takes the
+    GPU when the rows fit in half of its free memory (the rest is the models' and activations')."""
+    device = accelerator.device
+    if placement == "host" or (placement == "auto" and device.type != "cuda"):
+        return None
+    if placement == "auto":
+        free, _ = torch.cuda.mem_get_info(device)
+        if nbytes > free // 2:
+            return None
+    return device
+
+
+def distribute_strategy(strategy: SelectionStrategy, cfg: TrainConfig, accelerator: Accelerator) -> None:
+    """Shard the strategy's rows across the processes (by default when there are several), place them, and
+    give refreshes a folder in the run (checkpoints reference their files)."""
+    world = accelerator.num_processes
+    shard = world > 1 if cfg.strategy.shard_buffer is None else cfg.strategy.shard_buffer
+    procs = processes(accelerator)
+    per_process = len(strategy.buffer) // (world if shard else 1) + 1
+    nbytes = per_process * strategy.buffer.dim * strategy.buffer.dtype.itemsize
+    device = placement_device(cfg.buffer.placement, accelerator, nbytes)
+    strategy.distribute(procs, shard, device, refresh_dir=Path(cfg.output_dir) / "refresh")
+    if strategy.sharded:
+        accelerator.print(f"buffer sharded across {world} processes")
+    if device is not None:
+        accelerator.print(f"scanned rows on {device} ({nbytes / 2**30:.2f} GiB per process)")
+
+
+def finite_on_every_process(accelerator: Accelerator, loss: torch.Tensor) -> bool:
+    """Whether `loss` is finite on all processes: every process must take the same decision, or DDP's
+    collectives would deadlock. A sum of non-finite flags (accelerate's reduce knows sum, mean and max)."""
+    bad = (~torch.isfinite(loss.detach())).float().reshape(1).to(accelerator.device)
+    return float(accelerator.reduce(bad, "sum")) == 0
+
+
+def clip_per_component(accelerator: Accelerator, optimizer, max_norm: float) -> dict[str, float]:
+    """Clip each component's gradient (one parameter group each) to `max_norm` on its own and return the norms.
+
+    One global norm would let one component's loss shrink another's update (the corrector term, weight 10,
+    would scale the reader's and retriever's steps), which the paper's stop-gradients keep apart. Under
+    DeepSpeed the engine clips (one global norm, `gradient_clipping` in its config) inside its step.
+    """
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # The engine has stepped already (in the window's last backward); its one norm is what it clipped.
+        norm = optimizer_engine_norm(accelerator)
+        return {} if norm is None else {"grad_norm_global": norm}
+    accelerator.unscale_gradients()  # fp16: clip the true gradients (a no-op otherwise)
+    norms = {}
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+            norms[f"grad_norm_{group['name']}"] = float(norm)
+    return norms
+
+
+def optimizer_engine_norm(accelerator: Accelerator) -> float | None:
+    """The global gradient norm DeepSpeed's last step clipped with (None when it reports none)."""
+    engines = [m for m in accelerator._models if hasattr(m, "get_global_grad_norm")]
+    norm = engines[0].get_global_grad_norm() if engines else None
+    return None if norm is None else float(norm)
+
+
+LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
+
+
+def mean_over_processes(accelerator: Accelerator, sums: dict[str, float]) -> dict[str, float]:
+    """The step's losses averaged over every process's micro-batches (what the step optimised), not rank 0's
+    alone; other figures stay this process's. Every process has the same loss keys: they follow the step's
+    phase, which all share."""
+    keys = [k for k in LOSS_KEYS if k in sums]
+    if accelerator.num_processes == 1 or not keys:
+        return sums
+    local = torch.tensor([sums[k] for k in keys], dtype=torch.float32, device=accelerator.device)
+    mean = accelerator.reduce(local, reduction="mean")
+    return {**sums, **dict(zip(keys, mean.tolist()))}
+
+
+def zero_loss(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """What a skipped window backpropagates. DDP: the step's own graph, zeroed (DDP must see the graph it
+    prepared in forward; the window's gradients are dropped afterwards). DeepSpeed steps inside backward at the
+    window's end, so there the skipped micro-batches contribute exact zeros (a graph over the parameters
+    alone, free of the NaN) and the window's earlier micro-batches make the step."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return sum(p.sum() * 0.0 for p in model.parameters() if p.requires_grad)
+    return loss.nan_to_num(0.0) * 0.0
+
+
+@contextlib.contextmanager
+def engine_step_held(accelerator: Accelerator, optimizer, hold: bool) -> Iterator[None]:
+    """Under DeepSpeed the last backward of a window runs the optimizer step itself, on the window's finite
+    micro-batches. For a skipped window that step must not move the parameters: every group's learning rate
+    is 0 for it (no update, no weight decay), restored after. AdamW's moments do take in the finite
+    micro-batches' gradients, which DDP's skip (no optimizer step at all, in `train_step`) leaves out."""
+    if not hold or accelerator.distributed_type != DistributedType.DEEPSPEED:
+        yield
+        return
+    groups = optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+
+
+def use_fp32_master_weights(model: torch.nn.Module) -> None:
+    """Under DeepSpeed the module holds the step's precision (bf16 with mixed precision) and the optimizer the
+    fp32 master weights; `final/` gets the latter (gathered from the ZeRO partitions), as an fp32 run would.
+    Called after the last step and validation: the module is not trained further."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    for param in model.parameters():
+        master = safe_get_full_fp32_param(param) if param.requires_grad else None
+        param.data = (master if master is not None else param.data).to(param.device, torch.float32)

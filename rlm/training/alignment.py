@@ -1,0 +1,84 @@
+"""DAFT's alignment stage (stage 1): the query tower trains alone at the start of the retriever's training,
+until it agrees with the passage tower, then both train. Also the collapse check that stops a run whose
+query tower maps every question to nearly the same vector (what a light query tower does unaligned).
+
+The stage is measured by the kNN KL between the towers every `retriever.align_every` steps; it ends below
+`retriever.align_kl`, after `retriever.align_patience` measurements without a new best, or after
+`retriever.align_steps`. Every process measures the same questions, so they all decide alike.
+"""
+
+from __future__ import annotations
+
+from retriever.alignment import alignment_metrics
+
+
+class RepresentationCollapseError(RuntimeError):
+    """The query tower maps every dev question to nearly the same vector (DAFT's collapse)."""
+
+
+def check_collapse(retriever_cfg, metrics: dict, step: int) -> None:
+    """Stop the run (every process sees the same figures) when the query tower has collapsed."""
+    cosine, limit = metrics.get("dev_query_mean_cosine"), retriever_cfg.collapse_cosine
+    if cosine is not None and limit is not None and cosine > limit:
+        raise RepresentationCollapseError(
+            f"step {step}: the query tower has collapsed: the dev questions' query embeddings have a mean "
+            f"pairwise cosine of {cosine:.4f} > retriever.collapse_cosine={limit} (every question retrieves "
+            "nearly the same passages). A light query tower needs aligning first (DAFT); otherwise lower "
+            "optim.lr_retriever. Set retriever.collapse_cosine=null to train on anyway."
+        )
+
+
+class AlignmentStage:
+    """Where the stage stands: it starts at `first_step` (the retriever's first update) and, while it runs,
+    leaves the passage tower and the corrector out of every step. Saved with checkpoints."""
+
+    def __init__(self, retriever_cfg, first_step: int, batch_size: int):
+        self.cfg, self.first, self.batch_size = retriever_cfg, first_step, batch_size
+        self.end: int | None = None  # the step it ended at (None while it runs, or when there is none)
+        self.best = float("inf")  # the best kNN KL so far
+        self.stalled = 0  # measurements since it last fell
+
+    def active(self, step: int) -> bool:
+        """Whether optimizer step `step` (0-based) is in the stage."""
+        return self.end is None and self.first <= step < self.first + self.cfg.align_steps
+
+    def train_query_tower_only(self, model) -> None:
+        """Drop the gradients of the passage tower and the corrector (AdamW skips parameters without one)."""
+        frozen = [*model.retriever.passage_tower.parameters()]
+        frozen += [*model.corrector.parameters()] if model.corrector is not None else []
+        for p in frozen:
+            p.grad = None
+
+    def after_step(self, step: int, retriever, questions: list[str], record: dict) -> str | None:
+        """After optimizer step `step` of the stage (`step` steps done): measure when due, add the figures to
+        `record`; returns why the stage ended, or None while it goes on."""
+        rc = self.cfg
+        last = step >= self.first + rc.align_steps
+        if (step - self.first) % rc.align_every and not last:
+            return None
+        metrics = alignment_metrics(retriever, questions, self.batch_size)
+        kl = metrics["query_passage_knn_kl"]
+        record.update(
+            {"align_knn_kl": round(kl, 4), "align_query_mean_cosine": round(metrics["query_mean_cosine"], 4)}
+        )
+        check_collapse(rc, {"dev_query_mean_cosine": metrics["query_mean_cosine"]}, step)
+        if kl < self.best:
+            self.best, self.stalled = kl, 0
+        else:
+            self.stalled += 1
+        reason = None
+        if rc.align_kl is not None and kl < rc.align_kl:
+            reason = f"kNN KL {kl:.2f} < retriever.align_kl={rc.align_kl}"
+        elif self.stalled >= rc.align_patience:
+            reason = f"kNN KL has not fallen for {rc.align_patience} measurements (best {self.best:.2f})"
+        elif last:
+            reason = f"retriever.align_steps={rc.align_steps} reached (kNN KL {kl:.2f})"
+        if reason is not None:
+            self.end = record["align_end"] = step
+        return reason
+
+    def state_dict(self) -> dict:
+        return {"end": self.end, "best": self.best, "stalled": self.stalled}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.end, self.best, self.stalled = state["end"], state["best"], state["stalled"]

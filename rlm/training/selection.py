@@ -1,0 +1,173 @@
+"""What every selection strategy is: a policy over one search primitive (`retriever.selection.RowSearch`).
+
+A strategy decides which rows are scanned at this step (the fixed buffer B, a re-embedded copy, a subset),
+when they are re-embedded, whether h corrects them and whether the retriever trains; the search does the rest
+(sharding, device placement, two-stage search, the h(B) cache). `rlm.training.strategies` lists the strategies.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from retriever.buffer import PassageBuffer
+from retriever.distributed import Processes
+from retriever.search import TopK, complete_selection
+from retriever.selection import RowSearch, TwoStage
+
+# Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
+EmbedRows = Callable[[Sequence[int]], torch.Tensor]
+
+
+class SelectionStrategy:
+    """Base: stale top-k over the fixed buffer, nothing re-embedded. Subclasses change one thing each.
+
+    Rows that are read one by one (Algorithm 1's label and uniform negatives, the corrector loss's B_y) come
+    from the whole memory-mapped buffer, where only those rows are touched.
+    """
+
+    # What a strategy is, for everything outside this module (building components, validation, config checks):
+    name = "stale"
+    algorithms = (1, 2)  # the paper's algorithms it takes part in
+    trains_retriever = True
+    uses_passages = True  # False: the reader answers closed book (nothing selected, nothing retrieved)
+    uses_corrector = False  # a corrector network h is built, trained and used for selection
+    scans_fixed_buffer = True  # selects from B as built (never re-embedded): an index over B stays valid
+    shares_batch = False  # every question of a batch scores the union of the batch's S_x
+
+    def __init__(
+        self,
+        cfg,
+        buffer: PassageBuffer,
+        max_steps: int,
+        seed: int = 0,
+        chunk_size: int = 65536,
+        start_step: int = 0,
+        stop_step: int | None = None,
+    ):
+        self.cfg = cfg  # rlm.config.StrategyConfig
+        self.buffer = buffer  # the fixed stale buffer B; the corrector always reads this one
+        self.max_steps = max_steps
+        # The first step that updates the retriever (Algorithm 2's reader-only warm-up keeps it frozen
+        # before): re-embedding schedules count from here, since re-embedding an unchanged tower buys nothing.
+        self.start_step = start_step
+        # The step after the retriever's last update (Algorithm 2's final reader-only phase comes after it):
+        # a refresh later than this would re-embed a tower that has not moved since.
+        self.stop_step = max_steps if stop_step is None else stop_step
+        self.reembedded = 0  # passages re-embedded so far, each counted once over all processes
+        self.generator = torch.Generator().manual_seed(seed)  # uniform negatives, SNM subsets
+        self.procs, self.sharded = Processes(), False
+        self.refresh_dir: Path | None = None  # where refreshed rows are written (None: kept in memory)
+        self.refresh_step: int | None = None  # the step before which the scanned rows were last re-embedded
+        two_stage = None
+        if cfg.search == "two_stage":
+            two_stage = TwoStage(cfg.candidates, cfg.first_stage, cfg.index_factory, cfg.nprobe)
+        self.search = RowSearch(chunk_size, two_stage, cache_bytes=cfg.cache_corrected_mb * 2**20)
+        self.search.set_rows(len(buffer), whole=buffer)
+        self.metrics: dict[str, float] = {}  # logged with the step, then cleared (`pop_metrics`)
+
+    def distribute(
+        self,
+        procs: Processes,
+        shard: bool,
+        device: torch.device | None = None,
+        refresh_dir: str | Path | None = None,
+    ) -> None:
+        """Shard the scanned rows across `procs` (`shard`), keep them on `device` (None: host memory, streamed),
+        and write refreshed rows as fp16 files under `refresh_dir` (on a filesystem every process sees)."""
+        self.procs, self.sharded = procs, shard and procs.world > 1
+        self.search.place(procs, shard, device)
+        self.refresh_dir = Path(refresh_dir) if refresh_dir is not None else None
+
+    @property
+    def k(self) -> int:
+        return self.cfg.k
+
+    def before_step(self, step: int, embed_rows: EmbedRows) -> None:
+        """Called first at optimizer step `step` (0-based): refreshing strategies re-embed here, and two-stage
+        search measures itself against exact every `overlap_every` steps."""
+        if step % self.cfg.overlap_every == 0:
+            self.search.measure_overlap()
+        self.refresh(step, embed_rows)
+
+    def refresh(self, step: int, embed_rows: EmbedRows) -> None:
+        """Re-embed what this strategy re-embeds before step `step`, if it is due."""
+
+    def refreshes_at(self, step: int) -> bool:
+        """Whether `before_step(step)` replaces the scanned rows before anything reads them."""
+        return False
+
+    def search_space(self) -> PassageBuffer | Tensor:
+        """The rows scored at this step (row i = corpus row i; SNM: its subset)."""
+        return self.buffer
+
+    def extra_rows_source(self) -> PassageBuffer | Tensor:
+        """Where Algorithm 1's forced and uniform rows are scored from (row i = corpus row i)."""
+        return self.search_space()
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics = {**self.metrics, **self.search.metrics}
+        self.metrics, self.search.metrics = {}, {}
+        return metrics
+
+    def select(
+        self,
+        queries: Tensor,
+        corrector: torch.nn.Module | None = None,
+        include: Tensor | None = None,
+        num_random: int = 0,
+        k: int | None = None,
+    ) -> TopK:
+        """Row indices (into the corpus / buffer) of S_x for each query, and their selection scores: the top `k`
+        (default `strategy.k`) by this strategy's scoring, plus Algorithm 1's forced rows (`include`) and
+        `num_random` uniform ones. Collective when sharded: every process calls it with as many queries."""
+        self.search_space()  # rows a loaded checkpoint references are opened before the search reads them
+        corrector = self._corrector_for_selection(corrector)
+        k = self.k if k is None else k
+        width = min(k + (0 if include is None else include.shape[1]), len(self.buffer))
+        top = self.search.topk(queries, corrector, width)
+        if include is None and not num_random:
+            return top
+        return complete_selection(
+            queries,
+            self.extra_rows_source(),
+            corrector,
+            top,
+            k,
+            include=include,
+            num_random=num_random,
+            generator=self.generator,
+        )
+
+    def _corrector_for_selection(self, corrector: torch.nn.Module | None) -> torch.nn.Module | None:
+        return None
+
+    def prune_refreshes(self, checkpoint_steps: Sequence[int]) -> None:
+        """Delete the refreshed rows (`refresh_dir/step_<s>`) that neither this step nor a kept checkpoint
+        needs; the main process calls it after every step, with the steps of the checkpoints it keeps.
+
+        A checkpoint taken after s optimizer steps references the refresh done before the latest step < s, but
+        a run resumed from it reads those rows only if step s does not refresh first (or if no step s follows).
+        With checkpoints every 2R steps, each one falls on a refresh: only the current refresh is kept, not
+        also the two the kept checkpoints reference (3 x 32 GB for 21M x 768 fp16 rows)."""
+        if self.refresh_dir is None or not self.refresh_dir.is_dir():
+            return
+        found = sorted(int(p.name[5:]) for p in self.refresh_dir.glob("step_*") if p.name[5:].isdigit())
+        keep = {self.refresh_step}
+        for s in checkpoint_steps:
+            if not (s < self.max_steps and self.refreshes_at(s)):
+                keep.add(max((r for r in found if r < s), default=None))
+        for r in found:
+            if r not in keep:
+                shutil.rmtree(self.refresh_dir / f"step_{r:07d}", ignore_errors=True)
+
+    def state_dict(self) -> dict:
+        return {"reembedded": self.reembedded, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reembedded = int(state["reembedded"])
+        self.generator.set_state(state["generator"])
