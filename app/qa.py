@@ -81,22 +81,13 @@ class QAService:
         policy (what `rlm calibrate` does before it fits a new one, which may replace an unreadable one). The
         index is on the GPU when the models are and faiss sees one (`rlm.inference.evaluation.index_on_gpu`).
         """
-        from rlm.data.corpus import load_corpus
         from rlm.inference import evaluation
 
-        root = Path(checkpoint)
-        if not root.is_dir():
-            raise FileNotFoundError(
-                f"checkpoint folder {root} not found: pass the final/ folder of a training run "
-                "(e.g. runs/quickstart/final; `rlm quickstart --no-serve` makes one)"
-            )
+        root = _checkpoint_folder(checkpoint)
         device = evaluation.inference_device(device)
         bf16 = evaluation.inference_bf16(device, bf16)
         retriever, reader, config = evaluation.load_checkpoint(root, device=device)
-        corpus_file = Path(corpus_path) if corpus_path else corpus_from_config(config, root)
-        if not corpus_file.is_file():
-            raise FileNotFoundError(f"corpus file {corpus_file} not found: pass --corpus PATH")
-        corpus = load_corpus(corpus_file, fingerprint_cache=root / FINGERPRINT_CACHE)
+        corpus_file, corpus = _checkpoint_corpus(root, config, corpus_path)
         retriever.eval()
         reader.eval()
         if index_path is not None:
@@ -105,14 +96,13 @@ class QAService:
             index = cached_corrected_index(root, corpus, buffer_path, device, show_progress)
         else:
             index = cached_index(root, retriever.passage_tower, corpus, show_progress, bf16)
-        default_k = min(evaluation.reader_passages_from_config(config, default=4), MAX_K)
         examples_file = Path(examples_path) if examples_path else corpus_file.parent / "dev.jsonl"
         service = cls(
             retriever,
             reader,
             corpus,
             index,
-            default_k=default_k,
+            default_k=min(evaluation.reader_passages_from_config(config, default=4), MAX_K),
             examples=example_questions(examples_file, num_examples),
             policy=AnswerPolicy.load(root) if load_policy else None,
             bf16=bf16,
@@ -217,6 +207,26 @@ class QAService:
     def warm_up(self) -> None:
         """Answer one question so the first user does not pay for lazy initialisation (about a second)."""
         self.answer(self.examples[0] if self.examples else "warm up", self.default_k)
+
+
+def _checkpoint_folder(checkpoint: str | os.PathLike) -> Path:
+    root = Path(checkpoint)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint folder {root} not found: pass the final/ folder of a training run "
+            "(e.g. runs/quickstart/final; `rlm quickstart --no-serve` makes one)"
+        )
+    return root
+
+
+def _checkpoint_corpus(root: Path, config: dict, corpus_path: str | os.PathLike | None):
+    """(corpus file, corpus): `corpus_path`, else the corpus the run trained on."""
+    from rlm.data.corpus import load_corpus
+
+    corpus_file = Path(corpus_path) if corpus_path else corpus_from_config(config, root)
+    if not corpus_file.is_file():
+        raise FileNotFoundError(f"corpus file {corpus_file} not found: pass --corpus PATH")
+    return corpus_file, load_corpus(corpus_file, fingerprint_cache=root / FINGERPRINT_CACHE)
 
 
 def corpus_from_config(config: dict, checkpoint: Path) -> Path:

@@ -361,6 +361,72 @@ def _check_or_write_build(folder: Path, settings: dict[str, Any], write: bool) -
 CPU_FORWARD_ROWS = 16
 
 
+def _shard_rows(settings: dict[str, Any], s: int) -> int:
+    return min(settings["shard_size"], settings["count"] - s * settings["shard_size"])
+
+
+def _incomplete_shards(folder: Path, settings: dict[str, Any], shard_indices: Sequence[int]) -> list[int]:
+    """The given shards without a complete file in `folder`, in the given order."""
+    return [
+        s
+        for s in shard_indices
+        if not _shard_is_complete(folder, s, _shard_rows(settings, s), settings["dim"], settings["dtype"])
+    ]
+
+
+def _tokenize_shard(
+    encoder, texts: Sequence[str], s: int, settings: dict[str, Any], stopping: threading.Event
+) -> list[np.ndarray]:
+    """Shard `s`'s texts tokenized unpadded, in corpus order; cut short once `stopping` is set."""
+    tokens: list[np.ndarray] = []
+    shard_size = settings["shard_size"]
+    stop = min((s + 1) * shard_size, settings["count"])
+    for start in range(s * shard_size, stop, TOKENIZE_CHUNK):
+        if stopping.is_set():  # the build stopped: no one will read this shard
+            break
+        chunk = [str(texts[i]) for i in range(start, min(start + TOKENIZE_CHUNK, stop))]
+        tokens.extend(encoder.tokenize_unpadded(chunk))
+    return tokens
+
+
+def _embed_tokens(
+    encoder,
+    tokens: list[np.ndarray],
+    settings: dict[str, Any],
+    device: torch.device,
+    step: int,
+    bar,
+    check: Callable[[], None] | None,
+) -> np.ndarray:
+    """One shard's rows, in corpus order: forwards of `step` rows of similar length, longest first."""
+    precision = settings["precision"]
+    order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
+    out = np.empty((len(tokens), settings["dim"]), dtype=DTYPES[settings["dtype"]])
+    for b in range(0, len(order), step):
+        if check is not None:
+            check()
+        rows = order[b : b + step]
+        batch = encoder.pad_token_rows([tokens[i] for i in rows])
+        with torch.inference_mode(), _precision_autocast(device, precision):
+            vectors = encoder(**{k: v.to(device) for k, v in batch.items()})
+        out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
+        bar.update(len(rows))
+    return out
+
+
+def _refuse_nonfinite_shard(
+    folder: Path, s: int, shard_size: int, out: np.ndarray, ids: Sequence[str]
+) -> None:
+    bad = nonfinite_rows(out)
+    if len(bad):  # refused before it is written, so a rerun embeds this shard again
+        raise _nonfinite_error(
+            f"{folder}: shard {s}",
+            s * shard_size + bad,
+            ids,
+            "fix the tower or the dtype and rerun the build",
+        )
+
+
 def embed_shards(
     ids: Sequence[str],
     texts: Sequence[str],
@@ -385,30 +451,12 @@ def embed_shards(
     rerun resumes).
     """
     folder = Path(out_dir)
-    count, dim, shard_size, dtype = (
-        settings["count"],
-        settings["dim"],
-        settings["shard_size"],
-        settings["dtype"],
-    )
-    precision = settings["precision"]
-    todo = []
-    for s in shard_indices:
-        rows = min(shard_size, count - s * shard_size)
-        if not _shard_is_complete(folder, s, rows, dim, dtype):
-            todo.append(s)
-    total = sum(min(shard_size, count - s * shard_size) for s in todo)
+    todo = _incomplete_shards(folder, settings, shard_indices)
+    total = sum(_shard_rows(settings, s) for s in todo)
     stopping = threading.Event()
 
     def read_tokens(s: int) -> list[np.ndarray]:
-        tokens: list[np.ndarray] = []
-        stop = min((s + 1) * shard_size, count)
-        for start in range(s * shard_size, stop, TOKENIZE_CHUNK):
-            if stopping.is_set():  # the build stopped: no one will read this shard
-                break
-            chunk = [str(texts[i]) for i in range(start, min(start + TOKENIZE_CHUNK, stop))]
-            tokens.extend(encoder.tokenize_unpadded(chunk))
-        return tokens
+        return _tokenize_shard(encoder, texts, s, settings, stopping)
 
     device = encoder.device
     # A CPU runs forwards of about 16 rows fastest (docs/results/bench_buffer_build.md, AVX2 EPYC: 34.7
@@ -424,25 +472,8 @@ def embed_shards(
             for n, s in enumerate(todo):
                 tokens = pending.result()
                 pending = reader.submit(read_tokens, todo[n + 1]) if n + 1 < len(todo) else None
-                order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
-                out = np.empty((len(tokens), dim), dtype=DTYPES[dtype])
-                for b in range(0, len(order), step):
-                    if check is not None:
-                        check()
-                    rows = order[b : b + step]
-                    batch = encoder.pad_token_rows([tokens[i] for i in rows])
-                    with torch.inference_mode(), _precision_autocast(device, precision):
-                        vectors = encoder(**{k: v.to(device) for k, v in batch.items()})
-                    out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
-                    bar.update(len(rows))
-                bad = nonfinite_rows(out)
-                if len(bad):  # refused before it is written, so a rerun embeds this shard again
-                    raise _nonfinite_error(
-                        f"{folder}: shard {s}",
-                        s * shard_size + bad,
-                        ids,
-                        "fix the tower or the dtype and rerun the build",
-                    )
+                out = _embed_tokens(encoder, tokens, settings, device, step, bar, check)
+                _refuse_nonfinite_shard(folder, s, settings["shard_size"], out, ids)
                 _write_shard(folder, s, out)
     finally:
         # A stopped build must not wait for the next shard's tokens (a stop signal has a grace period).
@@ -485,6 +516,33 @@ def finalize_buffer(out_dir: str | os.PathLike, ids: Sequence[str], settings: di
     (folder / BUILD_NAME).unlink(missing_ok=True)
 
 
+def _check_build_arguments(dtype: str, shard_size: int, batch_size: int, count: int) -> None:
+    if dtype not in DTYPES:
+        raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if shard_size < 1 or batch_size < 1:
+        raise InputError(f"shard_size and batch_size must be >= 1, got {shard_size} and {batch_size}")
+    if count == 0:
+        raise InputError("cannot build a passage buffer from an empty corpus")
+
+
+def _load_complete_buffer(folder: Path, settings: dict[str, Any]) -> PassageBuffer:
+    """The complete buffer in `folder`, refused when it was built with other settings."""
+    meta = json.loads((folder / META_NAME).read_text())
+    diff = {k: (meta.get(k), v) for k, v in settings.items() if meta.get(k) != v}
+    if diff:
+        details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
+        raise InputError(
+            f"{folder} already holds a complete buffer with other settings ({details}); "
+            "use another --out folder"
+        )
+    return PassageBuffer.load(folder)
+
+
+def _wait_for_everyone(accelerator) -> None:
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+
+
 def build_passage_buffer(
     ids: Sequence[str],
     texts: Sequence[str],
@@ -508,12 +566,7 @@ def build_passage_buffer(
     processes; every process returns the loaded buffer. `corpus_fingerprint`: the corpus's own
     (`Corpus.fingerprint`), else the (id, text) pairs are hashed (a pass over every passage).
     """
-    if dtype not in DTYPES:
-        raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    if shard_size < 1 or batch_size < 1:
-        raise InputError(f"shard_size and batch_size must be >= 1, got {shard_size} and {batch_size}")
-    if len(ids) == 0:
-        raise InputError("cannot build a passage buffer from an empty corpus")
+    _check_build_arguments(dtype, shard_size, batch_size, len(ids))
     folder = Path(out_dir)
     precision = resolve_precision(precision, encoder.device if accelerator is None else accelerator.device)
     settings = build_settings(
@@ -521,25 +574,12 @@ def build_passage_buffer(
     )
     rank, world = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
     is_main = accelerator is None or accelerator.is_main_process
-
-    def barrier() -> None:
-        if accelerator is not None:
-            accelerator.wait_for_everyone()
-
     if (folder / META_NAME).exists():
-        meta = json.loads((folder / META_NAME).read_text())
-        diff = {k: (meta.get(k), v) for k, v in settings.items() if meta.get(k) != v}
-        if diff:
-            details = "; ".join(f"{k}: folder has {a}, this build {b}" for k, (a, b) in diff.items())
-            raise InputError(
-                f"{folder} already holds a complete buffer with other settings ({details}); "
-                "use another --out folder"
-            )
-        return PassageBuffer.load(folder)
+        return _load_complete_buffer(folder, settings)
     if is_main:
         folder.mkdir(parents=True, exist_ok=True)
         _check_or_write_build(folder, settings, write=True)
-    barrier()
+    _wait_for_everyone(accelerator)
     _check_or_write_build(folder, settings, write=False)
     if accelerator is not None:
         encoder.to(accelerator.device)
@@ -554,10 +594,10 @@ def build_passage_buffer(
         show_progress=show_progress and is_main,
         check=check,
     )
-    barrier()
+    _wait_for_everyone(accelerator)
     if is_main:
         finalize_buffer(folder, ids, settings)
-    barrier()
+    _wait_for_everyone(accelerator)
     return PassageBuffer.load(
         folder,
         encoder_fingerprint=settings["encoder_fingerprint"],

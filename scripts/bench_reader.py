@@ -25,16 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from rlm.experiments.reporting import (
-    RESULTS,
-    command,
-    machine,
-    machine_line,
-    results_path,
-    run_json,
-    table,
-    write_report,
-)
+from rlm.experiments import reporting
 
 VARIANTS = {
     "fp32": {},
@@ -187,10 +178,10 @@ def markdown(results: dict) -> str:
     lines = [
         f"FiD reader, default SmallT5Config ({first['params'] / 1e6:.2f}M parameters), B={first['batch']} "
         f"K={first['passages']} L={first['length']} ({first['encoder_tokens']} encoder tokens a step). Command: "
-        f"`{results['command']}`; {machine_line(results['machine'])}. bf16 {'native' if bf16['native'] else 'emulated'} "
+        f"`{results['command']}`; {reporting.machine_line(results['machine'])}. bf16 {'native' if bf16['native'] else 'emulated'} "
         f"on this CPU ({bf16['reason']}; a bf16 matmul takes {bf16['probe_ratio']:.3g}x the float32 time).",
         "",
-        table(results["rows"], COLUMNS),
+        reporting.table(results["rows"], COLUMNS),
     ]
     if probe:
         lines += [
@@ -200,7 +191,7 @@ def markdown(results: dict) -> str:
         lines[-1] += "K passages x 256 tokens:"
         lines += [
             "",
-            table(probe, PROBE_COLUMNS),
+            reporting.table(probe, PROBE_COLUMNS),
             "",
             "Activations saved for backward per 256-token passage ",
         ]
@@ -231,7 +222,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--score-batch-size", type=int, default=None, help="pairs per score_passages pass")
-    default_corpus = RESULTS.parents[2] / "shared" / "data" / "wiki_sample" / "passages.jsonl"
+    default_corpus = reporting.RESULTS.parents[2] / "shared" / "data" / "wiki_sample" / "passages.jsonl"
     p.add_argument("--corpus", default=str(default_corpus), help="pyserini-style jsonl of passages")
     p.add_argument(
         "--variants",
@@ -239,7 +230,7 @@ def main() -> int:
         help=f"comma-separated subset of {list(VARIANTS)} (default: all; bf16-autocast only where the CPU "
         "has native bf16)",
     )
-    p.add_argument("--out", default=results_path("bench_reader"), help="output path stem")
+    p.add_argument("--out", default=reporting.results_path("bench_reader"), help="output path stem")
     p.add_argument(
         "--t5-base-probe",
         default="1,2",
@@ -279,16 +270,21 @@ def main() -> int:
         if getattr(args, name) is not None:
             common += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     me = [sys.executable, __file__]
-    results = {"command": command("bench_reader.py"), "machine": {**machine(), "threads": args.threads}}
+    results = {
+        "command": reporting.command("bench_reader.py"),
+        "machine": {**reporting.machine(), "threads": args.threads},
+    }
     results["cpu_bf16"] = {"native": bf16.native, "probe_ratio": bf16.ratio, "reason": bf16.reason}
-    results["rows"] = [run_json([*me, "--variant", v, *common], what=v) for v in variants]
+    results["rows"] = [reporting.run_json([*me, "--variant", v, *common], what=v) for v in variants]
     ks = [int(x) for x in args.t5_base_probe.split(",") if x.strip()]
     results["t5_base_probe"] = [
-        run_json([*me, "--probe-variant", v, "--probe-passages", str(k), *common], what=f"{v} probe")
+        reporting.run_json(
+            [*me, "--probe-variant", v, "--probe-passages", str(k), *common], what=f"{v} probe"
+        )
         for v in variants
         for k in ks
     ]
-    write_report(args.out, markdown(results), results)
+    reporting.write_report(args.out, markdown(results), results)
     return 0
 
 

@@ -23,16 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rlm.experiments import reporting
 from rlm.experiments.benchmarking import PeakRSS, best_of, clustered_buffer, corrector_moving, overlap
-from rlm.experiments.reporting import (
-    command,
-    machine,
-    machine_line,
-    results_path,
-    run_json,
-    table,
-    write_report,
-)
 
 D, HIDDEN, BATCH, K, CHUNK, CLUSTER = 384, 4 * 384, 64, 32, 65_536, 50
 
@@ -104,9 +96,9 @@ COLUMNS = [
 
 def markdown(results: dict) -> str:
     return (
-        f"# Retriever benchmark\n\nCommand: `{results['command']}`; {machine_line(results['machine'])}.\n\n"
+        f"# Retriever benchmark\n\nCommand: `{results['command']}`; {reporting.machine_line(results['machine'])}.\n\n"
         f"## Corrected top-k (D={D}, corrector {D}->{HIDDEN}->{D}, {BATCH} queries, k={K}, chunk {CHUNK}, fp16 "
-        f"buffer)\n\n{table(results['topk'], COLUMNS)}"
+        f"buffer)\n\n{reporting.table(results['topk'], COLUMNS)}"
     )
 
 
@@ -117,7 +109,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="N = 10k, 50k")
     parser.add_argument("--sizes", default=None, help="comma-separated N (overrides the default sizes)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--out", default=results_path("bench_retrieval"), help="output stem")
+    parser.add_argument("--out", default=reporting.results_path("bench_retrieval"), help="output stem")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     threads = args.threads or os.cpu_count()
@@ -127,12 +119,12 @@ def main() -> int:
         return 0
     default = [10_000, 50_000] if args.quick else [10_000, 100_000, 1_000_000]
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else default
-    results = {"command": command("bench_retrieval.py"), "machine": machine(), "topk": []}
+    results = {"command": reporting.command("bench_retrieval.py"), "machine": reporting.machine(), "topk": []}
     for n in sizes:
         cmd = [sys.executable, __file__, "--worker", str(n), "--threads", str(threads)]
-        results["topk"] += run_json(cmd, what=f"benchmark worker for N={n}")["rows"]
+        results["topk"] += reporting.run_json(cmd, what=f"benchmark worker for N={n}")["rows"]
         print(f"N={n:,}: fp32 {results['topk'][-2]['seconds']:.2f} s", file=sys.stderr)
-    write_report(args.out, markdown(results), results)
+    reporting.write_report(args.out, markdown(results), results)
     return 0
 
 

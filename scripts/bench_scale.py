@@ -36,18 +36,8 @@ import numpy as np
 import psutil
 import torch
 
+from rlm.experiments import reporting
 from rlm.experiments.benchmarking import PROJECTION_DEFAULTS, corrector_moving, load_average, write_buffer
-from rlm.experiments.reporting import (
-    command,
-    figure,
-    load_results,
-    machine,
-    machine_line,
-    results_path,
-    run_json,
-    table,
-    write_report,
-)
 
 D, BATCH, K, CHUNK, SEED, BETA = 768, 8, 32, 65_536, 0, 20.0
 GB = 1e9
@@ -515,15 +505,14 @@ def markdown(results: dict) -> str:
             lambda s: f"{s['corrected_wall_s']:.1f} / {s['corrected_cpu_s']:.1f}",
             "",
         ),
-        *(
-            (f"corrected h{h} s CPU (scaled)", lambda s, h=h: s["scaled"].get(h, {}).get("cpu_s"), ".0f")
-            for h in slice_h
-        ),
-        (
-            "loss step ms " + " / ".join(f"h{h}" for h in loss_h),
-            lambda s: " / ".join(f"{s['loss_ms'][h]:.0f}" for h in loss_h),
-            "",
-        ),
+    ]
+    columns += [
+        (f"corrected h{h} s CPU (scaled)", lambda s, h=h: s["scaled"].get(h, {}).get("cpu_s"), ".0f")
+        for h in slice_h
+    ]
+    loss = lambda s: " / ".join(f"{s['loss_ms'][h]:.0f}" for h in loss_h)  # noqa: E731
+    columns += [
+        ("loss step ms " + " / ".join(f"h{h}" for h in loss_h), loss, ""),
         ("CPU pressure %", "cpu_pressure_max", ".0f"),
     ]
     ratio_columns = [("N", lambda r: fmt_n(r["n"]), "")]
@@ -559,7 +548,7 @@ def markdown(results: dict) -> str:
         [
             "# Scale benchmark: sharded corrected top-k on 1 and 2 processes, and a 21M x 768 projection",
             "",
-            f"Command: `{results['command']}`; {machine_line(results['machine'])}; {results['wall_s'] / 60:.1f} min.",
+            f"Command: `{results['command']}`; {reporting.machine_line(results['machine'])}; {results['wall_s'] / 60:.1f} min.",
             "",
             "**Timings are noisy**: the 2 cores were shared with other people's jobs (load average "
             f"{results['load_before']} before, {results['load_after']} after; CPU pressure: the kernel's share of "
@@ -572,13 +561,13 @@ def markdown(results: dict) -> str:
             + ", ".join(f"h{h} on {rows:,} rows" for h, rows in results["slice_hidden"])
             + f"; at N = {', '.join(fmt_n(n) for n in results['slices_at'])}), scaled per row.",
             "",
-            table(results["summary"], columns),
+            reporting.table(results["summary"], columns),
             "",
             "![selection seconds and memory per process vs N](bench_scale.png)",
             "",
             "## 1 -> 2 processes (per process: 1-process figure / 2-process figure)",
             "",
-            table(results["ratios"], ratio_columns),
+            reporting.table(results["ratios"], ratio_columns),
             "",
             "## Projection: 21M x 768 on 8 GPUs",
             "",
@@ -599,7 +588,7 @@ def markdown(results: dict) -> str:
             + ", ".join(f"{k} {v:.1f} s" for k, v in proj["startup"].items())
             + f" = {proj['startup_s']:.0f} s.",
             "",
-            table(step_rows, step_columns),
+            reporting.table(step_rows, step_columns),
             "",
             "Selection share by the model's MFU: "
             + "; ".join(
@@ -617,7 +606,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict):
-    fig, (left, right) = figure(2, (11, 4.2))
+    fig, (left, right) = reporting.figure(2, (11, 4.2))
     h = results["hidden"]
     for world, style in ((1, "-o"), (2, "--s")):
         rows = sorted((s for s in results["summary"] if s["world"] == world), key=lambda s: s["n"])
@@ -631,23 +620,12 @@ def plot(results: dict):
             (right, "buffer_resident_bytes", "C1", 1.0, "resident buffer"),
         ):
             scale = GB if key.endswith("bytes") else 1
-            if rows:
-                ax.plot(
-                    ns,
-                    [s[key] / scale for s in rows],
-                    style,
-                    color=color,
-                    alpha=alpha,
-                    label=f"{label}, W={world}",
-                )
-    left.set(
-        xlabel="N (million rows x 768)",
-        ylabel="seconds per selection, per process",
-        yscale="log",
-        title="selection time per process",
-    )
-    right.set(xlabel="N (million rows x 768)", ylabel="GB per process", title="memory per process")
+            ys = [s[key] / scale for s in rows]
+            ax.plot(ns, ys, style, color=color, alpha=alpha, label=f"{label}, W={world}")
+    left.set(ylabel="seconds per selection, per process", yscale="log", title="selection time per process")
+    right.set(ylabel="GB per process", title="memory per process")
     for ax in (left, right):
+        ax.set_xlabel("N (million rows x 768)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return fig
@@ -672,16 +650,8 @@ def parse_slices(text: str) -> list[tuple[int, int]]:
 
 def worker_args(args, buffer: Path, out: Path, with_slices: bool) -> list[str]:
     widths = ",".join(f"{h}:{r}" for h, r in args.slice_hidden)
-    out_args = [
-        "--worker",
-        "--buffer",
-        str(buffer),
-        "--worker-out",
-        str(out),
-        "--slice-hidden",
-        widths if with_slices else "",
-    ]
-    out_args += ["--loss-hidden", widths, "--dtype", args.dtype]
+    out_args = ["--worker", "--buffer", str(buffer), "--worker-out", str(out), "--loss-hidden", widths]
+    out_args += ["--slice-hidden", widths if with_slices else "", "--dtype", args.dtype]
     for name in ("threads", "hidden", "reps", "stale_reps", "slice_reps", "loss_reps"):
         out_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return out_args
@@ -694,29 +664,15 @@ def run_size(args, folder: Path, n: int, workdir: Path, with_slices: bool) -> di
     for world in args.procs:
         out = workdir / f"out_{n}_{world}"
         launch = (
-            [sys.executable]
-            if world == 1
-            else [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node",
-                str(world),
-            ]
+            ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
         )
-        run_json(
-            [*launch, __file__, *worker_args(args, folder, out, with_slices)],
-            env,
-            f"{world}-process run on {folder}",
-        )
+        cmd = [sys.executable, *launch, __file__, *worker_args(args, folder, out, with_slices)]
+        reporting.run_json(cmd, env, f"{world}-process run on {folder}")
         records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
         shutil.rmtree(out, ignore_errors=True)
         size["runs"].append({"world": world, "processes": records})
-        print(
-            f"N={n:,} W={world}: corrected {max(r['corrected']['cpu_s'] for r in records):.1f} s CPU per process",
-            file=sys.stderr,
-        )
+        cpu = max(r["corrected"]["cpu_s"] for r in records)
+        print(f"N={n:,} W={world}: corrected {cpu:.1f} s CPU per process", file=sys.stderr)
     whole = next((r["processes"][0] for r in size["runs"] if r["world"] == 1), None)
     sharded = next((r["processes"][0] for r in size["runs"] if r["world"] > 1), None)
     if whole is not None and sharded is not None:  # rank 0's queries are the 1-process run's queries
@@ -731,8 +687,8 @@ def benchmark(args, argv) -> dict:
     wall = time.perf_counter()
     sizes = args.sizes or ([50_000, 100_000] if args.quick else [1_000_000, 2_000_000, 4_000_000])
     results = {
-        "command": command("bench_scale.py", argv),
-        "machine": {**machine(), "threads": args.threads},
+        "command": reporting.command("bench_scale.py", argv),
+        "machine": {**reporting.machine(), "threads": args.threads},
         "memory_gib": psutil.virtual_memory().total / 2**30,
         "threads": args.threads,
         "dtype": args.dtype,
@@ -809,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the buffers (a later --workdir run reuses them)"
     )
-    parser.add_argument("--out", type=Path, default=results_path("bench_scale"), help="output stem")
+    parser.add_argument("--out", type=Path, default=reporting.results_path("bench_scale"), help="output stem")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument(
         "--render", type=Path, help="re-render the .md and .png of a saved JSON (no benchmark)"
@@ -839,11 +795,11 @@ def main(argv: list[str] | None = None) -> int:
         print("{}")  # run_json reads the records from the files: one per rank
         return 0
     if args.render is not None:
-        results, out = int_keys(load_results(args.render)), args.render.with_suffix("")
+        results, out = int_keys(reporting.load_results(args.render)), args.render.with_suffix("")
     else:
         results, out = benchmark(args, argv), args.out
     plots = {} if args.no_plot else {".png": lambda: plot(results)}
-    write_report(out, markdown(results), None if args.render else results, plots)
+    reporting.write_report(out, markdown(results), None if args.render else results, plots)
     return 0
 
 

@@ -32,16 +32,7 @@ import time
 from pathlib import Path
 
 from atomicio import atomic_open
-from rlm.experiments.reporting import (
-    command,
-    load_results,
-    machine,
-    machine_line,
-    results_path,
-    run_json,
-    table,
-    write_report,
-)
+from rlm.experiments import reporting
 
 BEFORE_COMMIT = "331c0cd479c4340f9b3f1af453156133f9f51bc2"
 DPR_PASSAGES = 21_015_324  # rows of psgs_w100.tsv
@@ -217,7 +208,7 @@ def markdown(results: dict) -> str:
     scan_cpu = runs["after_scan"]["times"]["scan"]["cpu"] - runs["before_scan"]["times"]["scan"]["cpu"]
     return f"""# Start-up: corpus scan, corpus fingerprint, demo restart
 
-Command: `{meta["command"]}`; {machine_line(meta["machine"])}.
+Command: `{meta["command"]}`; {reporting.machine_line(meta["machine"])}.
 Corpus: synthetic DPR `psgs_w100.tsv` layout, {passages:,} passages of 100 words, {size_gb:.2f} GB.
 Before = commit `{meta["before_commit"][:10]}` (`Corpus` scan, then `corpus_fingerprint(ids, texts)` over every
 passage, index ids as a list of str); after = this code (fingerprint = sha256 of the bytes the scan reads;
@@ -227,7 +218,7 @@ process; CPU seconds (user + system) are what the 21M columns extrapolate, linea
 imports. The fingerprint's cost inside the scan: {hash_cpu:+.1f} CPU s (first demo start, hashing, minus the
 second, cached); the "after" scan minus the "before" scan: {scan_cpu:+.1f} CPU s.
 
-{table(rows_of(runs, passages), columns)}"""
+{reporting.table(rows_of(runs, passages), columns)}"""
 
 
 def main() -> None:
@@ -236,7 +227,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench_startup"))
     parser.add_argument("--before-commit", default=BEFORE_COMMIT)
-    parser.add_argument("--out", type=Path, default=results_path("bench_startup"), help="output stem")
+    parser.add_argument(
+        "--out", type=Path, default=reporting.results_path("bench_startup"), help="output stem"
+    )
     parser.add_argument("--render", type=Path, help="rewrite the Markdown from the JSON of an earlier run")
     for hidden in ("--child", "--corpus", "--index", "--cache"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -246,8 +239,8 @@ def main() -> None:
     if args.child:
         return print(json.dumps(child(args)))
     if args.render:
-        results = load_results(args.render)
-        return write_report(args.render.with_suffix(""), markdown(results))
+        results = reporting.load_results(args.render)
+        return reporting.write_report(args.render.with_suffix(""), markdown(results))
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     name = f"{args.passages}_s{args.seed}"
@@ -280,15 +273,19 @@ def main() -> None:
     ):
         if key == "after_demo_first":  # the first demo start fills the fingerprint cache; the second reads it
             cache.unlink(missing_ok=True)
-        runs[key] = run_json(
+        runs[key] = reporting.run_json(
             [sys.executable, __file__, "--child", key.removesuffix("_first"), *common], what=key
         )
         print(f"  {key}: {runs[key]['times']['total']['wall']:.1f} s", flush=True)
     assert runs["after_demo"]["fingerprint"] == runs["after_scan"]["fingerprint"]
-    meta = {"command": command("bench_startup.py"), "machine": machine(), "passages": args.passages}
+    meta = {
+        "command": reporting.command("bench_startup.py"),
+        "machine": reporting.machine(),
+        "passages": args.passages,
+    }
     meta |= {"corpus_gb": corpus.stat().st_size / 1e9, "before_commit": args.before_commit}
     results = {"meta": meta, "rows": rows_of(runs, args.passages), "runs": runs}
-    write_report(args.out, markdown(results), results)
+    reporting.write_report(args.out, markdown(results), results)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from rlm.experiments import reporting
 from rlm.experiments.benchmarking import (
     PROJECTION_DEFAULTS,
     best_of,
@@ -38,16 +39,6 @@ from rlm.experiments.benchmarking import (
     corrector_moving,
     overlap,
     write_buffer,
-)
-from rlm.experiments.reporting import (
-    command,
-    figure,
-    load_results,
-    machine,
-    machine_line,
-    results_path,
-    table,
-    write_report,
 )
 
 D, K, CHUNK = 768, 32, 65_536
@@ -209,7 +200,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# Two-stage selection at scale: candidates from the stale buffer, re-scored with h",
         "",
-        f"Command: `{results['command']}`; {machine_line(results['machine'])}; compute {a['dtype']}; load average "
+        f"Command: `{results['command']}`; {reporting.machine_line(results['machine'])}; compute {a['dtype']}; load average "
         f"after {results['load_after']}; total wall time {results['wall_s'] / 60:.1f} min.",
         "",
         f"Buffer: memory-mapped fp16 shards, {D} columns, clustered unit vectors (~{a['cluster']} rows per centre, "
@@ -219,7 +210,7 @@ def markdown(results: dict) -> str:
         f"every row (`first_stage: scan`); min of {a['reps']} repetitions. Overlap: the share of the exact top-32 "
         "it holds; stale overlap: the same for the stale top-32.",
         "",
-        table(rows, columns),
+        reporting.table(rows, columns),
         "",
         "Peak RSS: " + ", ".join(f"{fmt_n(s['n'])} {s['peak_rss_gb']:.1f} GB" for s in results["sizes"]),
         "",
@@ -264,12 +255,12 @@ def markdown(results: dict) -> str:
             "t_scan = r * 2D / HBM + G*r*2D / gemm + G*r*8 / HBM + the same h on the candidates   (no index)",
             "```",
             "",
-            table(proj["by_hidden"], columns),
+            reporting.table(proj["by_hidden"], columns),
             "",
             "With `first_stage: scan` (the stale top-K' of every row of the shard, no index):",
             "",
             # A run saved before the scan first stage existed has no scan projection.
-            table(proj["by_hidden"], scan_columns) if "scan_days" in last else "(not in this run)",
+            reporting.table(proj["by_hidden"], scan_columns) if "scan_days" in last else "(not in this run)",
             "",
             f"One two-stage selection (h{last['hidden']}): "
             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in last["parts_s"].items())
@@ -279,7 +270,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict):
-    fig, ax = figure(1, (6.5, 4))
+    fig, ax = reporting.figure(1, (6.5, 4))
     for size in results["sizes"]:
         for m in size["moves"]:
             for first, marker in (("index", "o-"), ("scan", "s--")):
@@ -297,7 +288,11 @@ def plot(results: dict):
 
 def benchmark(args, argv) -> dict:
     wall = time.perf_counter()
-    results = {"command": command("bench_two_stage.py", argv), "machine": machine(), "sizes": []}
+    results = {
+        "command": reporting.command("bench_two_stage.py", argv),
+        "machine": reporting.machine(),
+        "sizes": [],
+    }
     results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     made = args.workdir is None or not args.workdir.exists()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_two_stage_"))
@@ -314,8 +309,8 @@ def benchmark(args, argv) -> dict:
     finally:
         if not args.keep and made:
             shutil.rmtree(workdir, ignore_errors=True)
-    results["load_after"] = machine()["load_average"]
-    scale = load_results(args.scale_json) if args.scale_json.is_file() else None
+    results["load_after"] = reporting.machine()["load_average"]
+    scale = reporting.load_results(args.scale_json) if args.scale_json.is_file() else None
     results["projection"] = projection(args, scale)
     results["wall_s"] = time.perf_counter() - wall
     return results
@@ -351,21 +346,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the buffers (a later --workdir run reuses them)"
     )
-    parser.add_argument("--scale-json", type=Path, default=results_path("bench_scale").with_suffix(".json"))
+    parser.add_argument(
+        "--scale-json", type=Path, default=reporting.results_path("bench_scale").with_suffix(".json")
+    )
     parser.add_argument("--proj-nprobe", type=int, default=64)
     parser.add_argument("--proj-candidates", type=int, default=1024)
     parser.add_argument(
         "--proj-faiss-call-ms", type=float, default=2.0, help="fixed cost of a GPU faiss search"
     )
     parser.add_argument("--proj-kmeans-efficiency", type=float, default=0.1, help="of the GEMM rate")
-    parser.add_argument("--out", type=Path, default=results_path("bench_two_stage"))
+    parser.add_argument("--out", type=Path, default=reporting.results_path("bench_two_stage"))
     parser.add_argument(
         "--render", type=Path, help="re-render the .md and .png of a saved JSON (no benchmark)"
     )
     args = parser.parse_args(argv)
     if args.render is not None:
-        results = load_results(args.render)
-        write_report(args.render.with_suffix(""), markdown(results), plots={".png": lambda: plot(results)})
+        results = reporting.load_results(args.render)
+        reporting.write_report(
+            args.render.with_suffix(""), markdown(results), plots={".png": lambda: plot(results)}
+        )
         return 0
     args.sizes = args.sizes or ([100_000] if args.quick else [1_000_000, 4_000_000])
     if args.quick:
@@ -381,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.dtype = "bf16" if cpu_bf16_support(probe=False).native else "fp32"
     results = benchmark(args, argv)
-    write_report(args.out, markdown(results), results, {".png": lambda: plot(results)})
+    reporting.write_report(args.out, markdown(results), results, {".png": lambda: plot(results)})
     return 0
 
 

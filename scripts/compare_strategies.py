@@ -84,18 +84,8 @@ def split_multihop(work: Path, folder: Path, held_out: int = 50) -> tuple[str, s
     paths = []
     for name, part in (("train", ranked[held_out:]), ("dev", ranked[:held_out])):
         path = work / f"multihop200_{name}.jsonl"
-        text = "".join(
-            json.dumps(
-                {
-                    "id": ex.id,
-                    "question": ex.question,
-                    "answers": ex.answers,
-                    "gold_passage_ids": ex.gold_passage_ids,
-                }
-            )
-            + "\n"
-            for ex in part
-        )
+        keys = ("id", "question", "answers", "gold_passage_ids")
+        text = "".join(json.dumps({k: getattr(ex, k) for k in keys}) + "\n" for ex in part)
         if not path.exists() or path.read_text() != text:
             # --jobs runs call this at once: a reader must never see a half-written file.
             atomic_write_text(path, text)
@@ -323,7 +313,7 @@ def dropout_floor(args, work: Path, num: int = 256) -> float:
     return float((noisy - clean).norm(dim=-1).mean())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -361,7 +351,7 @@ def main() -> None:
     parser.add_argument(
         "--render", nargs="+", help="re-render the table and plots of saved JSONs (no training)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.render:
         for path in args.render:  # a JSON written before the runs carried drift logs keeps its drift plot
             print(render(path))

@@ -28,16 +28,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from rlm.experiments import reporting
 from rlm.experiments.benchmarking import cpu_name
-from rlm.experiments.reporting import (
-    FINDINGS_END,
-    FINDINGS_START,
-    command,
-    figure,
-    results_path,
-    table,
-    write_report,
-)
 from rlm.experiments.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector, fit_regression
 
 DEPTH_MARKERS = {0: "s", 1: "o", 2: "^"}  # corrector hidden layers -> marker, in both plots
@@ -67,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small grid and sizes (a smoke run, < 1 min)")
-    parser.add_argument("--out", type=Path, default=results_path("synthetic_corrector"), help="output stem")
+    parser.add_argument(
+        "--out", type=Path, default=reporting.results_path("synthetic_corrector"), help="output stem"
+    )
     parser.add_argument("--seed", type=int, default=0, help="first seed")
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds (default 3; quick: 1)")
     parser.add_argument("--beta", type=float, default=2.0, help="softmax temperature of P, P_g', P_h")
@@ -171,7 +165,7 @@ def plot_fig4(results: dict):
 
     at = results["fig4_fraction"]
     rows = [f for f in results["fits"] if f["fraction"] == at]
-    fig, ax = figure(1, (6.4, 5.2))
+    fig, ax = reporting.figure(1, (6.4, 5.2))
     norm = LogNorm(min(r["params"] for r in rows), max(r["params"] for r in rows))
     for layers, marker in DEPTH_MARKERS.items():
         sub = [r for r in rows if r["corrector_layers"] == layers]
@@ -208,7 +202,7 @@ def plot_fig3(results: dict):
     import matplotlib.pyplot as plt
 
     panes = results["fig3_drifts"]
-    fig, axes = figure(len(panes), (5.6 * len(panes), 4.6), squeeze=False)
+    fig, axes = reporting.figure(len(panes), (5.6 * len(panes), 4.6), squeeze=False)
     fractions = sorted({f["fraction"] for f in results["fits"] if f["drift"] in panes})
     for ax, label in zip(axes[0], panes):
         rows = [f for f in results["fits"] if f["drift"] == label]
@@ -297,13 +291,13 @@ def markdown(results: dict, out: Path) -> str:
         f"Nystrom regression g' -> g (`retriever/reencode.py`) on the same samples, {LANDMARKS} landmarks, ridge chosen "
         "on a held-out fifth of the samples, kernels `rbf` and `linear`.",
         "",
-        f"{FINDINGS_START}\n(findings not written yet)\n{FINDINGS_END}",
+        f"{reporting.FINDINGS_START}\n(findings not written yet)\n{reporting.FINDINGS_END}",
         "",
         f"## Fig. 4 analogue: KL(P || P_h) per staleness setting and corrector ({100 * at:g}% of targets sampled)",
         "",
         f"![Fig. 4 analogue]({out.name}_fig4.png)",
         "",
-        table([{"drift": label} for label in order], fig4),
+        reporting.table([{"drift": label} for label in order], fig4),
         "",
         f"![Fig. 3 analogue]({out.name}_fig3.png)",
     ]
@@ -340,7 +334,7 @@ def markdown(results: dict, out: Path) -> str:
             "Held-out KL over all targets; in brackets the truncated training KL over the sampled targets (small "
             "training KL with large held-out KL is overfitting to the sample).",
             "",
-            table(shapes, columns),
+            reporting.table(shapes, columns),
         ]
     return "\n".join(lines)
 
@@ -359,11 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         previous = json.loads(json_path.read_text())
         for key in ("quick", "seed", "seeds", "beta", "fig4_fraction"):  # the grid of the kept fits
             setattr(args, key, previous["args"][key])
-        results = run_study(args, previous) | {"regression_command": command("synthetic_corrector.py", argv)}
+        results = run_study(args, previous) | {
+            "regression_command": reporting.command("synthetic_corrector.py", argv)
+        }
     else:
-        results = run_study(args) | {"command": command("synthetic_corrector.py", argv)}
+        results = run_study(args) | {"command": reporting.command("synthetic_corrector.py", argv)}
     plots = {"_fig3.png": lambda: plot_fig3(results), "_fig4.png": lambda: plot_fig4(results)}
-    write_report(args.out, markdown(results, args.out), results, plots, echo=False)
+    reporting.write_report(args.out, markdown(results, args.out), results, plots, echo=False)
     print(f"wrote {args.out}.md, .json and the two plots next to them")
     return 0
 

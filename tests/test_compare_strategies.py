@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,7 +32,7 @@ def run_script(tmp_path: Path, seeds: str, *extra: str) -> subprocess.CompletedP
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
+def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path, capsys):
     first = run_script(tmp_path, "0")
     assert first.returncode == 0, first.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "table.json").read_text())
@@ -49,15 +51,8 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path):
     # The table and plots come from the JSON alone: re-rendered without training, the markdown is the same.
     for name in ("table.md", "table.png", "table_drift.png"):
         (tmp_path / "out" / name).unlink()
-    script = [
-        sys.executable,
-        str(ROOT / "scripts" / "compare_strategies.py"),
-        "--render",
-        str(tmp_path / "out" / "table.json"),
-    ]
-    rendered = subprocess.run(script, capture_output=True, text=True, timeout=300)
-    assert rendered.returncode == 0, rendered.stderr[-3000:]
-    assert (tmp_path / "out" / "table.md").read_text() == table and table.strip() in rendered.stdout
+    load_script("compare_strategies").main(["--render", str(tmp_path / "out" / "table.json")])
+    assert (tmp_path / "out" / "table.md").read_text() == table and table.strip() in capsys.readouterr().out
     for png in ("table.png", "table_drift.png"):
         assert (tmp_path / "out" / png).stat().st_size > 5_000
 

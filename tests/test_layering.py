@@ -190,3 +190,16 @@ def test_the_training_loop_is_on_the_first_screen_of_train_py():
     lines = (ROOT / "rlm" / "train.py").read_text().splitlines()
     first_loop = next(i for i, line in enumerate(lines, 1) if line.lstrip().startswith("while state.step"))
     assert first_loop <= 100, first_loop
+
+
+def test_every_library_module_is_named_in_the_architecture_doc_and_every_package_in_the_readme():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = [
+        str(p.relative_to(ROOT))
+        for p in library_files()
+        if p.name != "__init__.py" and f"`{p.name}`" not in doc and str(p.relative_to(ROOT)) not in doc
+    ]
+    assert not unnamed, f"docs/architecture.md does not name {unnamed}"
+    readme = (ROOT / "README.md").read_text()
+    packages = {p.parent.relative_to(ROOT).parts[-1] for p in library_files() if p.name == "__init__.py"}
+    assert not [name for name in sorted(packages) if f"`{name}/`" not in readme]

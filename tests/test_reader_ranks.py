@@ -2,7 +2,7 @@
 question when the retriever ranks it first, because it reads each passage's place in the retriever's order
 ({rank} in its template): moved to the last place, the same gold passage is mostly passed over. A reader
 trained from scratch here does not learn to match the question's name with a passage's
-(docs/results/reader_name_matching.md); the rank is what lets a better retriever show in its answers."""
+(docs/reader_recipe.md, "Why the reader reads ranks instead of names"); the rank is what lets a better retriever show in its answers."""
 
 from __future__ import annotations
 

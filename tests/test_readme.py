@@ -87,11 +87,11 @@ def test_readme_stays_a_front_page():
 def test_readme_results_are_those_of_docs_results():
     text = README.read_text()
     source = (ROOT / "docs" / "results" / "quickstart.md").read_text()
-    assert "docs/results/quickstart.md" in text
+    assert "docs/results/quickstart/quickstart.md" in text
     seeds = re.findall(r"\d+\.\d / \d+\.\d / \d+\.\d", text)
     assert len(seeds) >= 5, "the README's toy-world table lost its per-seed figures"
     for figures in seeds:
-        assert figures in source, f"README figures {figures} are not in docs/results/quickstart.md"
+        assert figures in source, f"README figures {figures} are not in docs/results/quickstart/quickstart.md"
 
 
 def test_questions_quoted_in_the_docs_are_in_the_quickstart_world(tmp_path):

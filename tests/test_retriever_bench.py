@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_retrieval_tiny(tmp_path):
     out = tmp_path / "bench"
     args = ["--sizes", "3000", "--threads", "1", "--out", str(out)]
@@ -58,3 +59,38 @@ def test_bench_buffer_build_tiny(tmp_path):
     assert all(r["padded_over_real_tokens"] >= 1 and r["fraction_of_matmul"] > 0 for r in results["rows"])
     assert new20["max_abs_diff_from_old"] < 1e-2
     assert "| 20 | new: one forward a batch | float32 | 1 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_two_stage_sets_nprobe_through_the_index_on_cpu_and_on_a_gpu(monkeypatch, gpus):
+    """Two-stage selection's IVF rows get their nprobe from `PassageIndex.search_rows` (ParameterSpace on CPU,
+    GpuParameterSpace for a GPU clone), not from faiss's CPU ParameterSpace, which fails on a GpuIndexIVF. The
+    GPU case runs on test_retriever_index_gpu's fakes of faiss-gpu."""
+    faiss = pytest.importorskip("faiss")
+    from test_retriever_index_gpu import FakeGpu
+
+    from retriever.buffer import PassageBuffer
+    from retriever.index import PassageIndex
+    from retriever.search import two_stage_corrected_topk
+    from rlm.experiments.benchmarking import clustered_buffer, corrector_moving
+
+    if gpus:
+        FakeGpu(monkeypatch, ngpu=gpus)
+    search_rows, seen = PassageIndex.search_rows, set()
+
+    def recording(self, queries, k, nprobe=None):
+        out = search_rows(self, queries, k, nprobe)
+        ivf = faiss.try_extract_index_ivf(getattr(self.index, "cpu", self.index))
+        seen.add((self.factory, self.on_gpu, nprobe, None if ivf is None else int(ivf.nprobe)))
+        return out
+
+    monkeypatch.setattr(PassageIndex, "search_rows", recording)
+    rows, queries = clustered_buffer(2000, 64, 8, cluster=50)
+    buffer = PassageBuffer.from_embeddings([str(i) for i in range(2000)], rows)
+    for factory, nprobe in (("Flat", None), ("IVF16,Flat", 4)):
+        index = PassageIndex.from_buffer(buffer, factory)
+        top = two_stage_corrected_topk(
+            queries, buffer, corrector_moving(64, 128), 8, index, 64, nprobe=nprobe
+        )
+        assert tuple(top.indices.shape) == (8, 8)
+    assert seen == {("Flat", bool(gpus), None, None), ("IVF16,Flat", bool(gpus), 4, 4)}

@@ -8,6 +8,7 @@ import pytest
 import torch
 from script_loader import load_script
 
+from rlm.experiments.reporting import FINDINGS_END, FINDINGS_START
 from rlm.experiments.synthetic import (
     CorrectorSpec,
     DriftSpec,
@@ -127,7 +128,7 @@ def test_bad_arguments_are_refused(world):
 def test_quick_script_writes_report_and_keeps_findings(tmp_path):
     script = load_script("synthetic_corrector")
     out = tmp_path / "report"
-    findings = f"{script.FINDINGS_START}\nhand-written notes\n{script.FINDINGS_END}"
+    findings = f"{FINDINGS_START}\nhand-written notes\n{FINDINGS_END}"
     out.with_suffix(".md").write_text(f"# old\n\n{findings}\n\nold table\n")
 
     assert script.main(["--quick", "--out", str(out), "--max-epochs", "30"]) == 0

@@ -399,6 +399,78 @@ def _planned_passages(config: ToyWorldConfig, persons, orgs) -> int:
     return len(persons) * person_passages + len(orgs) * org_passages
 
 
+def _toy_world_paths(root: Path) -> ToyWorldPaths:
+    return ToyWorldPaths(
+        root=root,
+        corpus=root / "corpus.jsonl",
+        train=root / "train.jsonl",
+        dev=root / "dev.jsonl",
+        test=root / "test.jsonl",
+        manifest=root / "world.json",
+    )
+
+
+def _draw_world(config: ToyWorldConfig):
+    """(rng, cities, occupations, persons, orgs): the entities drawn from the seed, as many persons as fit;
+    `rng` goes on to draw the passages and questions."""
+    num_persons = _persons_for(config)
+    while True:
+        rng = random.Random(config.seed)
+        names = _Names(rng)
+        cities = [names.city() for _ in range(config.num_cities)]
+        occupations = list(OCCUPATIONS[: config.num_occupations])
+        persons, orgs = _make_entities(config, rng, names, cities, occupations, num_persons)
+        # Organisations are rounded up per split, so a small world with many passages per entity can plan
+        # more than fits; it is drawn again with one person fewer (never the case at the default settings).
+        if _planned_passages(config, persons, orgs) <= config.num_passages or num_persons <= 3:
+            return rng, cities, occupations, persons, orgs
+        num_persons -= 1
+
+
+def _write_corpus(path: Path, config: ToyWorldConfig, rng, persons, orgs, cities, occupations) -> int:
+    """Write exactly `config.num_passages` passages to `path`; returns how many were written."""
+    with atomic_open(path) as f:
+        writer = _CorpusWriter(f)
+        _write_passages(config, rng, writer, persons, orgs, cities, occupations)
+        if writer.count > config.num_passages:
+            raise RuntimeError(f"toy world overshot: {writer.count} > {config.num_passages} passages")
+        # Pad to the exact size with more mention distractors (harmless: they answer no question).
+        while writer.count < config.num_passages:
+            _write_mention(
+                rng, writer, persons[rng.randrange(len(persons))], cities, orgs, config.filler_rate
+            )
+        return writer.count
+
+
+def _write_questions(paths: ToyWorldPaths, config: ToyWorldConfig, rng, persons, orgs) -> dict[str, int]:
+    """Write each split's questions (shuffled, capped by `max_questions`); returns how many per split."""
+    counts = {}
+    for split in SPLITS:
+        questions = _make_questions(config, rng, split, persons, orgs)
+        rng.shuffle(questions)
+        cap = config.max_questions.get(split)
+        questions = questions if cap is None else questions[:cap]
+        with atomic_open(paths.split(split)) as f:
+            for n, q in enumerate(questions):
+                q["id"] = f"{split}-{n:06d}"
+                f.write(json.dumps(q, ensure_ascii=False) + "\n")
+        counts[split] = len(questions)
+    return counts
+
+
+def _write_manifest(path: Path, config: ToyWorldConfig, counts: dict, cities, occupations) -> None:
+    """world.json: the generator's settings, what it made (`counts`) and the answer vocabularies."""
+    manifest = {
+        "generator": "rlm.data.toy_world",
+        "version": 1,
+        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
+        "counts": counts,
+        "answer_vocab": {"cities": cities, "occupations": occupations},
+    }
+    with atomic_open(path) as f:
+        f.write(json.dumps(manifest, indent=2) + "\n")
+
+
 def build_toy_world(
     out_dir: str | os.PathLike,
     num_passages: int = 2000,
@@ -414,66 +486,18 @@ def build_toy_world(
     config.validate()
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    paths = ToyWorldPaths(
-        root=root,
-        corpus=root / "corpus.jsonl",
-        train=root / "train.jsonl",
-        dev=root / "dev.jsonl",
-        test=root / "test.jsonl",
-        manifest=root / "world.json",
-    )
-    num_persons = _persons_for(config)
-    while True:
-        rng = random.Random(seed)
-        names = _Names(rng)
-        cities = [names.city() for _ in range(config.num_cities)]
-        occupations = list(OCCUPATIONS[: config.num_occupations])
-        persons, orgs = _make_entities(config, rng, names, cities, occupations, num_persons)
-        # Organisations are rounded up per split, so a small world with many passages per entity can plan
-        # more than fits; it is drawn again with one person fewer (never the case at the default settings).
-        if _planned_passages(config, persons, orgs) <= config.num_passages or num_persons <= 3:
-            break
-        num_persons -= 1
-
-    with atomic_open(paths.corpus) as f:
-        writer = _CorpusWriter(f)
-        _write_passages(config, rng, writer, persons, orgs, cities, occupations)
-        if writer.count > config.num_passages:
-            raise RuntimeError(f"toy world overshot: {writer.count} > {config.num_passages} passages")
-        # Pad to the exact size with more mention distractors (harmless: they answer no question).
-        while writer.count < config.num_passages:
-            _write_mention(
-                rng, writer, persons[rng.randrange(len(persons))], cities, orgs, config.filler_rate
-            )
-        num_written = writer.count
-
-    counts = {}
-    for split in SPLITS:
-        questions = _make_questions(config, rng, split, persons, orgs)
-        rng.shuffle(questions)
-        cap = config.max_questions.get(split)
-        questions = questions if cap is None else questions[:cap]
-        with atomic_open(paths.split(split)) as f:
-            for n, q in enumerate(questions):
-                q["id"] = f"{split}-{n:06d}"
-                f.write(json.dumps(q, ensure_ascii=False) + "\n")
-        counts[split] = len(questions)
-
-    manifest = {
-        "generator": "rlm.data.toy_world",
-        "version": 1,
-        "config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()},
-        "counts": {
-            "passages": num_written,
-            "persons": len(persons),
-            "organisations": len(orgs),
-            "cities": len(cities),
-            "questions": counts,
-        },
-        "answer_vocab": {"cities": cities, "occupations": occupations},
+    paths = _toy_world_paths(root)
+    rng, cities, occupations, persons, orgs = _draw_world(config)
+    num_written = _write_corpus(paths.corpus, config, rng, persons, orgs, cities, occupations)
+    questions = _write_questions(paths, config, rng, persons, orgs)
+    counts = {
+        "passages": num_written,
+        "persons": len(persons),
+        "organisations": len(orgs),
+        "cities": len(cities),
+        "questions": questions,
     }
-    with atomic_open(paths.manifest) as f:
-        f.write(json.dumps(manifest, indent=2) + "\n")
+    _write_manifest(paths.manifest, config, counts, cities, occupations)
     return paths
 
 

@@ -31,37 +31,6 @@ from retriever.corrector import CorrectorNetwork
 from retriever.reencode import NystromRegression
 
 
-@dataclass(frozen=True)
-class GaussianMixture:
-    """Isotropic Gaussian mixture with uniform weights: `means` [C, D], per-component `stds` [C]."""
-
-    means: Tensor
-    stds: Tensor
-
-    @classmethod
-    def random(
-        cls,
-        dim: int,
-        num_components: int,
-        generator: torch.Generator,
-        spread: float = 1.0,
-        std_range: tuple[float, float] = (0.1, 0.4),
-    ) -> GaussianMixture:
-        """Means ~ N(0, spread^2 I); each component's std uniform in `std_range`."""
-        if dim <= 0 or num_components <= 0:
-            raise ValueError(f"need dim > 0 and num_components > 0, got {dim} and {num_components}")
-        low, high = std_range
-        means = spread * torch.randn(num_components, dim, generator=generator)
-        stds = low + (high - low) * torch.rand(num_components, generator=generator)
-        return cls(means, stds)
-
-    def sample(self, n: int, generator: torch.Generator) -> Tensor:
-        """`n` points [n, D]: pick a component uniformly, add its isotropic noise."""
-        component = torch.randint(len(self.means), (n,), generator=generator)
-        noise = torch.randn(n, self.means.shape[1], generator=generator)
-        return self.means[component] + self.stds[component, None] * noise
-
-
 def random_drift(
     dim: int, hidden_dim: int, num_hidden_layers: int, init_scale: float, seed: int
 ) -> CorrectorNetwork:
@@ -213,16 +182,20 @@ class SyntheticWorld:
         beta: float = 2.0,
         seed: int = 0,
     ) -> SyntheticWorld:
-        """Targets and queries from one random Gaussian mixture (paper: 4,096 targets, D = 8, 20 components)."""
+        """Targets and queries from one random isotropic Gaussian mixture with uniform weights (paper: 4,096
+        targets, D = 8, 20 components): means ~ N(0, I), each component's std uniform in [0.1, 0.4]."""
+        if dim <= 0 or num_components <= 0:
+            raise ValueError(f"need dim > 0 and num_components > 0, got {dim} and {num_components}")
         generator = torch.Generator().manual_seed(seed)
-        mixture = GaussianMixture.random(dim, num_components, generator)
-        stale = mixture.sample(num_targets, generator)
-        return cls(
-            stale,
-            mixture.sample(num_train_queries, generator),
-            mixture.sample(num_eval_queries, generator),
-            beta,
-        )
+        means = torch.randn(num_components, dim, generator=generator)
+        stds = 0.1 + 0.3 * torch.rand(num_components, generator=generator)
+
+        def sample(n: int) -> Tensor:  # pick a component uniformly, add its isotropic noise
+            component = torch.randint(num_components, (n,), generator=generator)
+            return means[component] + stds[component, None] * torch.randn(n, dim, generator=generator)
+
+        stale = sample(num_targets)
+        return cls(stale, sample(num_train_queries), sample(num_eval_queries), beta)
 
     def drifted(self, drift: DriftSpec) -> Tensor:
         """The fresh targets g = m(g') for one staleness setting."""

@@ -14,7 +14,7 @@ questions the corpus does not answer), never on the split it reports on:
   their rarity among the fit questions (a passage about the person asked names them; the hard unanswerable
   case, a fact the corpus never states about a person it knows, is answered from another person's passage of
   the same relation). On the quickstart's seed 2 it raised the test AUROC of correct vs wrong from 0.967 to
-  0.996 (`docs/results/answer_quality.md`).
+  0.996 (`docs/results/answer_quality/answer_quality.md`).
 
 The policy abstains when P(correct) is below a threshold chosen on the same questions (on out-of-fold
 confidences: each from a fit that did not see the question) so that `keep` (98%) of their correct answers are
@@ -199,6 +199,41 @@ class AnswerPolicy:
             raise UserError(f"{path}: {err}; rerun `rlm calibrate`") from None
 
 
+def _standardization(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-feature mean and spread; a constant feature keeps a spread of 1 (it is centred, not blown up)."""
+    mean = x.mean(axis=0)
+    scale = x.std(axis=0)
+    scale[scale < 1e-8] = 1.0
+    return mean, scale
+
+
+def _keeping_threshold(conf: np.ndarray, y: np.ndarray, passes_cut: np.ndarray, keep: float) -> float:
+    """The confidence threshold that answers `keep` of the correct answers (`y`), given the out-of-corpus
+    cut (`passes_cut`: the questions it lets through)."""
+    # The out-of-corpus cut already drops a few correct answers; of those that pass it, keep the most confident
+    # ones, as many as make `keep` of all the correct answers (all that pass, when the cut alone drops more).
+    passing = np.sort(conf[y & passes_cut])
+    wanted = min(len(passing), math.ceil(keep * int(y.sum()) - 1e-9))
+    return float(passing[len(passing) - wanted]) if wanted else 0.5
+
+
+def _fit_report(
+    policy: AnswerPolicy, signals, conf: np.ndarray, y: np.ndarray, able: np.ndarray, keep: float
+) -> dict:
+    """How the fitted `policy` does on its own fit questions (calibration on out-of-fold confidences)."""
+    answered = np.asarray([not policy.decide(s).abstained for s in signals])
+    return {
+        "questions": int(len(y)),
+        "answerable": int(able.sum()),
+        "correct": int(y.sum()),
+        "keep": keep,
+        "kept_correct": float(answered[y].mean()),
+        "abstained_unanswerable": float((~answered[~able]).mean()) if (~able).any() else None,
+        "ece": expected_calibration_error(conf, y),  # both out of fold
+        "auroc": auroc(conf, y),
+    }
+
+
 def fit_answer_policy(
     signals: Sequence[AnswerSignals],
     correct: Sequence[bool],
@@ -227,9 +262,7 @@ def fit_answer_policy(
             f"calibration needs both right and wrong answers; of {len(y)} questions {int(y.sum())} were "
             "answered correctly (use more or other questions)"
         )
-    mean = x.mean(axis=0)
-    scale = x.std(axis=0)
-    scale[scale < 1e-8] = 1.0
+    mean, scale = _standardization(x)
     model = LogisticRegression(C=1.0, max_iter=1000).fit((x - mean) / scale, y)
     # The threshold is chosen on confidences the model gave questions it was not fitted on: in-sample ones
     # are optimistic (a correct fit answer scores higher than a correct new one), so a threshold keeping 95%
@@ -244,24 +277,8 @@ def fit_answer_policy(
         min_top_score=out_of_corpus_cut(x[able, 1]),
         question_words=question_words,
     )
-    # The out-of-corpus cut already drops a few correct answers; of those that pass it, keep the most confident
-    # ones, as many as make `keep` of all the correct answers (all that pass, when the cut alone drops more).
-    passing = np.sort(conf[y & (x[:, 1] >= policy.min_top_score)])
-    wanted = min(len(passing), math.ceil(keep * int(y.sum()) - 1e-9))
-    policy.threshold = float(passing[len(passing) - wanted]) if wanted else 0.5
-    decisions = [policy.decide(s) for s in signals]
-    answered = np.asarray([not d.abstained for d in decisions])
-    policy.fitted_on = {
-        **(fitted_on or {}),
-        "questions": int(len(y)),
-        "answerable": int(able.sum()),
-        "correct": int(y.sum()),
-        "keep": keep,
-        "kept_correct": float(answered[y].mean()),
-        "abstained_unanswerable": float((~answered[~able]).mean()) if (~able).any() else None,
-        "ece": expected_calibration_error(conf, y),  # both out of fold
-        "auroc": auroc(conf, y),
-    }
+    policy.threshold = _keeping_threshold(conf, y, x[:, 1] >= policy.min_top_score, keep)
+    policy.fitted_on = {**(fitted_on or {}), **_fit_report(policy, signals, conf, y, able, keep)}
     return policy
 
 

@@ -367,22 +367,27 @@ def majority_answer_baseline(train: Sequence[QAExample], examples: Sequence[QAEx
     return evaluate_reader(guesses, examples)
 
 
-def _check_evaluation_mode(
-    closed_book: bool, gold_passages: bool, has_reader: bool, has_retriever: bool, has_corpus: bool
-) -> None:
+def _check_evaluation_mode(reader, retriever, corpus, closed_book: bool, gold_passages: bool) -> None:
     """Refuse a combination of modes and inputs that `run_evaluation` cannot run."""
-    if closed_book and not has_reader:
+    if closed_book and reader is None:
         raise ValueError("closed-book evaluation needs a reader")
     if closed_book and gold_passages:
         raise ValueError("closed-book and gold-passage reading exclude each other")
-    if gold_passages and (not has_reader or not has_corpus):
+    if gold_passages and (reader is None or corpus is None):
         raise ValueError("gold-passage reading needs a reader and the corpus holding the gold passages")
-    if not closed_book and not gold_passages and (not has_retriever or not has_corpus):
+    if not closed_book and not gold_passages and (retriever is None or corpus is None):
         raise ValueError("retrieval needs a retriever and a corpus (or use closed-book mode)")
 
 
 def _retrieve_for_evaluation(
-    examples, corpus, retriever, index, k: int, embed_batch_size: int, show_progress: bool, timings: dict
+    questions: list[str],
+    corpus,
+    retriever,
+    index,
+    k: int,
+    embed_batch_size: int,
+    show_progress: bool,
+    timings,
 ) -> Retrieved:
     """The top `k` for every question, embedding the corpus first when no `index` is given; the seconds
     each stage took go into `timings`."""
@@ -395,10 +400,23 @@ def _retrieve_for_evaluation(
         )
         timings["embed_seconds"] = time.perf_counter() - start
     start = time.perf_counter()
-    questions = [ex.question for ex in examples]
     retrieved = retrieve(retriever.query_tower, index, questions, k, embed_batch_size, show_progress)
     timings["retrieve_seconds"] = time.perf_counter() - start
     return retrieved
+
+
+@dataclass
+class _Reading:
+    """What the reader answered: (answer, reader probability) per question, the passage ids it read when the
+    gold passages were swapped in (else None: it read the retrieved top, or nothing), and the decisions."""
+
+    answered: list[tuple[str, float]]
+    read_ids: list | None
+    decisions: list
+
+    @property
+    def predictions(self) -> list[str]:
+        return [answer for answer, _ in self.answered]
 
 
 def _read_for_evaluation(
@@ -408,13 +426,12 @@ def _read_for_evaluation(
     retrieved,
     num_passages: int,
     gold_passages: bool,
-    batch_size: int,
-    num_beams: int,
-    show_progress: bool,
-    timings: dict,
-):
-    """(answer, reader probability) per question, and the passage ids read when the gold passages were
-    swapped in (None when the reader read the retrieved top or nothing)."""
+    policy,
+    timings,
+    **read_options,
+) -> _Reading:
+    """Read every question (`read_options`: `read`'s batch_size, num_beams and show_progress) and apply the
+    answer policy; the reading's seconds go into `timings`."""
     start = time.perf_counter()
     read_ids = with_gold_passages(examples, retrieved, num_passages) if gold_passages else None
     answered = read(
@@ -423,30 +440,41 @@ def _read_for_evaluation(
         corpus,
         retrieved,
         num_passages,
-        batch_size=batch_size,
-        num_beams=num_beams,
         passage_ids=read_ids,
         with_confidence=True,
-        show_progress=show_progress,
+        **read_options,
     )
     timings["read_seconds"] = time.perf_counter() - start
-    return answered, read_ids
+    questions = [ex.question for ex in examples]
+    decisions = decide_all(answered, questions, retrieved, corpus, num_passages, policy, read_ids is None)
+    return _Reading(answered, read_ids, decisions)
 
 
-def _evaluation_record(ex: QAExample, i: int, answered, decisions, read_ids, retrieved) -> dict:
-    """Question `i`'s line of predictions.jsonl; `answered`, `read_ids`, `retrieved`: None when not done."""
+def _reading_scores(reading: _Reading, examples, reader_passages: int) -> dict[str, float]:
+    """EM/F1 at full coverage, the selective scores, and how many passages the reader read."""
+    predictions = reading.predictions
+    return {
+        **evaluate_reader(predictions, examples),
+        **selective_scores(predictions, examples, reading.decisions),
+        "reader_passages": reader_passages,
+    }
+
+
+def _evaluation_record(ex: QAExample, i: int, reading: _Reading | None, retrieved: Retrieved | None) -> dict:
+    """Question `i`'s line of predictions.jsonl."""
     record = {"id": ex.id, "question": ex.question, "answers": ex.answers}
-    if answered is not None:
-        prediction, probability = answered[i]
+    if reading is not None:
+        prediction, probability = reading.answered[i]
+        decision = reading.decisions[i]
         record["prediction"] = prediction
         record["exact_match"] = evaluate_reader([prediction], [ex])["exact_match"]
         record["reader_probability"] = round(probability, 5)
-        record["confidence"] = round(decisions[i].confidence, 5)
-        record["abstained"] = decisions[i].abstained
-        if decisions[i].reason:
-            record["reason"] = decisions[i].reason
-    if read_ids is not None:
-        record["read_ids"] = list(read_ids[i])
+        record["confidence"] = round(decision.confidence, 5)
+        record["abstained"] = decision.abstained
+        if decision.reason:
+            record["reason"] = decision.reason
+        if reading.read_ids is not None:
+            record["read_ids"] = list(reading.read_ids[i])
     if retrieved is not None:
         record["retrieved_ids"] = retrieved.ids[i]
         record["retrieved_scores"] = [round(s, 5) for s in retrieved.scores[i]]
@@ -457,12 +485,12 @@ def _evaluation_record(ex: QAExample, i: int, answered, decisions, read_ids, ret
     return record
 
 
-def _evaluation_mode(closed_book: bool, gold_passages: bool, has_retriever: bool, has_reader: bool) -> str:
+def _evaluation_mode(closed_book: bool, gold_passages: bool, retriever, reader) -> str:
     if closed_book:
         return "closed_book"
     if gold_passages:
-        return "retrieve+gold_swapped_in" if has_retriever else "gold_passages"
-    return "retrieve+read" if has_reader else "retrieval_only"
+        return "gold_passages" if retriever is None else "retrieve+gold_swapped_in"
+    return "retrieval_only" if reader is None else "retrieve+read"
 
 
 def _write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike) -> None:
@@ -471,7 +499,8 @@ def _write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike) -> N
     out.mkdir(parents=True, exist_ok=True)
     result.predictions_path, result.metrics_path = out / "predictions.jsonl", out / "metrics.json"
     atomic_write_text(
-        result.predictions_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records)
+        result.predictions_path,
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records),
     )
     atomic_write_text(
         result.metrics_path, json.dumps({"mode": result.mode, **result.metrics}, indent=2) + "\n"
@@ -512,42 +541,26 @@ def run_evaluation(
     `exact_match` is EM at full coverage (every best guess counted); `coverage` is the share answered and
     `answered_exact_match` the EM over the answered questions.
     """
-    _check_evaluation_mode(
-        closed_book, gold_passages, reader is not None, retriever is not None, corpus is not None
-    )
+    _check_evaluation_mode(reader, retriever, corpus, closed_book, gold_passages)
     timings: dict[str, float] = {}
     metrics: dict[str, float] = {"num_questions": len(examples)}
-    retrieved = None
+    retrieved = reading = None
     if not closed_book and retriever is not None:
+        questions = [ex.question for ex in examples]
         retrieved = _retrieve_for_evaluation(
-            examples, corpus, retriever, index, k, embed_batch_size, show_progress, timings
+            questions, corpus, retriever, index, k, embed_batch_size, show_progress, timings
         )
         metrics.update(retrieval_metrics(corpus, examples, retrieved, [kk for kk in RECALL_KS if kk <= k]))
-    answered = decisions = read_ids = None
     if reader is not None:
-        answered, read_ids = _read_for_evaluation(
-            reader,
-            examples,
-            corpus,
-            retrieved,
-            num_passages,
-            gold_passages,
-            batch_size,
-            num_beams,
-            show_progress,
-            timings,
+        options = {"batch_size": batch_size, "num_beams": num_beams, "show_progress": show_progress}
+        reading = _read_for_evaluation(
+            reader, examples, corpus, retrieved, num_passages, gold_passages, policy, timings, **options
         )
-        predictions = [answer for answer, _ in answered]
-        questions = [ex.question for ex in examples]
-        decisions = decide_all(answered, questions, retrieved, corpus, num_passages, policy, read_ids is None)
-        metrics.update(evaluate_reader(predictions, examples))
-        metrics.update(selective_scores(predictions, examples, decisions))
-        metrics["reader_passages"] = 0 if closed_book else num_passages
+        metrics.update(_reading_scores(reading, examples, 0 if closed_book else num_passages))
+    # Timings last: metrics.json and the printed table list the scores first.
     metrics.update({key: round(value, 2) for key, value in timings.items()})
-    records = [
-        _evaluation_record(ex, i, answered, decisions, read_ids, retrieved) for i, ex in enumerate(examples)
-    ]
-    mode = _evaluation_mode(closed_book, gold_passages, retriever is not None, reader is not None)
+    records = [_evaluation_record(ex, i, reading, retrieved) for i, ex in enumerate(examples)]
+    mode = _evaluation_mode(closed_book, gold_passages, retriever, reader)
     result = EvaluationResult(metrics=metrics, mode=mode, records=records)
     if out_dir is not None:
         _write_evaluation(result, out_dir)

@@ -148,24 +148,40 @@ def baseline_rows(measured: dict, cached: dict, key: str) -> dict:
     return rows
 
 
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def _count(value) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _cells(row: dict, reembedded, closed: bool = False) -> str:
+    """`closed`: a closed-book run reads nothing, so its EM is the same either way."""
+    own = row.get("exact_match") if closed else row.get("selection_exact_match")
+    own_recall = row.get("recall") if closed else row.get("selection_recall")
+    return (
+        f"{_pct(own)} | {_pct(row.get('exact_match'))} | {_pct(row.get('recall'))} | {_pct(own_recall)} "
+        f"| {_count(reembedded)}"
+    )
+
+
+def _margins(mine, baselines: dict) -> list[str]:
+    """This run's EM over the baselines that bound it, where both are known."""
+    lines = []
+    for name, label in (
+        ("frozen", "the frozen retriever"),
+        ("exhaustive", "exhaustive re-embedding"),
+        ("closed_book", "closed book"),
+    ):
+        other = headline_em(baselines.get(name, {}))
+        if other is not None and mine is not None:
+            lines.append(f"EM over {label}: {100 * (mine - other):+.1f} points")
+    return lines
+
+
 def format_results(metrics: dict) -> str:
     """The quickstart's table: this run's dev EM/F1 next to the baselines, each labelled with its source."""
-
-    def pct(value) -> str:
-        return "-" if value is None else f"{100 * value:.1f}"
-
-    def count(value) -> str:
-        return "-" if value is None else f"{value:,}"
-
-    def cells(row: dict, reembedded, closed: bool = False) -> str:
-        """`closed`: a closed-book run reads nothing, so its EM is the same either way."""
-        own = row.get("exact_match") if closed else row.get("selection_exact_match")
-        own_recall = row.get("recall") if closed else row.get("selection_recall")
-        return (
-            f"{pct(own)} | {pct(row.get('exact_match'))} | {pct(row.get('recall'))} | {pct(own_recall)} "
-            f"| {count(reembedded)}"
-        )
-
     k = metrics.get("k", "K")
     dev = metrics["dev"]
     main = {
@@ -185,29 +201,23 @@ def format_results(metrics: dict) -> str:
         f"| run | EM from its selection | EM re-embedded | answer recall@{k} re-embedded "
         f"| answer recall@{k} selection | passages re-embedded in training | source |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        f"| {metrics['strategy']} (this run) | {cells(main, metrics['reembedded'])} | measured now |",
+        f"| {metrics['strategy']} (this run) | {_cells(main, metrics['reembedded'])} | measured now |",
     ]
     from rlm.training.strategies import strategy_class
 
     for name, row in metrics["baselines"].items():
         closed = not strategy_class(name).uses_passages  # reads nothing: its selection is the same
-        lines.append(f"| {BASELINES[name]} | {cells(row, row.get('reembedded'), closed)} | {row['source']} |")
+        lines.append(
+            f"| {BASELINES[name]} | {_cells(row, row.get('reembedded'), closed)} | {row['source']} |"
+        )
     majority = metrics.get("majority_answer")
     if majority:
         lines.append(
-            f"| majority answer per question type (no model) | {pct(majority['exact_match'])} "
-            f"| {pct(majority['exact_match'])} | - | - | - | measured now |"
+            f"| majority answer per question type (no model) | {_pct(majority['exact_match'])} "
+            f"| {_pct(majority['exact_match'])} | - | - | - | measured now |"
         )
     lines.append("")
-    mine = headline_em(main)
-    for name, label in (
-        ("frozen", "the frozen retriever"),
-        ("exhaustive", "exhaustive re-embedding"),
-        ("closed_book", "closed book"),
-    ):
-        other = headline_em(metrics["baselines"].get(name, {}))
-        if other is not None and mine is not None:
-            lines.append(f"EM over {label}: {100 * (mine - other):+.1f} points")
+    lines += _margins(headline_em(main), metrics["baselines"])
     return "\n".join(lines).rstrip()
 
 
@@ -227,6 +237,75 @@ def _stage(number: int, total: int, text: str) -> None:
 BASELINE_MODES = ("missing", "always", "never")
 
 
+def _check_quickstart_arguments(cfg: TrainConfig, jobs: int | None) -> None:
+    if not cfg.data.dev:
+        raise UserError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
+    if jobs is not None and jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {jobs}")
+
+
+def _with_shared_prefix(cfg: TrainConfig, root: Path, runs: list) -> list:
+    """`runs`, those that read passages continuing from the shared gold-passage steps (trained first)."""
+    prefix = shared_prefix(cfg, root / "shared")
+    if prefix is None:
+        return runs
+    return [replace(job, prefix=prefix if _reads_passages(job.cfg) else None) for job in runs]
+
+
+def _print_run_done(name: str, summary: dict, seconds: float, k: int) -> None:
+    scores = dev_scores(summary, k)
+    own = scores["selection_exact_match"]
+    em = f"dev EM {100 * scores['exact_match']:.1f}"
+    print(
+        f"{name}: {summary['steps']} steps in {seconds / 60:.1f} min; {em}"
+        + ("" if own is None else f" (from its own selection {100 * own:.1f})"),
+        flush=True,
+    )
+
+
+def _cache_measured_baselines(
+    cache_path: Path, cached: dict, summaries: dict, to_measure: list[str], k: int, key: str
+) -> dict:
+    """The dev scores of the baselines trained now, stamped and added to the baselines file."""
+    measured = {
+        name: {**dev_scores(summaries[name], k), "measured_at": _now(), "settings": key}
+        for name in to_measure
+    }
+    if measured:
+        atomic_write_text(cache_path, json.dumps({**cached, **measured}, indent=2) + "\n")
+    return measured
+
+
+def _quickstart_metrics(
+    cfg: TrainConfig,
+    summary: dict,
+    *,
+    train_seconds: float,
+    runs_trained: int,
+    workers: int,
+    baselines: dict,
+    settings: str,
+) -> dict:
+    """metrics.json's content: the main run's `summary` and the baselines' rows next to the dev reference."""
+    num_dev, majority = _dev_reference(cfg)
+    return {
+        "created_at": _now(),
+        "strategy": cfg.strategy.name,
+        "steps": summary["steps"],
+        "reembedded": summary["reembedded"],
+        "train_seconds": round(train_seconds, 1),
+        "runs_trained": runs_trained,
+        "workers": workers,
+        "dev_questions": num_dev,
+        "k": cfg.reader_passages,
+        "dev": {key[len("dev_") :]: value for key, value in summary.items() if key.startswith("dev_")},
+        "baselines": baselines,
+        "majority_answer": majority,
+        "settings": settings,
+        "checkpoint": str(Path(cfg.output_dir) / "final"),
+    }
+
+
 def run_quickstart(
     cfg: TrainConfig,
     baselines: str = "missing",
@@ -244,10 +323,7 @@ def run_quickstart(
     """
     from rlm.quickstart.concurrent_runs import RunJob, available_cores, train_runs
 
-    if not cfg.data.dev:
-        raise UserError("the quickstart reports dev EM: set data.dev (e.g. --set data.dev=toy)")
-    if jobs is not None and jobs < 1:
-        raise UserError(f"--jobs must be at least 1, got {jobs}")
+    _check_quickstart_arguments(cfg, jobs)
     root = Path(cfg.output_dir)
     key = settings_key(cfg)
     cache_path = root / BASELINES_FILE
@@ -258,22 +334,13 @@ def run_quickstart(
     corpus_path = build_data_and_buffer(cfg)
     print(f"corpus: {corpus_path}")
 
-    prefix = shared_prefix(cfg, root / "shared")
-    if prefix is not None:
-        runs = [replace(job, prefix=prefix if _reads_passages(job.cfg) else None) for job in runs]
+    runs = _with_shared_prefix(cfg, root, runs)
     workers = min(jobs or available_cores(), len(runs))
     names = ", ".join(job.name for job in runs)
     _stage(3, 4, f"train: {names}; {workers} at a time, one torch thread each")
 
     def done(job: RunJob, summary: dict, seconds: float) -> None:
-        scores = dev_scores(summary, k)
-        own = scores["selection_exact_match"]
-        em = f"dev EM {100 * scores['exact_match']:.1f}"
-        print(
-            f"{job.name}: {summary['steps']} steps in {seconds / 60:.1f} min; {em}"
-            + ("" if own is None else f" (from its own selection {100 * own:.1f})"),
-            flush=True,
-        )
+        _print_run_done(job.name, summary, seconds, k)
         if job is runs[0] and on_checkpoint is not None:
             on_checkpoint(root / "final")
 
@@ -282,31 +349,18 @@ def run_quickstart(
     summaries = train_runs(runs, workers, done)
     train_seconds = time.perf_counter() - started
     summary = summaries[cfg.strategy.name]
-    measured = {
-        name: {**dev_scores(summaries[name], k), "measured_at": _now(), "settings": key}
-        for name in to_measure
-    }
-    if measured:
-        atomic_write_text(cache_path, json.dumps({**cached, **measured}, indent=2) + "\n")
+    measured = _cache_measured_baselines(cache_path, cached, summaries, to_measure, k, key)
 
     _stage(4, 4, "evaluate: dev EM next to the baselines")
-    num_dev, majority = _dev_reference(cfg)
-    metrics = {
-        "created_at": _now(),
-        "strategy": cfg.strategy.name,
-        "steps": summary["steps"],
-        "reembedded": summary["reembedded"],
-        "train_seconds": round(train_seconds, 1),
-        "runs_trained": len(runs),
-        "workers": workers,
-        "dev_questions": num_dev,
-        "k": k,
-        "dev": {key[len("dev_") :]: value for key, value in summary.items() if key.startswith("dev_")},
-        "baselines": baseline_rows(measured, cached, key),
-        "majority_answer": majority,
-        "settings": key,
-        "checkpoint": str(root / "final"),
-    }
+    metrics = _quickstart_metrics(
+        cfg,
+        summary,
+        train_seconds=train_seconds,
+        runs_trained=len(runs),
+        workers=workers,
+        baselines=baseline_rows(measured, cached, key),
+        settings=key,
+    )
     table = format_results(metrics)
     metrics_path = root / METRICS_FILE
     atomic_write_text(metrics_path, json.dumps(metrics, indent=2) + "\n")
