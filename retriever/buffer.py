@@ -304,7 +304,8 @@ def _shard_is_complete(folder: Path, index: int, rows: int, dim: int, dtype: str
     return array.shape == (rows, dim) and str(array.dtype) == dtype and _shard_receipt(array) == receipt
 
 
-def _write_shard(folder: Path, index: int, array: np.ndarray) -> None:
+def write_shard(folder: Path, index: int, array: np.ndarray) -> None:
+    """Shard `index` of a buffer folder: the rows, then their receipt (size and checksum), each atomically."""
     with atomic_file(folder / shard_name(index)) as tmp, open(tmp, "wb") as fh:
         np.save(fh, array)
     # The receipt goes second: a shard without a receipt is re-embedded, never trusted.
@@ -474,7 +475,7 @@ def embed_shards(
                 pending = reader.submit(read_tokens, todo[n + 1]) if n + 1 < len(todo) else None
                 out = _embed_tokens(encoder, tokens, settings, device, step, bar, check)
                 _refuse_nonfinite_shard(folder, s, settings["shard_size"], out, ids)
-                _write_shard(folder, s, out)
+                write_shard(folder, s, out)
     finally:
         # A stopped build must not wait for the next shard's tokens (a stop signal has a grace period).
         stopping.set()

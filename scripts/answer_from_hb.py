@@ -15,14 +15,13 @@ writes `<out>.json` and `<out>.md`.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
-from rlm.experiments.reporting import command, machine, machine_line, results_path, table, write_report
+from rlm.experiments import reporting
 from rlm.inference import evaluation
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir
 
@@ -49,9 +48,7 @@ def indexes(args, corpus, retriever):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = reporting.arguments(__doc__)
     parser.add_argument("--checkpoint", required=True, help="final/ folder of a corrector run")
     parser.add_argument("--dataset", default="toy")
     parser.add_argument("--split", default="dev")
@@ -60,7 +57,7 @@ def main() -> int:
     parser.add_argument("--buffer", help="the run's buffer folder (default: from its config.yaml)")
     parser.add_argument("--retrieval-only", action="store_true", help="recall only (e.g. an Algorithm 1 run)")
     parser.add_argument("--k", type=int, default=20)
-    parser.add_argument("--out", default=results_path("answer_from_hb"))
+    parser.add_argument("--out", default=reporting.results_path("answer_from_hb"))
     args = parser.parse_args()
 
     corpus = load_corpus(args.corpus or Path(args.data_path) / "corpus.jsonl")
@@ -78,8 +75,8 @@ def main() -> int:
         rows.append({"name": name, "metrics": result.metrics, "index_seconds": seconds, "cost": cost})
         print(f"{name}: index {seconds:.2f} s, {result.metrics}", file=sys.stderr)
     results = {
-        "command": command("answer_from_hb.py"),
-        "machine": machine(),
+        "command": reporting.command("answer_from_hb.py"),
+        "machine": reporting.machine(),
         "checkpoint": str(args.checkpoint),
     }
     results |= {"questions": len(examples), "passages": len(corpus), "rows": rows}
@@ -88,10 +85,10 @@ def main() -> int:
     columns += [("index built in s", "index_seconds", ".2f"), ("cost", "cost", "")]
     text = (
         "# Answering from h(B): the fixed buffer through the trained corrector vs the re-embedded corpus\n\n"
-        f"Command: `{results['command']}`; {machine_line(results['machine'])}; {len(examples)} questions, corpus "
-        f"of {len(corpus):,} passages; checkpoint `{args.checkpoint}`.\n\n{table(rows, columns)}"
+        f"Command: `{results['command']}`; {reporting.machine_line(results['machine'])}; {len(examples)} questions, corpus "
+        f"of {len(corpus):,} passages; checkpoint `{args.checkpoint}`.\n\n{reporting.table(rows, columns)}"
     )
-    write_report(args.out, text, results)
+    reporting.write_report(args.out, text, results)
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from rlm.experiments.benchmarking import cpu_name, load_average
-from rlm.experiments.reporting import command, results_path, table, write_report
+from rlm.experiments.reporting import arguments, command, results_path, table, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKI_SAMPLE = ROOT.parent / "shared" / "data" / "wiki_sample" / "passages.jsonl"
@@ -291,9 +291,7 @@ Largest difference of a stored (float16) value between the two paths: {diff:.2g}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__)
     parser.add_argument("--corpus", type=Path, default=WIKI_SAMPLE, help="passages (default: wiki_sample)")
     parser.add_argument("--passages", type=int, default=1000)
     parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 512])

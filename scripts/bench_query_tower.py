@@ -13,14 +13,13 @@ For each tower: one question at a time (an interactive demo's latency, tokenizer
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
+from rlm.experiments import reporting
 from rlm.experiments.benchmarking import best_of
-from rlm.experiments.reporting import command, machine, machine_line, results_path, table, write_report
 
 COLUMNS = [
     ("query tower", "tower", ""),
@@ -53,9 +52,7 @@ def questions(count: int, path: Path | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = reporting.arguments(__doc__)
     parser.add_argument(
         "--path", default=None, help="sentence-transformers folder (default: packaged MiniLM)"
     )
@@ -68,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--questions", type=Path, help="a QA JSONL to take questions from (default: toy world)"
     )
-    parser.add_argument("--out", type=Path, default=results_path("bench_query_tower"))
+    parser.add_argument("--out", type=Path, default=reporting.results_path("bench_query_tower"))
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,17 +93,21 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["single_speedup"] = rows[0]["single_ms"] / row["single_ms"]
         row["batch_speedup"] = rows[0]["batch_ms_per_query"] / row["batch_ms_per_query"]
-    results = {"command": command("bench_query_tower.py", argv), "machine": machine(), "rows": rows}
+    results = {
+        "command": reporting.command("bench_query_tower.py", argv),
+        "machine": reporting.machine(),
+        "rows": rows,
+    }
     results["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     source = f"Questions from {args.questions}" if args.questions else "Toy-world questions"
     text = (
         "# Query encoding latency: light query towers (`retriever.query_path: layers:N`) against the full one\n\n"
-        f"Command: `{results['command']}`; {machine_line(results['machine'])}. {source}, max length "
+        f"Command: `{results['command']}`; {reporting.machine_line(results['machine'])}. {source}, max length "
         f"{args.max_length} tokens; one question at a time ({len(singles)} per rep, tokenizer included) and "
         f"batches of {args.batch}; best of {args.reps}. Speed-ups are against the full tower in the same run.\n\n"
-        + table(rows, COLUMNS)
+        + reporting.table(rows, COLUMNS)
     )
-    write_report(args.out, text, results)
+    reporting.write_report(args.out, text, results)
     return 0
 
 

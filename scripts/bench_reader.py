@@ -212,7 +212,7 @@ def markdown(results: dict) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = reporting.arguments(__doc__)
     p.add_argument("--batch", type=int, default=4, help="questions per step (B)")
     p.add_argument("--passages", type=int, default=32, help="passages per question (K)")
     p.add_argument("--length", type=int, default=192, help="tokens per (question, passage) pair (L)")

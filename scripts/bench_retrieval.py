@@ -103,9 +103,7 @@ def markdown(results: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = reporting.arguments(__doc__)
     parser.add_argument("--quick", action="store_true", help="N = 10k, 50k")
     parser.add_argument("--sizes", default=None, help="comma-separated N (overrides the default sizes)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")

@@ -738,13 +738,14 @@ def benchmark(args, argv) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = reporting.arguments(__doc__)
+    parser.add_argument(
+        "--sizes", type=reporting.int_list, help="comma-separated N (default 1M,2M,4M; --quick 50k,100k)"
     )
-    parser.add_argument("--sizes", type=ints, help="comma-separated N (default 1M,2M,4M; --quick 50k,100k)")
     parser.add_argument("--quick", action="store_true", help="N = 50k, 100k, small slices, 1 rep")
-    parser.add_argument("--procs", type=ints, default=[1, 2], help="process counts for each N (default 1,2)")
+    parser.add_argument(
+        "--procs", type=reporting.int_list, default=[1, 2], help="process counts for each N (default 1,2)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--hidden", type=int, default=D, help="corrector width measured over all rows (768)")
     parser.add_argument(
@@ -754,7 +755,9 @@ def main(argv: list[str] | None = None) -> int:
         "3072:100000,8192:25000; --quick 3072:5000,8192:2000); '' for none",
     )
     parser.add_argument(
-        "--slices-at", type=ints, help="the N at which the slices are measured (default: smallest)"
+        "--slices-at",
+        type=reporting.int_list,
+        help="the N at which the slices are measured (default: smallest)",
     )
     parser.add_argument("--reps", type=int, help="corrected top-k repetitions (min; default 2, --quick 1)")
     parser.add_argument("--stale-reps", type=int, default=2)
@@ -775,7 +778,9 @@ def main(argv: list[str] | None = None) -> int:
             f"--proj-{key.replace('_', '-')}", type=type(value), default=value, help=argparse.SUPPRESS
         )
     parser.add_argument(
-        "--proj-hidden", type=ints, help="corrector widths to project (default: the slice widths)"
+        "--proj-hidden",
+        type=reporting.int_list,
+        help="corrector widths to project (default: the slice widths)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--buffer", type=Path, help=argparse.SUPPRESS)

@@ -17,7 +17,6 @@ cost is extrapolated from the measured throughput, not run N times; the table sa
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
@@ -32,7 +31,7 @@ from retriever.search import corrected_topk, two_stage_corrected_topk
 from retriever.selection import auto_index_factory
 from rlm.config import load_config
 from rlm.experiments.benchmarking import clustered_buffer, corrector_moving, overlap
-from rlm.experiments.reporting import ROOT, results_path, table, write_report
+from rlm.experiments.reporting import ROOT, arguments, results_path, table, write_report
 from rlm.train import train_step
 from rlm.training.run import build_run
 
@@ -290,9 +289,7 @@ def markdown(results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__)
     parser.add_argument("--work", default="runs/bench_training")
     parser.add_argument("--num-passages", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=8)

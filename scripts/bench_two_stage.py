@@ -20,7 +20,6 @@ corrected pass with the two-stage cost from its FLOPs and bytes, plus a stated f
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import resource
 import shutil
@@ -317,11 +316,10 @@ def benchmark(args, argv) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = reporting.arguments(__doc__)
+    parser.add_argument(
+        "--sizes", type=reporting.int_list, help="comma-separated N (default 1M,4M; --quick 100k)"
     )
-    parser.add_argument("--sizes", type=ints, help="comma-separated N (default 1M,4M; --quick 100k)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--hidden", type=int, default=3072, help="corrector width (default 3072 = 4D)")
     parser.add_argument("--moves", type=lambda t: [float(x) for x in t.split(",")], default=[0.2, 0.5, 1.0])
@@ -331,14 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--factory", default="IVF{nlist},SQfp16", help="faiss factory ({nlist} is filled in)")
     parser.add_argument("--nlist", type=int, default=2048, help="0: 4 sqrt(N) (what index_factory=auto uses)")
     parser.add_argument("--train-per-list", type=int, default=64, help="k-means training rows per list")
-    parser.add_argument("--nprobe", type=ints, default=[16, 64])
+    parser.add_argument("--nprobe", type=reporting.int_list, default=[16, 64])
     parser.add_argument(
         "--first-stage",
         type=lambda t: [x for x in t.split(",") if x],
         default=["index", "scan"],
         help="where candidates come from: index (faiss), scan (stale top-k over every row), or both",
     )
-    parser.add_argument("--candidates", type=ints, default=[256, 1024])
+    parser.add_argument("--candidates", type=reporting.int_list, default=[256, 1024])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch/faiss threads (default: all cores)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 where native")

@@ -33,7 +33,6 @@ before any update (`--strategies start` evaluates it alone).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -43,7 +42,7 @@ from pathlib import Path
 
 from atomicio import atomic_write_json, atomic_write_text
 from rlm.experiments.comparison import drift_log, render, summarise, table_metrics
-from rlm.experiments.reporting import results_path
+from rlm.experiments.reporting import arguments, results_path
 
 ROOT = Path(__file__).resolve().parents[1]
 # The real third-party data (multihop200) sits beside a checkout in ../shared/data; elsewhere say where.
@@ -314,9 +313,7 @@ def dropout_floor(args, work: Path, num: int = 256) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__)
     parser.add_argument("--algorithm", type=int, choices=(1, 2), default=1)
     parser.add_argument("--data", choices=("toy", "multihop200"), default="toy")
     parser.add_argument("--start", choices=("minilm", "random_gtr"), default="minilm")

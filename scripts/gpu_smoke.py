@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from rlm.experiments import reporting
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".gpu_smoke"  # a work folder holding it is this script's to empty
 
@@ -756,8 +758,6 @@ def claim_work_folder(work: Path) -> None:
 
 
 def write_stage_report(stages: Stages, smoke: Smoke, out: Path, argv: list[str]) -> None:
-    from rlm.experiments.reporting import table, write_report
-
     device = next((r for r in stages.results if r.name == "device"), None)
     failed = stages.failed
     report = {
@@ -782,13 +782,13 @@ def write_stage_report(stages: Stages, smoke: Smoke, out: Path, argv: list[str])
         ("measured", "measured", ""),
     ]
     text = f"# GPU smoke run, {report['date']}\n\n`{report['command']}` on {report['machine']}: **{report['result']}**"
-    write_report(out / "gpu_smoke", f"{text}\n\n{table(report['stages'], columns)}", report, echo=False)
+    reporting.write_report(
+        out / "gpu_smoke", f"{text}\n\n{reporting.table(report['stages'], columns)}", report, echo=False
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = reporting.arguments(__doc__)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
         "--work", type=Path, default=ROOT / "runs" / "gpu_smoke", help="emptied and reused on every run"

@@ -11,19 +11,16 @@ the passages it was not fitted on. 0: the fresh embeddings exactly; 1: no better
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-from rlm.experiments.reporting import table
+from rlm.experiments.reporting import arguments, table
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = arguments(__doc__)
     parser.add_argument("--run", type=Path, required=True, help="a training run folder (with final/)")
     parser.add_argument("--buffer", type=Path, required=True, help="the run's fixed buffer B")
     parser.add_argument("--corpus", type=Path, required=True)

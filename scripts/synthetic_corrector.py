@@ -55,9 +55,7 @@ QUICK = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = reporting.arguments(__doc__)
     parser.add_argument("--quick", action="store_true", help="small grid and sizes (a smoke run, < 1 min)")
     parser.add_argument(
         "--out", type=Path, default=reporting.results_path("synthetic_corrector"), help="output stem"

@@ -353,7 +353,7 @@ def test_a_tower_that_gives_nan_is_refused_naming_the_passages(encoder, tmp_path
 def test_verification_refuses_a_shard_with_nonfinite_rows(encoder, tmp_path):
     """A shard with an intact receipt but an infinite row (written before the check, or by hand) is refused
     when the build is finalized, and no meta.json makes it a buffer."""
-    from retriever.buffer import _write_shard
+    from retriever.buffer import write_shard
 
     out = tmp_path / "b"
     settings = build_settings(IDS, TEXTS, encoder, "float16", 10)
@@ -361,7 +361,7 @@ def test_verification_refuses_a_shard_with_nonfinite_rows(encoder, tmp_path):
     embed_shards(IDS, TEXTS, encoder, out, settings, range(3), show_progress=False)
     array = np.load(out / "shard_00002.npy")
     array[1, 0] = np.inf
-    _write_shard(out, 2, array)
+    write_shard(out, 2, array)
     with pytest.raises(InputError, match=r"shard_00002.npy: 1 buffer row.*'doc21' \(row 21\).*delete"):
         finalize_buffer(out, IDS, settings)
     assert not (out / "meta.json").exists()

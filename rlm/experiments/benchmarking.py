@@ -156,8 +156,8 @@ def write_buffer(
     folder.mkdir(parents=True)
     start = time.perf_counter()
     for s in range(settings["num_shards"]):
-        # The private writer until retriever.buffer names it public (a shard and its receipt, atomically).
-        layout._write_shard(folder, s, shard(s, min(rows, n - s * rows)))
+        # retriever.buffer's own writer: a shard and its receipt, atomically (the format is written in one place).
+        layout.write_shard(folder, s, shard(s, min(rows, n - s * rows)))
     layout.finalize_buffer(folder, range(n), settings)
     return {"seconds": time.perf_counter() - start, "reused": False}
 

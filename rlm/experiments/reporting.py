@@ -8,6 +8,7 @@ and `FINDINGS_END` survives every rewrite of it.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -51,6 +52,16 @@ def table(rows: Sequence[dict], columns: Sequence[Column]) -> str:
         values = [key(row) if callable(key) else row.get(key) for _, key, _ in columns]
         lines.append("| " + " | ".join(cell(v, spec) for v, (_, _, spec) in zip(values, columns)) + " |")
     return "\n".join(lines)
+
+
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """A script's parser: its module docstring, as written, is the help text."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def int_list(text: str) -> list[int]:
+    """'1000,2000' -> [1000, 2000]: an option that takes several sizes."""
+    return [int(x) for x in text.split(",") if x]
 
 
 def command(script: str, argv: Sequence[str] | None = None) -> str:
