@@ -460,7 +460,7 @@ def embed_shards(
         return _tokenize_shard(encoder, texts, s, settings, stopping)
 
     device = encoder.device
-    # A CPU runs forwards of about 16 rows fastest (docs/results/bench_buffer_build.md, AVX2 EPYC: 34.7
+    # A CPU runs forwards of about 16 rows fastest (docs/retriever.md, AVX2 EPYC: 34.7
     # passages/s at 16, 29.8 at 64, 18.3 at 512); a GPU wants the whole batch in one forward.
     step = batch_size if device.type != "cpu" else min(batch_size, CPU_FORWARD_ROWS)
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-tokenize")

@@ -5,7 +5,7 @@ of `corrected_topk` next to plain torch matmuls of exactly the same shapes (+ to
 peak extra RSS during the call (sampled), which should not grow with N. Each N runs in a fresh process so that
 memory figures do not leak between sizes. The data are clustered unit vectors (queries near a cluster, ~50
 passages per cluster) so that top-32 is meaningful; the corrector moves vectors by ~0.2, as a trained one does.
-Two-stage search at scale: `bench_two_stage.py`; the buffer build: `bench_buffer_build.py`.
+Two-stage search at scale: `bench_two_stage.py`.
 
     python scripts/bench_retrieval.py            # N = 10k, 100k, 1M (a few minutes)
     python scripts/bench_retrieval.py --quick    # N = 10k, 50k

@@ -28,7 +28,6 @@ import os
 import resource
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,28 +36,32 @@ import psutil
 import torch
 
 from rlm.experiments import reporting
-from rlm.experiments.benchmarking import PROJECTION_DEFAULTS, corrector_moving, load_average, write_buffer
+from rlm.experiments.benchmarking import PROJECTION_DEFAULTS as DEFAULTS
+from rlm.experiments.benchmarking import (
+    autocast,
+    corrector_moving,
+    fmt_n,
+    gpu_rates,
+    load_average,
+    run_or_render,
+    scale_arguments,
+    synthetic_buffers,
+)
 
-D, BATCH, K, CHUNK, SEED, BETA = 768, 8, 32, 65_536, 0, 20.0
-GB = 1e9
+D, BATCH, K, CHUNK, SEED, BETA, GB = 768, 8, 32, 65_536, 0, 20.0, 1e9
 # T5-base: 12 layers, d_model 768, d_ff 3072, vocab 32128; GTR-base = T5-base encoder (+ Dense 768x768).
 T5_LAYERS, T5_D, T5_FF, T5_VOCAB = 12, 768, 3072, 32_128
 T5_ENC = T5_LAYERS * (4 * T5_D**2 + 2 * T5_D * T5_FF)  # 84.9M matmul parameters
 T5_DEC = T5_LAYERS * (8 * T5_D**2 + 2 * T5_D * T5_FF)  # 113.2M (self + cross attention + FFN)
 T5_EMB = T5_D * T5_VOCAB  # 24.7M (shared input embedding / LM head)
-FID_ACT_GIB_PER_QUESTION = (
-    0.41  # docs/results/bench_reader/bench_reader: T5-base FiD, K=32 x 256 tokens, checkpointing
-)
+FID_ACT_GIB_PER_QUESTION = 0.41  # docs/results/bench_reader: T5-base FiD, K=32 x 256 tokens, checkpointing
+CLOCKS = ("wall_s", "cpu_s")
 
 
-def random_rows(seed: int):
-    """Shard s: fp16 unit vectors N(0, I)/norm from rng([seed, s]) (deterministic whatever the shard order)."""
-
-    def shard(s: int, rows: int) -> np.ndarray:
-        block = np.random.default_rng([seed, s]).standard_normal((rows, D), dtype=np.float32)
-        return (block / np.linalg.norm(block, axis=1, keepdims=True)).astype(np.float16)
-
-    return shard
+def random_rows(s: int, rows: int) -> np.ndarray:
+    """Shard s: fp16 unit vectors N(0, I)/norm from rng([SEED, s]) (deterministic whatever the shard order)."""
+    block = np.random.default_rng([SEED, s]).standard_normal((rows, D), dtype=np.float32)
+    return (block / np.linalg.norm(block, axis=1, keepdims=True)).astype(np.float16)
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -66,10 +69,11 @@ def random_rows(seed: int):
 
 def proc_status() -> dict[str, int]:
     """VmRSS, VmHWM (peak), RssAnon, RssFile of this process in bytes (Linux /proc; zeros elsewhere)."""
-    out = {"VmRSS": 0, "VmHWM": 0, "RssAnon": 0, "RssFile": 0}
+    out = dict.fromkeys(("VmRSS", "VmHWM", "RssAnon", "RssFile"), 0)
     with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key, _, value = line.partition(":")
+        for key, _, value in (
+            line.partition(":") for line in Path("/proc/self/status").read_text().splitlines()
+        ):
             if key in out:
                 out[key] = int(value.split()[0]) * 1024
     return out
@@ -132,20 +136,21 @@ def worker(args) -> dict:
     start = time.perf_counter()
     procs = make_processes()
     init_s = time.perf_counter() - start
-    status = {"start": proc_status()}
-    pressure = [cpu_pressure()]
+    status, pressure = {"start": proc_status()}, [cpu_pressure()]
     start = time.perf_counter()
     buffer = PassageBuffer.load(args.buffer)
     lo, hi = procs.part(len(buffer))
-    rows = ShardedRows(slice_rows(buffer, lo, hi), torch.arange(lo, hi), procs)
+
+    def rows_of(stop: int):
+        return ShardedRows(slice_rows(buffer, lo, stop), torch.arange(lo, stop), procs)
+
+    rows = rows_of(hi)
     open_s = time.perf_counter() - start
-    queries = torch.nn.functional.normalize(
-        torch.randn(BATCH, D, generator=torch.Generator().manual_seed(SEED + procs.rank)), dim=-1
-    )
-    cast = torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+    generator = torch.Generator().manual_seed(SEED + procs.rank)
+    queries = torch.nn.functional.normalize(torch.randn(BATCH, D, generator=generator), dim=-1)
 
     def select(corrector, which=rows):
-        with cast:
+        with autocast(args.dtype):
             return which.topk(queries, corrector, K, CHUNK)
 
     # The first pass pages the rows in (a device run copies them onto the device here instead).
@@ -157,18 +162,9 @@ def worker(args) -> dict:
     slices = []
     for hidden, slice_rows_ in args.slice_hidden:
         m = max(1, min(slice_rows_, hi - lo))
-        part = ShardedRows(slice_rows(buffer, lo, lo + m), torch.arange(lo, lo + m), procs)
-        h = corrector_moving(D, hidden)
+        h, part = corrector_moving(D, hidden), rows_of(lo + m)
         t, _ = timed(procs, lambda h=h, p=part: select(h, p), args.slice_reps)
-        slices.append(
-            {
-                "hidden": hidden,
-                "rows": m,
-                **t,
-                "wall_s_per_row": t["wall_s"] / m,
-                "cpu_s_per_row": t["cpu_s"] / m,
-            }
-        )
+        slices.append({"hidden": hidden, "rows": m, **t, **{f"{c}_per_row": t[c] / m for c in CLOCKS}})
     status["slices"] = proc_status()
 
     # Corrector-loss step: h on B_y (B x k rows of the whole buffer), CE against target scores, backward.
@@ -179,7 +175,7 @@ def worker(args) -> dict:
 
         def loss_step(h=h):
             h.zero_grad(set_to_none=True)
-            with cast:
+            with autocast(args.dtype):
                 corrected = torch.einsum("bd,bkd->bk", queries, h(buffer.rows(top.indices).float()))
                 loss = corrector_ce_loss(targets, corrected, beta=BETA)
             loss.backward()
@@ -188,13 +184,9 @@ def worker(args) -> dict:
         losses.append({"hidden": hidden, **timed(procs, loss_step, args.loss_reps)[0]})
     status["end"] = proc_status()
     pressure.append(cpu_pressure())
-    record = {
-        "rank": procs.rank,
-        "world": procs.world,
-        "threads": torch.get_num_threads(),
-        "rows": hi - lo,
-        "row_range": [lo, hi],
-        "buffer_bytes_scanned": (hi - lo) * D * 2,
+    record = {"rank": procs.rank, "world": procs.world, "threads": torch.get_num_threads(), "rows": hi - lo}
+    record |= {"row_range": [lo, hi], "buffer_bytes_scanned": (hi - lo) * D * 2}
+    record |= {
         "buffer_bytes_mapped": len(buffer) * D * 2,
         # Buffer pages this process holds after scanning its rows (file-backed RSS grown since the start) ...
         "buffer_resident_bytes": status["scanned"]["RssFile"] - status["start"]["RssFile"],
@@ -230,11 +222,8 @@ def t5_step_flops(p: dict) -> dict[str, float]:
     """FLOPs of one optimizer step of the paper's setting (all GPUs together), by component. Training matmuls
     cost 8 x params x tokens with gradient checkpointing (forward 2, backward 4, re-forward 2); attention
     adds 4 x L x d per token per layer forward (scores and values)."""
-    q, k, lp, la, lq = (
-        p[key]
-        for key in ("questions_per_step", "passages", "passage_tokens", "answer_tokens", "query_tokens")
-    )
-    enc_tokens, dec_tokens = q * k * lp, q * la
+    q, k, lp, la = p["questions_per_step"], p["passages"], p["passage_tokens"], p["answer_tokens"]
+    enc_tokens, dec_tokens, lq = q * k * lp, q * la, p["query_tokens"]
     attn = 4 * T5_LAYERS * T5_D * lp  # per token, forward
     cross_kv = 4 * T5_LAYERS * T5_D**2  # K and V of every encoder state, per decoder pass, forward
     cross_attn = 4 * T5_LAYERS * T5_D * k * lp  # per decoder token, forward, over all k passages
@@ -256,7 +245,7 @@ def project(measured: dict, p: dict, hiddens: list[int]) -> dict:
     rows = math.ceil(n / w)
     accumulation = max(1, p["questions_per_step"] // (p["micro_batch"] * w))
     gathered = p["micro_batch"] * w  # queries every process scores (all-gathered) per micro-step
-    gemm, hbm = p["peak_tflops"] * 1e12 * p["gemm_efficiency"], p["hbm_tbps"] * 1e12
+    gemm, hbm = gpu_rates(p)
     flops = t5_step_flops(p)
     model_s = sum(flops.values()) / (w * p["peak_tflops"] * 1e12 * p["train_mfu"])
     params = T5_ENC + T5_DEC + T5_EMB + 2 * (T5_ENC + T5_EMB + T5_D**2)  # reader + f + g (biases ignored)
@@ -275,24 +264,14 @@ def project(measured: dict, p: dict, hiddens: list[int]) -> dict:
         "models_s": w * 4 * params / (p["disk_gbps"] * 1e9),
     }
     stale_s = rows * 2 * D / hbm + rows * 2 * gathered * D / gemm
-    out = {
-        "params": p,
-        "rows_per_process": rows,
-        "accumulation": accumulation,
-        "selections_per_step": accumulation,
-        "gathered_queries": gathered,
-        "model_flops_per_step": flops,
-        "model_step_s": model_s,
-        "sync_s": sync_s,
-        "refresh_s_per_process": refresh_s,
-        "startup": startup,
-        "startup_s": sum(startup.values()),
-        "stale": {
-            "bytes_per_row": 2 * D,
-            "seconds": stale_s,
-            "cpu_seconds_per_row": measured.get("stale_s_per_row"),
-        },
-        "by_hidden": [],
+    out = {"params": p, "rows_per_process": rows, "accumulation": accumulation}
+    out |= {"selections_per_step": accumulation, "gathered_queries": gathered, "model_flops_per_step": flops}
+    out |= {"model_step_s": model_s, "sync_s": sync_s, "refresh_s_per_process": refresh_s, "startup": startup}
+    out |= {"startup_s": sum(startup.values()), "by_hidden": []}
+    out["stale"] = {
+        "bytes_per_row": 2 * D,
+        "seconds": stale_s,
+        "cpu_seconds_per_row": measured.get("stale_s_per_row"),
     }
     for hidden in hiddens:
         row_flops = 4 * D * hidden + 2 * gathered * D
@@ -305,72 +284,67 @@ def project(measured: dict, p: dict, hiddens: list[int]) -> dict:
         per_step = {
             "model (FiD reader + towers, MFU)": model_s,
             "corrected selection": accumulation * select_s,
+        }
+        per_step |= {
             "corrector loss": accumulation * loss_s,
             "gradient all-reduce + AdamW": sync_s,
             "refresh": 0.0,
         }
         step_s = sum(per_step.values())
-        chunk_bytes = CHUNK * (2 * hidden + 10 * D) + gathered * CHUNK * 4
         # Weights, grads and Adam moments (16 B/param) of reader, f, g and h; checkpointed activations: FiD
         # ~0.41 GiB per question (bench_reader), the passage tower about as much.
-        states = 16 * (params + 2 * D * hidden + hidden + D)
-        activations = 2 * FID_ACT_GIB_PER_QUESTION * 2**30 * p["micro_batch"]
         memory = {
             "buffer shard": buffer_bytes,
-            "selection working set": chunk_bytes,
-            "model states": states,
-            "activations (checkpointed)": activations,
+            "selection working set": CHUNK * (2 * hidden + 10 * D) + gathered * CHUNK * 4,
+            "model states": 16 * (params + 2 * D * hidden + hidden + D),
+            "activations (checkpointed)": 2 * FID_ACT_GIB_PER_QUESTION * 2**30 * p["micro_batch"],
         }
-        out["by_hidden"].append(
-            {
-                "hidden": hidden,
-                "flops_per_row": row_flops,
-                "bytes_per_row": row_bytes,
-                "cpu_seconds_per_row": cpu_row,
-                "cpu_gflops": row_flops / cpu_row / 1e9 if cpu_row else None,
-                "gpu_seconds_per_row": row_flops / gemm + row_bytes / hbm,
-                "selection_s": select_s,
-                "loss_s": loss_s,
-                "per_step": per_step,
-                "step_s": step_s,
-                "selection_fraction": accumulation * select_s / step_s,
-                "days": (p["steps"] * step_s + out["startup_s"]) / 86400,
-                "exhaustive_step_s": step_s
-                - accumulation * (select_s + loss_s - stale_s)
-                + refresh_s / p["refresh_every"],
-                "gpu_memory_bytes": memory,
-                "gpu_memory_total_bytes": sum(memory.values()),
-            }
+        h = {
+            "hidden": hidden,
+            "flops_per_row": row_flops,
+            "bytes_per_row": row_bytes,
+            "cpu_seconds_per_row": cpu_row,
+        }
+        h |= {"cpu_gflops": row_flops / cpu_row / 1e9 if cpu_row else None}
+        h |= {
+            "gpu_seconds_per_row": row_flops / gemm + row_bytes / hbm,
+            "selection_s": select_s,
+            "loss_s": loss_s,
+        }
+        h |= {"per_step": per_step, "step_s": step_s, "selection_fraction": accumulation * select_s / step_s}
+        h |= {"days": (p["steps"] * step_s + out["startup_s"]) / 86400}
+        h["exhaustive_step_s"] = (
+            step_s - accumulation * (select_s + loss_s - stale_s) + refresh_s / p["refresh_every"]
         )
+        h |= {"gpu_memory_bytes": memory, "gpu_memory_total_bytes": sum(memory.values())}
+        out["by_hidden"].append(h)
     return out
 
 
 # ----------------------------------------------------------------------------------------------- summary
 
 
+def slowest(records: list[dict], key, hidden=None) -> float:
+    """The largest of `key(record)` (or of key over the items with this `hidden` of list `records`)."""
+    return max(key(r) for r in records if hidden is None or r["hidden"] == hidden)
+
+
 def per_process(records: list[dict], slice_rows: dict[int, dict]) -> dict:
     """One run's figures per process: the slowest / largest of its W processes (a step waits for the slowest);
     the slice widths' per-row costs (measured at one N) scaled to this run's rows."""
-    keys = (
-        "rows",
-        "buffer_bytes_scanned",
-        "buffer_resident_bytes",
-        "b_y_resident_bytes",
-        "peak_rss_selection_bytes",
-    )
-    keys += ("peak_rss_bytes", "startup_s", "import_s", "init_s", "open_s", "first_pass_s")
-    out = {key: max(r[key] for r in records) for key in keys}
-    for part in ("stale", "corrected"):
-        for clock in ("wall_s", "cpu_s"):
-            out[f"{part}_{clock}"] = max(r[part][clock] for r in records)
+    keys = ("rows", "buffer_bytes_scanned", "buffer_resident_bytes", "b_y_resident_bytes")
+    keys += ("peak_rss_selection_bytes", "peak_rss_bytes", "startup_s", "import_s", "init_s", "open_s")
+    out = {key: max(r[key] for r in records) for key in (*keys, "first_pass_s")}
+    out |= {
+        f"{part}_{c}": max(r[part][c] for r in records) for part in ("stale", "corrected") for c in CLOCKS
+    }
+    losses = [x for r in records for x in r["loss_steps"]]
     out["loss_ms"] = {
-        loss["hidden"]: 1e3
-        * max(x["wall_s"] for r in records for x in r["loss_steps"] if x["hidden"] == loss["hidden"])
-        for loss in records[0]["loss_steps"]
+        x["hidden"]: 1e3 * slowest(losses, lambda y: y["wall_s"], x["hidden"])
+        for x in records[0]["loss_steps"]
     }
     out["scaled"] = {
-        h: {clock: costs[f"{clock}_per_row"] * out["rows"] for clock in ("wall_s", "cpu_s")}
-        for h, costs in slice_rows.items()
+        h: {c: costs[f"{c}_per_row"] * out["rows"] for c in CLOCKS} for h, costs in slice_rows.items()
     }
     pressure = [p for r in records for p in r["cpu_pressure_avg10"] if p is not None]
     out["cpu_pressure_max"] = max(pressure) if pressure else None
@@ -381,47 +355,36 @@ def summarize(results: dict) -> None:
     """Per (N, W) the per-process figures, per N the 1 -> 2 process ratios, and the 1-process CPU per-row
     costs the projection starts from (CPU seconds: the work, without the waits for a core)."""
     slices = {}  # per W: per-row costs of each slice width (slowest process)
-    for size in results["sizes"]:
-        for run in size["runs"]:
-            procs = run["processes"]
-            if procs[0]["slices"] and run["world"] not in slices:
-                slices[run["world"]] = {
-                    item["hidden"]: {
-                        "rows": item["rows"],
-                        **{
-                            f"{clock}_per_row": max(
-                                x[f"{clock}_per_row"]
-                                for r in procs
-                                for x in r["slices"]
-                                if x["hidden"] == item["hidden"]
-                            )
-                            for clock in ("wall_s", "cpu_s")
-                        },
-                    }
-                    for item in procs[0]["slices"]
+    for run in (run for size in results["sizes"] for run in size["runs"]):
+        items = [x for r in run["processes"] for x in r["slices"]]
+        if items and run["world"] not in slices:
+            slices[run["world"]] = {
+                x["hidden"]: {"rows": x["rows"]}
+                | {
+                    f"{c}_per_row": slowest(items, lambda y, c=c: y[f"{c}_per_row"], x["hidden"])
+                    for c in CLOCKS
                 }
+                for x in run["processes"][0]["slices"]
+            }
     summary, ratios = [], []
     for size in results["sizes"]:
-        by_world = {}
-        for run in size["runs"]:
-            pp = per_process(run["processes"], slices.get(run["world"], {}))
-            by_world[run["world"]] = pp
-            summary.append({"n": size["n"], "world": run["world"], **pp})
+        by_world = {
+            run["world"]: per_process(run["processes"], slices.get(run["world"], {})) for run in size["runs"]
+        }
+        summary += [{"n": size["n"], "world": world, **pp} for world, pp in by_world.items()]
         if 1 in by_world and 2 in by_world:
             one, two = by_world[1], by_world[2]
-            ratios.append(
-                {
-                    "n": size["n"],
-                    "buffer_memory": one["buffer_resident_bytes"] / max(two["buffer_resident_bytes"], 1),
-                    "peak_rss": one["peak_rss_selection_bytes"] / two["peak_rss_selection_bytes"],
-                    **{
-                        f"{part}_{clock}": one[f"{part}_{clock}"] / two[f"{part}_{clock}"]
-                        for part in ("stale", "corrected")
-                        for clock in ("wall_s", "cpu_s")
-                    },
-                    "top_k_equal": size.get("sharded_equals_whole"),
-                }
-            )
+            ratio = {
+                "n": size["n"],
+                "buffer_memory": one["buffer_resident_bytes"] / max(two["buffer_resident_bytes"], 1),
+            }
+            ratio["peak_rss"] = one["peak_rss_selection_bytes"] / two["peak_rss_selection_bytes"]
+            ratio |= {
+                f"{part}_{c}": one[f"{part}_{c}"] / two[f"{part}_{c}"]
+                for part in ("stale", "corrected")
+                for c in CLOCKS
+            }
+            ratios.append(ratio | {"top_k_equal": size.get("sharded_equals_whole")})
     one_proc = [s for s in summary if s["world"] == 1]
     rows = sum(s["rows"] for s in one_proc)
     largest = max(one_proc, key=lambda s: s["n"])
@@ -437,9 +400,7 @@ def summarize(results: dict) -> None:
 
 
 def goals(results: dict) -> list[str]:
-    def met(ok: bool) -> str:
-        return "met" if ok else "NOT met"
-
+    met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     lines = []
     if results["ratios"]:
         mem, cpu, wall = (
@@ -454,24 +415,17 @@ def goals(results: dict) -> list[str]:
             f"(lowest {cpu:.2f}x); wall time {met(wall >= 1.7)} (lowest {wall:.2f}x; needs a free core per process)."
         )
     proj = results["projection"]
-    for variant in results["projection_variants"]:
-        for h in variant["by_hidden"]:
-            lines.append(
-                f"- 21M x 768 on {proj['params']['gpus']} GPUs, h{h['hidden']}, micro-batch "
-                f"{variant['params']['micro_batch']} (A = {variant['accumulation']}): corrected selection "
-                f"{h['selection_fraction']:.1%} of a {h['step_s']:.2f} s optimizer step (goal <= 10%: "
-                f"{met(h['selection_fraction'] <= 0.10)})."
-            )
-    lines.append(f"- start-up {proj['startup_s']:.0f} s (goal <= 120 s: {met(proj['startup_s'] <= 120)}).")
-    return lines
+    lines += [
+        f"- 21M x 768 on {proj['params']['gpus']} GPUs, h{h['hidden']}, micro-batch {variant['params']['micro_batch']} "
+        f"(A = {variant['accumulation']}): corrected selection {h['selection_fraction']:.1%} of a {h['step_s']:.2f} s "
+        f"optimizer step (goal <= 10%: {met(h['selection_fraction'] <= 0.10)})."
+        for variant in results["projection_variants"]
+        for h in variant["by_hidden"]
+    ]
+    return [*lines, f"- start-up {proj['startup_s']:.0f} s (goal <= 120 s: {met(proj['startup_s'] <= 120)})."]
 
 
 # ----------------------------------------------------------------------------------------------- report
-
-
-def fmt_n(n: int) -> str:
-    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
-
 
 FORMULAS = """```
 selection  t_sel   = r * (4*D*H + 2*G*D) / (peak * gemm_eff) + r * (12*D + 4*H + 4*G) bytes / HBM
@@ -491,13 +445,16 @@ def markdown(results: dict) -> str:
     loss_h = slice_h or [hidden]
     proj = results["projection"]
     p = proj["params"]
-    columns = [
-        ("N", lambda s: fmt_n(s["n"]), ""),
-        ("procs", "world", "d"),
-        ("rows / process", "rows", ","),
-        ("buffer scanned GB", lambda s: s["buffer_bytes_scanned"] / GB, ".2f"),
-        ("buffer resident GB", lambda s: s["buffer_resident_bytes"] / GB, ".2f"),
-        ("peak RSS GB", lambda s: s["peak_rss_selection_bytes"] / GB, ".2f"),
+    columns = [("N", lambda s: fmt_n(s["n"]), ""), ("procs", "world", "d"), ("rows / process", "rows", ",")]
+    columns += [
+        (f"{title} GB", lambda s, key=key: s[key] / GB, ".2f")
+        for title, key in (
+            ("buffer scanned", "buffer_bytes_scanned"),
+            ("buffer resident", "buffer_resident_bytes"),
+            ("peak RSS", "peak_rss_selection_bytes"),
+        )
+    ]
+    columns += [
         ("start-up s", "startup_s", ".1f"),
         ("stale top-k s wall / CPU", lambda s: f"{s['stale_wall_s']:.2f} / {s['stale_cpu_s']:.2f}", ""),
         (
@@ -515,14 +472,15 @@ def markdown(results: dict) -> str:
         ("loss step ms " + " / ".join(f"h{h}" for h in loss_h), loss, ""),
         ("CPU pressure %", "cpu_pressure_max", ".0f"),
     ]
-    ratio_columns = [("N", lambda r: fmt_n(r["n"]), "")]
-    ratio_columns += [
-        (title, key, ".2f") for title, key in (("buffer resident", "buffer_memory"), ("peak RSS", "peak_rss"))
+    ratio_columns = [
+        ("N", lambda r: fmt_n(r["n"]), ""),
+        ("buffer resident", "buffer_memory", ".2f"),
+        ("peak RSS", "peak_rss", ".2f"),
     ]
     ratio_columns += [
-        (f"{part} top-k {clock}", f"{part}_{clock}_s", ".2f")
+        (f"{part} top-k {c}", f"{part}_{c}_s", ".2f")
         for part in ("stale", "corrected")
-        for clock in ("wall", "cpu")
+        for c in ("wall", "cpu")
     ]
     ratio_columns.append(("merged top-k = 1-process top-k", "top_k_equal", ""))
     step_rows = [
@@ -534,6 +492,8 @@ def markdown(results: dict) -> str:
         ("corrector h", "hidden", "d"),
         ("micro-batch", "micro_batch", "d"),
         ("A", "accumulation", "d"),
+    ]
+    step_columns += [
         ("selection / step s", "corrected selection", ".3f"),
         ("loss / step ms", lambda h: 1e3 * h["corrector loss"], ".1f"),
         ("model s", "model (FiD reader + towers, MFU)", ".3f"),
@@ -544,65 +504,57 @@ def markdown(results: dict) -> str:
         (f"exhaustive R={p['refresh_every']} step s", "exhaustive_step_s", ".3f"),
         ("GPU memory / process GB", lambda h: h["gpu_memory_total_bytes"] / GB, ".1f"),
     ]
-    return "\n".join(
-        [
-            "# Scale benchmark: sharded corrected top-k on 1 and 2 processes, and a 21M x 768 projection",
-            "",
-            f"Command: `{results['command']}`; {reporting.machine_line(results['machine'])}; {results['wall_s'] / 60:.1f} min.",
-            "",
-            "**Timings are noisy**: the 2 cores were shared with other people's jobs (load average "
-            f"{results['load_before']} before, {results['load_after']} after; CPU pressure: the kernel's share of "
-            "time some task waited for a core). Read the 1- and 2-process runs of each N (back to back, same buffer) "
-            "through their ratios; CPU time is the work a process did, wall time includes its waits.",
-            "",
-            f"Buffer: fp16 x {D}, random unit vectors, memory-mapped; {BATCH} queries per process, k = {K}, chunk "
-            f"{CHUNK:,}, {results['dtype']} autocast; per process = the slowest of the W; min over {results['reps']} "
-            "reps. Wider h on a slice ("
-            + ", ".join(f"h{h} on {rows:,} rows" for h, rows in results["slice_hidden"])
-            + f"; at N = {', '.join(fmt_n(n) for n in results['slices_at'])}), scaled per row.",
-            "",
-            reporting.table(results["summary"], columns),
-            "",
-            "![selection seconds and memory per process vs N](bench_scale.png)",
-            "",
-            "## 1 -> 2 processes (per process: 1-process figure / 2-process figure)",
-            "",
-            reporting.table(results["ratios"], ratio_columns),
-            "",
-            "## Projection: 21M x 768 on 8 GPUs",
-            "",
-            f"Constants (`--proj-*`): {p['gpus']} x H100 SXM, bf16 peak {p['peak_tflops']:g} TFLOP/s, GEMMs at "
-            f"{p['gemm_efficiency']:.0%} of it, model MFU {p['train_mfu']:.0%}, refresh MFU {p['embed_mfu']:.0%}, HBM "
-            f"{p['hbm_tbps']:g} TB/s, PCIe {p['pcie_gbps']:g} GB/s, disk {p['disk_gbps']:g} GB/s, bus "
-            f"{p['nvlink_gbps']:g} GB/s, launch {p['launch_s']:g} s. Setting (configs/nq.yaml): N = {p['n']:,}, W = "
-            f"{p['gpus']}, {p['questions_per_step']} questions x {p['passages']} passages x {p['passage_tokens']} "
-            f"tokens per step, {p['micro_batch']} per GPU per micro-step -> A = {proj['accumulation']} selections of "
-            f"G = {proj['gathered_queries']} queries against r = {proj['rows_per_process']:,} rows; {p['steps']:,} "
-            f"steps. Per process (H = corrector width, b = questions per GPU per micro-step, P = matmul parameters, "
-            "L = tokens):",
-            "",
-            FORMULAS,
-            "",
-            f"t_mod = {proj['model_step_s']:.3f} s, t_sync = {proj['sync_s'] * 1e3:.0f} ms, t_ref = "
-            f"{proj['refresh_s_per_process']:.0f} s per process every {p['refresh_every']} steps; start-up "
-            + ", ".join(f"{k} {v:.1f} s" for k, v in proj["startup"].items())
-            + f" = {proj['startup_s']:.0f} s.",
-            "",
-            reporting.table(step_rows, step_columns),
-            "",
-            "Selection share by the model's MFU: "
-            + "; ".join(
-                f"MFU {v['params']['train_mfu']:.0%}: "
-                + ", ".join(f"h{h['hidden']} {h['selection_fraction']:.1%}" for h in v["by_hidden"])
-                for v in results["projection_mfu"]
-            )
-            + ".",
-            "",
-            "## Goals",
-            "",
-            *results["goals"],
-        ]
+    mfu = "; ".join(
+        f"MFU {v['params']['train_mfu']:.0%}: "
+        + ", ".join(f"h{h['hidden']} {h['selection_fraction']:.1%}" for h in v["by_hidden"])
+        for v in results["projection_mfu"]
     )
+    return f"""# Scale benchmark: sharded corrected top-k on 1 and 2 processes, and a 21M x 768 projection
+
+Command: `{results["command"]}`; {reporting.machine_line(results["machine"])}; {results["wall_s"] / 60:.1f} min.
+
+**Timings are noisy**: the 2 cores were shared with other people's jobs (load average {results["load_before"]} \
+before, {results["load_after"]} after; CPU pressure: the kernel's share of time some task waited for a core). Read \
+the 1- and 2-process runs of each N (back to back, same buffer) through their ratios; CPU time is the work a \
+process did, wall time includes its waits.
+
+Buffer: fp16 x {D}, random unit vectors, memory-mapped; {BATCH} queries per process, k = {K}, chunk {CHUNK:,}, \
+{results["dtype"]} autocast; per process = the slowest of the W; min over {results["reps"]} reps. Wider h on a slice \
+({", ".join(f"h{h} on {rows:,} rows" for h, rows in results["slice_hidden"])}; at N = \
+{", ".join(fmt_n(n) for n in results["slices_at"])}), scaled per row.
+
+{reporting.table(results["summary"], columns)}
+
+![selection seconds and memory per process vs N](bench_scale.png)
+
+## 1 -> 2 processes (per process: 1-process figure / 2-process figure)
+
+{reporting.table(results["ratios"], ratio_columns)}
+
+## Projection: 21M x 768 on 8 GPUs
+
+Constants (`--proj-*`): {p["gpus"]} x H100 SXM, bf16 peak {p["peak_tflops"]:g} TFLOP/s, GEMMs at \
+{p["gemm_efficiency"]:.0%} of it, model MFU {p["train_mfu"]:.0%}, refresh MFU {p["embed_mfu"]:.0%}, HBM \
+{p["hbm_tbps"]:g} TB/s, PCIe {p["pcie_gbps"]:g} GB/s, disk {p["disk_gbps"]:g} GB/s, bus {p["nvlink_gbps"]:g} GB/s, \
+launch {p["launch_s"]:g} s. Setting (configs/nq.yaml): N = {p["n"]:,}, W = {p["gpus"]}, {p["questions_per_step"]} \
+questions x {p["passages"]} passages x {p["passage_tokens"]} tokens per step, {p["micro_batch"]} per GPU per \
+micro-step -> A = {proj["accumulation"]} selections of G = {proj["gathered_queries"]} queries against r = \
+{proj["rows_per_process"]:,} rows; {p["steps"]:,} steps. Per process (H = corrector width, b = questions per GPU \
+per micro-step, P = matmul parameters, L = tokens):
+
+{FORMULAS}
+
+t_mod = {proj["model_step_s"]:.3f} s, t_sync = {proj["sync_s"] * 1e3:.0f} ms, t_ref = \
+{proj["refresh_s_per_process"]:.0f} s per process every {p["refresh_every"]} steps; start-up \
+{", ".join(f"{k} {v:.1f} s" for k, v in proj["startup"].items())} = {proj["startup_s"]:.0f} s.
+
+{reporting.table(step_rows, step_columns)}
+
+Selection share by the model's MFU: {mfu}.
+
+## Goals
+
+""" + "\n".join(results["goals"])
 
 
 def plot(results: dict):
@@ -610,7 +562,6 @@ def plot(results: dict):
     h = results["hidden"]
     for world, style in ((1, "-o"), (2, "--s")):
         rows = sorted((s for s in results["summary"] if s["world"] == world), key=lambda s: s["n"])
-        ns = [s["n"] / 1e6 for s in rows]
         for ax, key, color, alpha, label in (
             (left, "corrected_cpu_s", "C0", 1.0, f"corrected h{h}, CPU s"),
             (left, "corrected_wall_s", "C0", 0.35, f"corrected h{h}, wall s"),
@@ -619,9 +570,10 @@ def plot(results: dict):
             (right, "peak_rss_selection_bytes", "C3", 1.0, "peak RSS"),
             (right, "buffer_resident_bytes", "C1", 1.0, "resident buffer"),
         ):
-            scale = GB if key.endswith("bytes") else 1
-            ys = [s[key] / scale for s in rows]
-            ax.plot(ns, ys, style, color=color, alpha=alpha, label=f"{label}, W={world}")
+            ys = [s[key] / (GB if key.endswith("bytes") else 1) for s in rows]
+            ax.plot(
+                [s["n"] / 1e6 for s in rows], ys, style, color=color, alpha=alpha, label=f"{label}, W={world}"
+            )
     left.set(ylabel="seconds per selection, per process", yscale="log", title="selection time per process")
     right.set(ylabel="GB per process", title="memory per process")
     for ax in (left, right):
@@ -648,81 +600,75 @@ def parse_slices(text: str) -> list[tuple[int, int]]:
     ]
 
 
-def worker_args(args, buffer: Path, out: Path, with_slices: bool) -> list[str]:
-    widths = ",".join(f"{h}:{r}" for h, r in args.slice_hidden)
-    out_args = ["--worker", "--buffer", str(buffer), "--worker-out", str(out), "--loss-hidden", widths]
-    out_args += ["--slice-hidden", widths if with_slices else "", "--dtype", args.dtype]
-    for name in ("threads", "hidden", "reps", "stale_reps", "slice_reps", "loss_reps"):
-        out_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return out_args
-
-
-def run_size(args, folder: Path, n: int, workdir: Path, with_slices: bool) -> dict:
+def run_size(args, folder: Path, n: int, with_slices: bool) -> dict:
     """Every process count on one written buffer; whether the merged top-k of 2 processes is the 1-process one."""
     size = {"n": n, "runs": []}
-    env = {"OMP_NUM_THREADS": str(args.threads)}
+    widths = ",".join(f"{h}:{r}" for h, r in args.slice_hidden)
     for world in args.procs:
-        out = workdir / f"out_{n}_{world}"
-        launch = (
-            ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"] if world > 1 else []
-        )
-        cmd = [sys.executable, *launch, __file__, *worker_args(args, folder, out, with_slices)]
-        reporting.run_json(cmd, env, f"{world}-process run on {folder}")
+        out = folder.parent / f"out_{n}_{world}"
+        cmd = [
+            sys.executable,
+            *(
+                ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+                if world > 1
+                else []
+            ),
+        ]
+        cmd += [
+            __file__,
+            "--worker",
+            "--buffer",
+            str(folder),
+            "--worker-out",
+            str(out),
+            "--loss-hidden",
+            widths,
+        ]
+        cmd += ["--slice-hidden", widths if with_slices else "", "--dtype", args.dtype]
+        for name in ("threads", "hidden", "reps", "stale_reps", "slice_reps", "loss_reps"):
+            cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        reporting.run_json(cmd, {"OMP_NUM_THREADS": str(args.threads)}, f"{world}-process run on {folder}")
         records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
         shutil.rmtree(out, ignore_errors=True)
         size["runs"].append({"world": world, "processes": records})
-        cpu = max(r["corrected"]["cpu_s"] for r in records)
-        print(f"N={n:,} W={world}: corrected {cpu:.1f} s CPU per process", file=sys.stderr)
-    whole = next((r["processes"][0] for r in size["runs"] if r["world"] == 1), None)
-    sharded = next((r["processes"][0] for r in size["runs"] if r["world"] > 1), None)
+        print(
+            f"N={n:,} W={world}: corrected {max(r['corrected']['cpu_s'] for r in records):.1f} s CPU per process",
+            file=sys.stderr,
+        )
+    whole, sharded = (
+        next((r["processes"][0] for r in size["runs"] if test(r["world"])), None)
+        for test in (lambda w: w == 1, lambda w: w > 1)
+    )
     if whole is not None and sharded is not None:  # rank 0's queries are the 1-process run's queries
         size["sharded_equals_whole"] = all(whole[k] == sharded[k] for k in ("top_rows", "stale_rows"))
-    for run in size["runs"]:
-        for record in run["processes"]:
-            del record["top_rows"], record["stale_rows"]
+    for record in (record for run in size["runs"] for record in run["processes"]):
+        del record["top_rows"], record["stale_rows"]
     return size
 
 
 def benchmark(args, argv) -> dict:
     wall = time.perf_counter()
-    sizes = args.sizes or ([50_000, 100_000] if args.quick else [1_000_000, 2_000_000, 4_000_000])
     results = {
         "command": reporting.command("bench_scale.py", argv),
         "machine": {**reporting.machine(), "threads": args.threads},
+    }
+    results |= {
         "memory_gib": psutil.virtual_memory().total / 2**30,
         "threads": args.threads,
         "dtype": args.dtype,
+    }
+    results |= {
         "hidden": args.hidden,
         "slice_hidden": args.slice_hidden,
-        "slices_at": args.slices_at or [min(sizes)],
-        "reps": args.reps,
-        "load_before": load_average(),
-        "sizes": [],
+        "slices_at": args.slices_at or [min(args.sizes)],
     }
-    made = args.workdir is None or not args.workdir.exists()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_scale_"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        for n in sizes:
-            folder = workdir / f"buffer_{n}"
-            written = write_buffer(folder, n, D, random_rows(SEED), f"synthetic:{n}x{D}:seed{SEED}")
-            print(f"N={n:,}: buffer written in {written['seconds']:.1f} s", file=sys.stderr)
-            results["sizes"].append(
-                {**run_size(args, folder, n, workdir, n in results["slices_at"]), "write": written}
-            )
-            if not args.keep:
-                shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        if not args.keep:  # only what this run made: the buffers, and the folder when it created it
-            for n in sizes:
-                shutil.rmtree(workdir / f"buffer_{n}", ignore_errors=True)
-            if made:
-                shutil.rmtree(workdir, ignore_errors=True)
-    if args.keep:
-        print(f"buffers kept in {workdir}", file=sys.stderr)
+    results |= {"reps": args.reps, "load_before": load_average(), "sizes": []}
+    make = lambda n: (random_rows, f"synthetic:{n}x{D}:seed{SEED}")  # noqa: E731
+    for n, folder, written in synthetic_buffers(args, D, "buffer", make):
+        results["sizes"].append({**run_size(args, folder, n, n in results["slices_at"]), "write": written})
     results["load_after"] = load_average()
     summarize(results)
-    p = {key: getattr(args, f"proj_{key}") for key in PROJECTION_DEFAULTS}
+    p = {key: getattr(args, f"proj_{key}") for key in DEFAULTS}
     hiddens = args.proj_hidden or sorted({h for h, _ in args.slice_hidden} or {args.hidden})
     results["projection"] = project(results["per_row"], p, hiddens)
     one_step = {**p, "micro_batch": max(1, p["questions_per_step"] // p["gpus"])}  # A = 1
@@ -738,74 +684,49 @@ def benchmark(args, argv) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = reporting.arguments(__doc__)
-    parser.add_argument(
-        "--sizes", type=reporting.int_list, help="comma-separated N (default 1M,2M,4M; --quick 50k,100k)"
+    parser = scale_arguments(
+        __doc__, "bench_scale", "1M,2M,4M; --quick 50k,100k", hidden=D, threads=1, dtype="bf16"
     )
-    parser.add_argument("--quick", action="store_true", help="N = 50k, 100k, small slices, 1 rep")
-    parser.add_argument(
-        "--procs", type=reporting.int_list, default=[1, 2], help="process counts for each N (default 1,2)"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--hidden", type=int, default=D, help="corrector width measured over all rows (768)")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--procs", type=reporting.int_list, default=[1, 2], help="process counts for each N (default 1,2)")
+    add(
         "--slice-hidden",
         type=parse_slices,
         help="HIDDEN:ROWS,...: widths measured on a slice of each process's rows and scaled (default "
         "3072:100000,8192:25000; --quick 3072:5000,8192:2000); '' for none",
     )
-    parser.add_argument(
+    add(
         "--slices-at",
         type=reporting.int_list,
         help="the N at which the slices are measured (default: smallest)",
     )
-    parser.add_argument("--reps", type=int, help="corrected top-k repetitions (min; default 2, --quick 1)")
-    parser.add_argument("--stale-reps", type=int, default=2)
-    parser.add_argument("--slice-reps", type=int, default=2)
-    parser.add_argument("--loss-reps", type=int, default=5)
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="compute (autocast) dtype")
-    parser.add_argument("--workdir", type=Path, help="where the buffers go (default: a temp dir)")
-    parser.add_argument(
-        "--keep", action="store_true", help="keep the buffers (a later --workdir run reuses them)"
-    )
-    parser.add_argument("--out", type=Path, default=reporting.results_path("bench_scale"), help="output stem")
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument(
-        "--render", type=Path, help="re-render the .md and .png of a saved JSON (no benchmark)"
-    )
-    for key, value in PROJECTION_DEFAULTS.items():
-        parser.add_argument(
-            f"--proj-{key.replace('_', '-')}", type=type(value), default=value, help=argparse.SUPPRESS
-        )
-    parser.add_argument(
+    for name, reps in (("stale", 2), ("slice", 2), ("loss", 5)):
+        add(f"--{name}-reps", type=int, default=reps)
+    for key, value in DEFAULTS.items():
+        add(f"--proj-{key.replace('_', '-')}", type=type(value), default=value, help=argparse.SUPPRESS)
+    add(
         "--proj-hidden",
         type=reporting.int_list,
         help="corrector widths to project (default: the slice widths)",
     )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--buffer", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--loss-hidden", type=parse_slices, default=[], help=argparse.SUPPRESS)
+    for name in ("--worker", "--buffer", "--worker-out", "--loss-hidden"):
+        kind = {"--worker": {"action": "store_true"}, "--loss-hidden": {"type": parse_slices, "default": []}}
+        add(name, **kind.get(name, {"type": Path}), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.sizes = args.sizes or ([50_000, 100_000] if args.quick else [1_000_000, 2_000_000, 4_000_000])
     if args.slice_hidden is None:
         args.slice_hidden = parse_slices("3072:5000,8192:2000" if args.quick else "3072:100000,8192:25000")
     args.reps = args.reps or (1 if args.quick else 2)
     if args.quick:
         args.stale_reps, args.loss_reps, args.slice_reps = min(args.stale_reps, 2), min(args.loss_reps, 2), 1
-
     if args.worker:
         record = worker(args)
         args.worker_out.mkdir(parents=True, exist_ok=True)
         (args.worker_out / f"rank{record['rank']}.json").write_text(json.dumps(record))
-        print("{}")  # run_json reads the records from the files: one per rank
+        if record["rank"] == 0:  # one line for run_json (two ranks' prints may share a line); records: files
+            print("{}", flush=True)
         return 0
-    if args.render is not None:
-        results, out = int_keys(reporting.load_results(args.render)), args.render.with_suffix("")
-    else:
-        results, out = benchmark(args, argv), args.out
-    plots = {} if args.no_plot else {".png": lambda: plot(results)}
-    reporting.write_report(out, markdown(results), None if args.render else results, plots)
-    return 0
+    return run_or_render(args, argv, benchmark, markdown, plot, load=int_keys)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,11 +31,16 @@ import torch
 from rlm.experiments import reporting
 from rlm.experiments.benchmarking import (
     PROJECTION_DEFAULTS,
+    autocast,
     best_of,
     clustered,
     corrector_moving,
+    fmt_n,
+    gpu_rates,
     overlap,
-    write_buffer,
+    run_or_render,
+    scale_arguments,
+    synthetic_buffers,
 )
 
 D, K, CHUNK = 768, 32, 65_536
@@ -49,7 +52,7 @@ def bench_size(args, folder: Path, n: int, queries: torch.Tensor) -> dict:
     from retriever.search import corrected_topk, two_stage_corrected_topk
 
     buffer = PassageBuffer.load(folder)
-    cast = torch.autocast("cpu", dtype=torch.bfloat16) if args.dtype == "bf16" else contextlib.nullcontext()
+    cast = autocast(args.dtype)
     nlist = args.nlist or max(16, int(4 * n**0.5))
     factory = args.factory.format(nlist=nlist) if "index" in args.first_stage else None
     start, index = time.perf_counter(), None
@@ -110,7 +113,7 @@ def projection(args, scale: dict | None) -> dict | None:
     base = scale["projection"]
     p = {**PROJECTION_DEFAULTS, **base["params"]}
     rows, g, a = base["rows_per_process"], base["gathered_queries"], base["selections_per_step"]
-    gemm, hbm = p["peak_tflops"] * 1e12 * p["gemm_efficiency"], p["hbm_tbps"] * 1e12
+    gemm, hbm = gpu_rates(p)
     nlist, nprobe, cands = max(16, int(4 * rows**0.5)), args.proj_nprobe, args.proj_candidates
     out = {"nlist": nlist, "nprobe": nprobe, "candidates": cands, "accumulation": a, "gathered_queries": g}
     out |= {"rows_per_process": rows, "by_hidden": []}
@@ -148,10 +151,6 @@ def projection(args, scale: dict | None) -> dict | None:
     out["index_build_s"] = build_flops / (gemm * args.proj_kmeans_efficiency)
     out["startup_s"] = base["startup_s"] + out["index_build_s"]
     return out
-
-
-def fmt_n(n: int) -> str:
-    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
 
 
 def where(r: dict) -> str:
@@ -293,21 +292,12 @@ def benchmark(args, argv) -> dict:
         "sizes": [],
     }
     results["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    made = args.workdir is None or not args.workdir.exists()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_two_stage_"))
-    try:
-        for n in args.sizes:
-            folder = workdir / f"clustered_{n}"
-            shard, queries = clustered(n, D, args.cluster, args.noise)
-            source = f"synthetic:{n}x{D}:clustered{args.cluster}:noise{args.noise}"
-            written = write_buffer(folder, n, D, shard, source)
-            print(f"N={n:,}: buffer written in {written['seconds']:.1f} s", file=sys.stderr)
-            results["sizes"].append({**bench_size(args, folder, n, queries(args.queries)), "write": written})
-            if not args.keep:
-                shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        if not args.keep and made:
-            shutil.rmtree(workdir, ignore_errors=True)
+    made = {n: clustered(n, D, args.cluster, args.noise) for n in args.sizes}
+    source = f"clustered{args.cluster}:noise{args.noise}"
+    for n, folder, written in synthetic_buffers(
+        args, D, "clustered", lambda n: (made[n][0], f"synthetic:{n}x{D}:{source}")
+    ):
+        results["sizes"].append({**bench_size(args, folder, n, made[n][1](args.queries)), "write": written})
     results["load_after"] = reporting.machine()["load_average"]
     scale = reporting.load_results(args.scale_json) if args.scale_json.is_file() else None
     results["projection"] = projection(args, scale)
@@ -316,70 +306,43 @@ def benchmark(args, argv) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = reporting.arguments(__doc__)
-    parser.add_argument(
-        "--sizes", type=reporting.int_list, help="comma-separated N (default 1M,4M; --quick 100k)"
-    )
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--hidden", type=int, default=3072, help="corrector width (default 3072 = 4D)")
-    parser.add_argument("--moves", type=lambda t: [float(x) for x in t.split(",")], default=[0.2, 0.5, 1.0])
-    parser.add_argument("--queries", type=int, default=32)
-    parser.add_argument("--cluster", type=int, default=200, help="rows per centre")
-    parser.add_argument("--noise", type=float, default=1.0)
-    parser.add_argument("--factory", default="IVF{nlist},SQfp16", help="faiss factory ({nlist} is filled in)")
-    parser.add_argument("--nlist", type=int, default=2048, help="0: 4 sqrt(N) (what index_factory=auto uses)")
-    parser.add_argument("--train-per-list", type=int, default=64, help="k-means training rows per list")
-    parser.add_argument("--nprobe", type=reporting.int_list, default=[16, 64])
-    parser.add_argument(
+    parser = scale_arguments(__doc__, "bench_two_stage", "1M,4M; --quick 100k", hidden=3072, reps=3)
+    add = parser.add_argument
+    add("--moves", type=lambda t: [float(x) for x in t.split(",")], default=[0.2, 0.5, 1.0])
+    add("--queries", type=int, default=32)
+    add("--cluster", type=int, default=200, help="rows per centre")
+    add("--noise", type=float, default=1.0)
+    add("--factory", default="IVF{nlist},SQfp16", help="faiss factory ({nlist} is filled in)")
+    add("--nlist", type=int, default=2048, help="0: 4 sqrt(N) (what index_factory=auto uses)")
+    add("--train-per-list", type=int, default=64, help="k-means training rows per list")
+    add("--nprobe", type=reporting.int_list, default=[16, 64])
+    add(
         "--first-stage",
         type=lambda t: [x for x in t.split(",") if x],
         default=["index", "scan"],
         help="where candidates come from: index (faiss), scan (stale top-k over every row), or both",
     )
-    parser.add_argument("--candidates", type=reporting.int_list, default=[256, 1024])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="torch/faiss threads (default: all cores)")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), help="default: bf16 where native")
-    parser.add_argument("--workdir", type=Path)
-    parser.add_argument(
-        "--keep", action="store_true", help="keep the buffers (a later --workdir run reuses them)"
-    )
-    parser.add_argument(
-        "--scale-json", type=Path, default=reporting.results_path("bench_scale").with_suffix(".json")
-    )
-    parser.add_argument("--proj-nprobe", type=int, default=64)
-    parser.add_argument("--proj-candidates", type=int, default=1024)
-    parser.add_argument(
-        "--proj-faiss-call-ms", type=float, default=2.0, help="fixed cost of a GPU faiss search"
-    )
-    parser.add_argument("--proj-kmeans-efficiency", type=float, default=0.1, help="of the GEMM rate")
-    parser.add_argument("--out", type=Path, default=reporting.results_path("bench_two_stage"))
-    parser.add_argument(
-        "--render", type=Path, help="re-render the .md and .png of a saved JSON (no benchmark)"
-    )
+    add("--candidates", type=reporting.int_list, default=[256, 1024])
+    add("--scale-json", type=Path, default=reporting.results_path("bench_scale").with_suffix(".json"))
+    add("--proj-nprobe", type=int, default=64)
+    add("--proj-candidates", type=int, default=1024)
+    add("--proj-faiss-call-ms", type=float, default=2.0, help="fixed cost of a GPU faiss search")
+    add("--proj-kmeans-efficiency", type=float, default=0.1, help="of the GEMM rate")
     args = parser.parse_args(argv)
-    if args.render is not None:
-        results = reporting.load_results(args.render)
-        reporting.write_report(
-            args.render.with_suffix(""), markdown(results), plots={".png": lambda: plot(results)}
-        )
-        return 0
     args.sizes = args.sizes or ([100_000] if args.quick else [1_000_000, 4_000_000])
     if args.quick:
         args.moves, args.reps, args.nlist = args.moves[:2], 2, min(args.nlist, 256)
-    if args.threads:
+    if args.threads and args.render is None:
         torch.set_num_threads(args.threads)
         with contextlib.suppress(ImportError):
             import faiss
 
             faiss.omp_set_num_threads(args.threads)
-    if args.dtype is None:
+    if args.dtype is None and args.render is None:
         from rlm.precision import cpu_bf16_support
 
         args.dtype = "bf16" if cpu_bf16_support(probe=False).native else "fp32"
-    results = benchmark(args, argv)
-    reporting.write_report(args.out, markdown(results), results, {".png": lambda: plot(results)})
-    return 0
+    return run_or_render(args, argv, benchmark, markdown, plot)
 
 
 if __name__ == "__main__":

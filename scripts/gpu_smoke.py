@@ -53,6 +53,20 @@ RESUME_RTOL = 1e-5  # tests/test_train_resume.py's tolerance
 TOY_PASSAGES = 120  # tests/tiny_run.py's toy world
 
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
+# On top of tests/tiny_run.py's tiny run: two steps, each strategy refreshing and logging at every one.
+SMOKE_RUN = [
+    "data.max_dev_examples=8",
+    "optim.max_steps=2",
+    "optim.warmup_steps=1",
+    "strategy.refresh_every=1",
+]
+SMOKE_RUN += [
+    "strategy.snm_size=30",
+    "strategy.regression.samples=30",
+    "log_every=1",
+    "save_every=0",
+    "report_to=none",
+]
 
 
 def load_tiny_run():
@@ -75,12 +89,10 @@ class Outcome:
 
 
 @dataclass
-class StageResult:
-    name: str
-    status: str  # PASS, FAIL or SKIP
-    seconds: float
-    measured: str
-    details: dict[str, Any] = field(default_factory=dict)
+class StageResult(Outcome):
+    name: str = ""
+    status: str = "PASS"  # PASS, FAIL or SKIP
+    seconds: float = 0.0
 
 
 class Stages:
@@ -92,13 +104,12 @@ class Stages:
     def run(self, name: str, fn, *args) -> StageResult:
         start = time.perf_counter()
         try:
-            outcome = fn(*args)
-            result = StageResult(name, "PASS", 0.0, outcome.measured, outcome.details)
+            result = StageResult(**asdict(fn(*args)), name=name)
         except Skip as why:
-            result = StageResult(name, "SKIP", 0.0, str(why))
+            result = StageResult(str(why), name=name, status="SKIP")
         except Exception as err:  # noqa: BLE001 (a smoke test reports every failure and goes on)
             first = str(err).splitlines()[0] if str(err) else ""
-            result = StageResult(name, "FAIL", 0.0, f"{type(err).__name__}: {first}")
+            result = StageResult(f"{type(err).__name__}: {first}", name=name, status="FAIL")
             traceback.print_exc(file=sys.stderr)
         result.seconds = round(time.perf_counter() - start, 2)
         print(f"{result.status} {name} ({result.seconds:.1f}s): {result.measured}", flush=True)
@@ -232,19 +243,7 @@ class Smoke:
     # ---- shared pieces ----------------------------------------------------------------------------------
 
     def overrides(self, out: str, *extra: str) -> list[str]:
-        common = [
-            f"cpu={'false' if self.cuda else 'true'}",
-            f"mixed_precision={self.precision}",
-            "data.max_dev_examples=8",
-            "optim.max_steps=2",
-            "optim.warmup_steps=1",
-            "strategy.refresh_every=1",
-            "strategy.snm_size=30",
-            "strategy.regression.samples=30",
-            "log_every=1",
-            "save_every=0",
-            "report_to=none",
-        ]
+        common = [f"cpu={'false' if self.cuda else 'true'}", f"mixed_precision={self.precision}", *SMOKE_RUN]
         return self.tiny.tiny_overrides(self.work, out, *common, *extra, minilm=self.minilm)
 
     def config(self, out: str, *extra: str):
@@ -372,17 +371,19 @@ class Smoke:
 
         return STRATEGY_CLASSES
 
-    FEATURES = (
-        "data.dev=toy",
-        "data.dev_subcorpus=build",
-        "data.dev_subcorpus_k=5",
-        "strategy.name=corrector",
-        "strategy.cache_corrected_mb=0",
-        "gradient_checkpointing=true",
-        "optim.gradient_accumulation_steps=2",
-        "save_every=1",
-        "eval_every=2",
-        "report_to=tensorboard",
+    FEATURES = tuple(
+        [
+            "data.dev=toy",
+            "data.dev_subcorpus=build",
+            "data.dev_subcorpus_k=5",
+            "strategy.name=corrector",
+            "strategy.cache_corrected_mb=0",
+            "gradient_checkpointing=true",
+            "optim.gradient_accumulation_steps=2",
+            "save_every=1",
+            "eval_every=2",
+            "report_to=tensorboard",
+        ]
     )
 
     def features_stage(self) -> Outcome:

@@ -9,8 +9,8 @@ RLM_DEMO_QUESTION to ask something other than the first dev question.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,31 +116,24 @@ def test_browser_asks_a_question_and_reads_answer_and_passages(served):
     assert f"top-{service.default_k}" in latency
 
 
-def test_twenty_concurrent_requests_are_all_answered(served, tmp_path):
+def test_twenty_concurrent_requests_are_all_answered(served):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gradio_client import Client
+
     url, service = served
-    report_path = tmp_path / "load.json"
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "load_test_demo.py"),
-            "--url",
-            url,
-            "--requests",
-            "20",
-            "--json-out",
-            str(report_path),
-            *[arg for q in service.examples[:5] for arg in ("--question", q)],
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    report = json.loads(report_path.read_text())
-    assert report["answered"] == 20 and report["errors"] == []
-    assert 0 < report["p50_s"] <= report["p95_s"] <= report["max_s"]
-    assert "p95 latency" in out.stdout
-    print(out.stdout)
+    client = Client(url, verbose=False, download_files=False, analytics_enabled=False)
+    questions, k = service.examples[:5], service.default_k
+    client.predict(questions[0], k, api_name="/answer")  # warm-up: opens the client's event stream
+
+    def ask(i):
+        return client.predict(questions[i % len(questions)], k, api_name="/answer")
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(pool.map(ask, range(20)))
+    assert len(results) == 20
+    for _answer, latency_line, passages_html, _result in results:
+        assert passages_html and re.search(r"\d+ ms\b", latency_line or ""), latency_line
 
 
 def test_no_files_are_served_beyond_the_apps_assets(served, checkpoint):

@@ -30,37 +30,6 @@ def test_bench_retrieval_tiny(tmp_path):
     assert "| 3,000 | fp32 |" in out.with_suffix(".md").read_text()
 
 
-@pytest.mark.slow
-def test_bench_buffer_build_tiny(tmp_path):
-    """scripts/bench_buffer_build.py end to end on a few toy-world passages: both paths, their padding, the
-    FLOP rate against the matmul, and the two paths' rows agree."""
-    out = tmp_path / "bench"
-    args = ["--passages", "20", "--batch-sizes", "4,20", "--reps", "1", "--matmul-size", "256"]
-    args += ["--corpus", str(tmp_path / "missing.jsonl"), "--out", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_buffer_build.py"), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.with_suffix(".json").read_text())
-    assert results["source"] == "toy-world" and results["passages"] == 20
-    assert results["new_precision"] == "float32" and results["matmul_gflops"]["float32"] > 0
-    assert [(r["batch_size"], r["path"]) for r in results["rows"]] == [
-        (4, "old"),
-        (4, "new"),
-        (20, "old"),
-        (20, "new"),
-    ]
-    old20, new20 = results["rows"][2:]
-    assert (old20["forwards"], new20["forwards"]) == (2, 1)  # the old loop: buckets of 16 and 4
-    assert all(r["padded_over_real_tokens"] >= 1 and r["fraction_of_matmul"] > 0 for r in results["rows"])
-    assert new20["max_abs_diff_from_old"] < 1e-2
-    assert "| 20 | new: one forward a batch | float32 | 1 |" in out.with_suffix(".md").read_text()
-
-
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_two_stage_sets_nprobe_through_the_index_on_cpu_and_on_a_gpu(monkeypatch, gpus):
     """Two-stage selection's IVF rows get their nprobe from `PassageIndex.search_rows` (ParameterSpace on CPU,

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from script_loader import load_script
 
 from rlm.experiments.benchmarking import corrector_moving, overlap
 
@@ -61,55 +60,3 @@ def test_overlap_is_the_fraction_of_the_reference_found_per_query():
     reference = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     found = torch.tensor([[4, 3, 9, 9], [5, 6, 7, 8]])
     assert overlap(found, reference) == pytest.approx((0.5 + 1.0) / 2)
-
-
-def test_bench_query_tower_times_the_full_and_a_light_tower_side_by_side(tmp_path):
-    import json
-
-    script = load_script("bench_query_tower")
-    out = tmp_path / "bq"
-    argv = ["--layers", "1", "--batch", "4", "--singles", "2", "--reps", "1", "--out", str(out)]
-    assert script.main(argv) == 0
-    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
-    assert [r["layers"] for r in rows] == [6, 1]
-    assert rows[0]["single_speedup"] == 1.0 and rows[1]["params_m"] < rows[0]["params_m"]
-    assert all(r["single_ms"] > 0 and r["batch_ms_per_query"] > 0 for r in rows)
-    assert "| layers:1 | 1 |" in out.with_suffix(".md").read_text()
-
-    # Questions of the user's own data (a QA JSONL) instead of the toy world's.
-    qa = tmp_path / "qa.jsonl"
-    qa.write_text(
-        json.dumps({"question": "Which river runs through the city of the 1936 games?", "answers": ["x"]})
-    )
-    assert script.questions(3, qa) == ["Which river runs through the city of the 1936 games?"] * 3
-    assert script.main([*argv, "--questions", str(qa)]) == 0
-    assert f"Questions from {qa}" in out.with_suffix(".md").read_text()
-
-
-def test_selection_distractors_sorts_each_selected_passage_by_what_it_is(tmp_path):
-    """The analysis behind docs/results/quickstart/quickstart.md: gold, a relative's fact about the subject, another fact
-    of the subject, another entity's passage."""
-    import json
-
-    from rlm.data.corpus import load_corpus
-    from rlm.data.qa import QAExample
-
-    passages = [
-        ("p0", "Ada Vel", "Ada Vel was born in Lyon."),
-        ("p1", "Ada Vel", "Ada Vel's sister was born in Oslo."),
-        ("p2", "Ada Vel", "Ada Vel works as a baker."),
-        ("p3", "Bo Ren", "Bo Ren was born in Rome."),
-    ]
-    path = tmp_path / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"id": i, "title": t, "text": x}) + "\n" for i, t, x in passages))
-    corpus = load_corpus(path)
-    ex = QAExample("q0", "Where was Ada Vel born?", ["Lyon"], ["p0"], {"subject": "Ada Vel"})
-    script = load_script("selection_distractors")
-    got = script.composition(corpus, [ex, ex], [[0, 1, 2, 3], [1, 3, 2, 0]])
-    assert got == {
-        "gold@1": 0.5,
-        "gold in top-K": 1.0,
-        "relatives' facts": 1.0,
-        "subject's other facts": 1.0,
-        "other entities": 1.0,
-    }

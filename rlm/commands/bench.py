@@ -1,4 +1,4 @@
-"""`rlm bench retrieval|reader|training|scale|two-stage|startup|bf16|strategies|synthetic`: run a benchmark
+"""`rlm bench retrieval|reader|training|scale|two-stage|strategies|synthetic`: run a benchmark
 script in scripts/ with its own options."""
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ BENCHMARKS = {
     "training": "bench_training.py",
     "scale": "bench_scale.py",
     "two-stage": "bench_two_stage.py",
-    "startup": "bench_startup.py",
-    "bf16": "bench_bf16.py",
     "strategies": "compare_strategies.py",
     "synthetic": "synthetic_corrector.py",
 }
@@ -28,10 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "benchmark",
         choices=sorted(BENCHMARKS),
         metavar="benchmark",
-        help="retrieval (corrected top-k, two-stage search, buffer build), reader (FiD train step and scoring), "
+        help="retrieval (corrected top-k, two-stage search), reader (FiD train step and scoring), "
         "training (per-strategy step time), scale (sharded top-k on 1 and 2 processes, 21M-row projection), "
-        "two-stage (faiss candidates re-scored with h against the exact top-k at 1M-4M rows), startup "
-        "(corpus scan and fingerprint), bf16 (is bf16 native on this CPU), strategies (the paper's Tables 1 "
+        "two-stage (faiss candidates re-scored with h against the exact top-k at 1M-4M rows), strategies (the paper's Tables 1 "
         "and 3 at CPU scale), synthetic (its Section 5.3 study)",
     )
     parser.add_argument(
