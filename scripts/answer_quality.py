@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     k = args.k or reader_passages_from_config(
         yaml.safe_load((args.checkpoint / "config.yaml").read_text()), 4
     )
-    from rlm.experiments.benchmarking import cpu_name
+    from rlm.experiments.reporting import cpu_name
 
     report = {"checkpoint": str(args.checkpoint), "cpu": cpu_name(), "k": k}
     report["reader"] = reader_rows(args.checkpoint, world, k)

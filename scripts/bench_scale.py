@@ -42,11 +42,11 @@ from rlm.experiments.benchmarking import (
     corrector_moving,
     fmt_n,
     gpu_rates,
-    load_average,
     run_or_render,
     scale_arguments,
     synthetic_buffers,
 )
+from rlm.experiments.reporting import load_average
 
 D, BATCH, K, CHUNK, SEED, BETA, GB = 768, 8, 32, 65_536, 0, 20.0, 1e9
 # T5-base: 12 layers, d_model 768, d_ff 3072, vocab 32128; GTR-base = T5-base encoder (+ Dense 768x768).

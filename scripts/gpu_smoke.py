@@ -294,7 +294,7 @@ class Smoke:
     # ---- stages -----------------------------------------------------------------------------------------
 
     def device_stage(self) -> Outcome:
-        from rlm.experiments.benchmarking import cpu_name, load_average
+        from rlm.experiments.reporting import cpu_name, load_average
         from rlm.precision import cpu_bf16_support
 
         details = {"torch": torch.__version__, "cpu": cpu_name(), "load_average": load_average()}

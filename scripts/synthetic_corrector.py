@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from rlm.experiments import reporting
-from rlm.experiments.benchmarking import cpu_name
+from rlm.experiments.reporting import cpu_name
 from rlm.experiments.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector, fit_regression
 
 DEPTH_MARKERS = {0: "s", 1: "o", 2: "^"}  # corrector hidden layers -> marker, in both plots

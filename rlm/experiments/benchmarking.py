@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -51,21 +48,6 @@ PROJECTION_DEFAULTS = {
     "nvlink_gbps": 300.0,  # all-reduce bus bandwidth per GPU
     "launch_s": 30.0,  # launcher + python + torch/CUDA/NCCL init per process
 }
-
-
-def cpu_name() -> str:
-    """The CPU model as `lscpu` names it (timings on this machine are only comparable on one CPU model)."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def load_average() -> str:
-    """The 1/5/15-minute load average: other jobs on the shared cores show here."""
-    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def best_of(reps: int, fn: Callable[[], Any]) -> tuple[float, Any]:

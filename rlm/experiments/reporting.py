@@ -9,9 +9,11 @@ and `FINDINGS_END` survives every rewrite of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -69,11 +71,24 @@ def command(script: str, argv: Sequence[str] | None = None) -> str:
     return shlex.join(["python", f"scripts/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
+def cpu_name() -> str:
+    """The CPU model as `lscpu` names it (timings on this machine are only comparable on one CPU model)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load average: other jobs on the shared cores show here."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def machine() -> dict:
     """Where and when a measurement was taken: timings are comparable only on one CPU model, at one load."""
     import torch
-
-    from rlm.experiments.benchmarking import cpu_name, load_average
 
     return {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
