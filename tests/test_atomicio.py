@@ -82,8 +82,8 @@ def test_foreign_entries_are_what_the_writer_does_not_own_its_leftover_temporari
 
 
 # Renames that are not a temp-file write: a checkpoint folder that every process writes into before the main
-# process renames it (rlm/train.py), and a cached index folder moved to its new key (app/qa.py).
-ALLOWED = {"rlm/training/checkpointing.py": 2, "app/qa.py": 1}
+# process renames it (rlm/training/checkpointing.py).
+ALLOWED = {"rlm/training/checkpointing.py": 2}
 
 
 def test_no_module_or_script_writes_its_own_temp_file_and_rename():

@@ -86,7 +86,7 @@ def test_readme_stays_a_front_page():
 
 def test_readme_results_are_those_of_docs_results():
     text = README.read_text()
-    source = (ROOT / "docs" / "results" / "quickstart.md").read_text()
+    source = (ROOT / "docs" / "results" / "quickstart" / "quickstart.md").read_text()
     assert "docs/results/quickstart/quickstart.md" in text
     seeds = re.findall(r"\d+\.\d / \d+\.\d / \d+\.\d", text)
     assert len(seeds) >= 5, "the README's toy-world table lost its per-seed figures"
