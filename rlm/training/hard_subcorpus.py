@@ -30,13 +30,7 @@ def build_hard_subcorpus(
     """
     from rlm.inference.evaluation import build_index, embed_corpus, retrieve
 
-    rows: set[int] = set()
-    for ex in examples:
-        for pid in ex.gold_passage_ids:
-            try:
-                rows.add(corpus.index_of(pid))
-            except KeyError:
-                raise UserError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
+    rows = gold_rows(corpus, examples)
     if index is None:
         embeddings = embed_corpus(retriever.passage_tower, corpus.retrieval_texts(), batch_size)
         index = build_index(embeddings, corpus.ids)
@@ -44,6 +38,18 @@ def build_hard_subcorpus(
     for ids in retrieved.ids:
         rows.update(corpus.index_of(pid) for pid in ids)
     return [corpus.ids[r] for r in sorted(rows)]
+
+
+def gold_rows(corpus, examples: Sequence[QAExample]) -> set[int]:
+    """The corpus rows of the questions' gold passages; an id absent from the corpus names its question."""
+    rows: set[int] = set()
+    for ex in examples:
+        for pid in ex.gold_passage_ids:
+            try:
+                rows.add(corpus.index_of(pid))
+            except KeyError:
+                raise UserError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
+    return rows
 
 
 def hard_subcorpus_from_buffer(
@@ -57,13 +63,7 @@ def hard_subcorpus_from_buffer(
     from retriever.distributed import Processes, ShardedRows, slice_rows
 
     procs = procs or Processes()
-    rows: set[int] = set()
-    for ex in examples:
-        for pid in ex.gold_passage_ids:
-            try:
-                rows.add(corpus.index_of(pid))
-            except KeyError:
-                raise UserError(f"question {ex.id}: gold passage {pid!r} is not in {corpus.path}") from None
+    rows = gold_rows(corpus, examples)
     queries = query_tower.encode([ex.question for ex in examples])
     if device is not None:
         queries = queries.to(device)
