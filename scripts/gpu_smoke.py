@@ -457,7 +457,7 @@ class Smoke:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
         cmd += [str(ACCELERATE_CONFIGS / config), "--num_processes", str(processes), "-m", "rlm.train"]
         cmd += self.tiny.as_set_args(self.overrides(out, *extra))
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = reporting.child_env(OMP_NUM_THREADS="1")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
         output = done.stdout + done.stderr
         if done.returncode != 0:

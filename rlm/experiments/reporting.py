@@ -169,10 +169,17 @@ def load_results(path: str | os.PathLike) -> dict:
     return json.loads(path.read_text())
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment for a child process that imports the checkout: the repository first on PYTHONPATH,
+    the caller's entries kept after it (packages a cluster's modules or a `pip --target` put there)."""
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), **extra}
+
+
 def run_json(cmd: Sequence[str], env: dict | None = None, what: str = "measurement") -> dict:
     """Run a child process (its own memory figures, threads and process group) and return the JSON object
     it printed last; its output tails in the error when it fails."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    env = child_env(**(env or {}))
     done = subprocess.run(list(cmd), capture_output=True, text=True, cwd=ROOT, env=env)
     if done.returncode != 0:
         raise RuntimeError(
