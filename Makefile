@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PY     := $(BIN)/python
+# pytest-xdist workers for `make test`: two keep a 2-core machine busy while one waits on a launched process.
+TEST_WORKERS ?= 2
 
 # Never reach a model or dataset hub: the offline defaults ship with the packages.
 export HF_HUB_OFFLINE := 1
@@ -48,7 +50,7 @@ browser:
 	fi
 
 test: $(VENV)/.installed-test browser
-	$(BIN)/pytest -q --timeout=900 --durations=15 $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --timeout=900 --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -51,7 +51,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "rlm.commands.bench",
-        "Run a benchmark: retrieval, reader, training, scale, two-stage, strategies, synthetic.",
+        "Run a benchmark: retrieval, reader, training, two-stage, strategies, synthetic.",
     ),
 }
 

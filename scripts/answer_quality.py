@@ -16,80 +16,58 @@ Prints (and writes as markdown, JSON and a reliability diagram):
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 
-from rlm.experiments.reporting import figure, table, write_report
-
-
-def gold_last(examples, retrieved, k: int) -> list[list[str]]:
-    """Each question's top-k with its (first) gold passage moved to the last place: what the reader makes of a
-    retriever that ranks the answering passage below three others."""
-    out = []
-    for ex, ids in zip(examples, retrieved.ids):
-        gold = ex.gold_passage_ids[0]
-        out.append([pid for pid in ids if pid != gold][: k - 1] + [gold])
-    return out
+from rlm.experiments.reporting import arguments, cpu_name, figure, table, write_report
 
 
 def reader_rows(checkpoint: Path, world: Path, k: int) -> dict:
-    """Dev EM from the retriever's top-k, with the gold swapped in, with the gold ranked last, and from the
-    gold passage alone."""
+    """Dev EM from the retriever's top-k, with the gold swapped in, with the gold ranked last (below k - 1
+    others: what the reader makes of a retriever that ranks the answering passage low), and from the gold
+    passage alone."""
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
     from rlm.inference import evaluation
 
     retriever, reader, _ = evaluation.load_checkpoint(checkpoint)
-    corpus = load_corpus(world / "corpus.jsonl")
-    dev = load_qa_dataset("toy", "dev", str(world))
+    corpus, dev = load_corpus(world / "corpus.jsonl"), load_qa_dataset("toy", "dev", str(world))
     embeddings = evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
     index = evaluation.build_index(embeddings, corpus.ids)
     common = {"corpus": corpus, "reader": reader, "index": index, "k": 20, "num_passages": k}
-    rows = {
-        f"the trained retriever's top-{k}": evaluation.run_evaluation(dev, retriever=retriever, **common),
-        f"top-{k} with the gold passage swapped in": evaluation.run_evaluation(
-            dev, retriever=retriever, gold_passages=True, **common
-        ),
-        "the gold passage alone": evaluation.run_evaluation(
-            dev, retriever=None, gold_passages=True, **{**common, "index": None}
-        ),
-    }
-    out = {name: result.metrics["exact_match"] for name, result in rows.items()}
+    top = evaluation.run_evaluation(dev, retriever=retriever, **common)
+    swapped = evaluation.run_evaluation(dev, retriever=retriever, gold_passages=True, **common)
+    alone = evaluation.run_evaluation(dev, retriever=None, gold_passages=True, **{**common, "index": None})
     retrieved = evaluation.retrieve(retriever.query_tower, index, [q.question for q in dev], 20)
-    answers = evaluation.read(
-        reader, dev, corpus, None, num_passages=k, passage_ids=gold_last(dev, retrieved, k)
-    )
-    out[f"top-{k} with the gold passage ranked last"] = evaluation.evaluate_reader(answers, dev)[
-        "exact_match"
-    ]
-    out["gold_ranked_first"] = rows[f"the trained retriever's top-{k}"].metrics.get("gold_recall@1")
-    return out
+    gold = [ex.gold_passage_ids[0] for ex in dev]
+    last = [[p for p in ids if p != g][: k - 1] + [g] for g, ids in zip(gold, retrieved.ids)]
+    answers = evaluation.read(reader, dev, corpus, None, num_passages=k, passage_ids=last)
+    return {
+        f"the trained retriever's top-{k}": top.metrics["exact_match"],
+        f"top-{k} with the gold passage swapped in": swapped.metrics["exact_match"],
+        "the gold passage alone": alone.metrics["exact_match"],
+        f"top-{k} with the gold passage ranked last": evaluation.evaluate_reader(answers, dev)["exact_match"],
+        "gold_ranked_first": top.metrics.get("gold_recall@1"),
+    }
 
 
 def answer_all(service, examples, k) -> list[dict]:
-    results = []
-    for start in range(0, len(examples), 32):
-        part = examples[start : start + 32]
-        results += service.answer_many([q.question for q in part], k, best_guess=True)
-    return results
+    questions, answers = [q.question for q in examples], []
+    for start in range(0, len(questions), 32):
+        answers += service.answer_many(questions[start : start + 32], k, best_guess=True)
+    return answers
 
 
 def bootstrap_se(conf: np.ndarray, correct: np.ndarray, draws: int = 500, seed: int = 0) -> float:
     from rlm.inference.answer_policy import expected_calibration_error
 
     rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(draws):
-        pick = rng.integers(0, len(conf), len(conf))
-        values.append(expected_calibration_error(conf[pick], correct[pick]))
-    return float(np.std(values))
+    picks = [rng.integers(0, len(conf), len(conf)) for _ in range(draws)]
+    return float(np.std([expected_calibration_error(conf[pick], correct[pick]) for pick in picks]))
 
 
-def policy_rows(
-    checkpoint: Path, world: Path, out_of_corpus: Path | None, num_out: int, k
-) -> tuple[dict, list]:
+def policy_rows(checkpoint: Path, world: Path, outside: Path | None, num_out: int, k) -> tuple[dict, list]:
     from app.qa import QAService
     from rlm.data.qa import load_qa_dataset, read_qa_jsonl
     from rlm.inference.answer_policy import auroc, expected_calibration_error, reliability_bins
@@ -100,61 +78,53 @@ def policy_rows(
         raise SystemExit(f"{checkpoint} has no answer policy: run `rlm calibrate --checkpoint {checkpoint}`")
     test = load_qa_dataset("toy", "test", str(world))
     unanswerable = load_qa_dataset("toy", "test_unanswerable", str(world))
-    answered = answer_all(service, test, k)
+    answered, refused = answer_all(service, test, k), answer_all(service, unanswerable, k)
     right = np.array([bool(exact_match(r["best_guess"], q.answers)) for r, q in zip(answered, test)])
     kept = np.array([not r["abstained"] for r in answered])
-    refused = answer_all(service, unanswerable, k)
     conf = np.array([r["confidence"] for r in answered + refused])
     correct = np.concatenate([right, np.zeros(len(refused), dtype=bool)])
-    rows = {
-        "test_questions": len(test),
-        "coverage": float(kept.mean()),
-        "answered_exact_match": float(right[kept].mean()) if kept.any() else None,
-        "full_coverage_exact_match": float(right.mean()),
-        "correct_kept": float(kept[right].mean()) if right.any() else None,
-        "held_out_questions": len(conf),
-        "ece": expected_calibration_error(conf, correct),
-        "ece_bootstrap_se": bootstrap_se(conf, correct),
-        "auroc": auroc(conf, correct),
-        "threshold": service.policy.threshold,
-        "fitted_on": service.policy.fitted_on,
-    }
+    rows = {"test_questions": len(test), "coverage": float(kept.mean())}
+    rows["answered_exact_match"] = float(right[kept].mean()) if kept.any() else None
+    rows["full_coverage_exact_match"] = float(right.mean())
+    rows["correct_kept"] = float(kept[right].mean()) if right.any() else None
+    rows |= {"held_out_questions": len(conf), "ece": expected_calibration_error(conf, correct)}
+    rows |= {"ece_bootstrap_se": bootstrap_se(conf, correct), "auroc": auroc(conf, correct)}
+    rows |= {"threshold": service.policy.threshold, "fitted_on": service.policy.fitted_on}
     for kind in sorted({q.meta["type"] for q in unanswerable}):
         picked = [r for r, q in zip(refused, unanswerable) if q.meta["type"] == kind]
         rows[f"abstained_{kind}"] = float(np.mean([r["abstained"] for r in picked]))
-    if out_of_corpus is not None:
-        outside = read_qa_jsonl(out_of_corpus, allow_empty_answers=True)[:num_out]
-        results = answer_all(service, outside, k)
-        rows["out_of_corpus_questions"] = len(outside)
-        rows["out_of_corpus_source"] = str(out_of_corpus)
-        rows["abstained_out_of_corpus"] = float(np.mean([r["abstained"] for r in results]))
+    if outside is not None:
+        questions = read_qa_jsonl(outside, allow_empty_answers=True)[:num_out]
+        rows |= {"out_of_corpus_questions": len(questions), "out_of_corpus_source": str(outside)}
+        abstained = [r["abstained"] for r in answer_all(service, questions, k)]
+        rows["abstained_out_of_corpus"] = float(np.mean(abstained))
     return rows, reliability_bins(conf, correct)
+
+
+def percent(value: float | None) -> float | None:
+    return None if value is None else 100 * value
 
 
 def markdown(report: dict) -> str:
     p, reader = report["policy"], report["reader"]
-    policy = {
-        f"coverage (share of {p['test_questions']} answerable questions answered)": p["coverage"],
-        "EM of the answered questions": p["answered_exact_match"],
-        "EM at full coverage (every best guess)": p["full_coverage_exact_match"],
-        "correct answers kept": p["correct_kept"],
-    }
-    policy |= {
-        f"abstained: {k.removeprefix('abstained_').replace('_', ' ')}": v
-        for k, v in p.items()
-        if k.startswith("abstained_")
-    }
-    percent = [{"what": k, "value": None if v is None else 100 * v} for k, v in policy.items()]
     ece = f"{p['ece']:.3f} ({p['ece_bootstrap_se']:.3f})"
-    percent[4:4] = [{"what": f"ECE over {p['held_out_questions']} questions (bootstrap s.e.)", "value": ece}]
-    percent[5:5] = [
-        {"what": "AUROC, correct vs wrong", "value": None if p["auroc"] is None else f"{p['auroc']:.3f}"}
+    policy = [
+        (f"coverage (share of {p['test_questions']} answerable questions answered)", percent(p["coverage"])),
+        ("EM of the answered questions", percent(p["answered_exact_match"])),
+        ("EM at full coverage (every best guess)", percent(p["full_coverage_exact_match"])),
+        ("correct answers kept", percent(p["correct_kept"])),
+        (f"ECE over {p['held_out_questions']} questions (bootstrap s.e.)", ece),
+        ("AUROC, correct vs wrong", None if p["auroc"] is None else f"{p['auroc']:.3f}"),
     ]
-    dev = [{"what": k, "value": 100 * v} for k, v in reader.items() if k != "gold_ranked_first"]
+    for key, value in p.items():
+        if key.startswith("abstained_"):
+            policy.append((f"abstained: {key.removeprefix('abstained_').replace('_', ' ')}", percent(value)))
+    dev = [(key, percent(value)) for key, value in reader.items() if key != "gold_ranked_first"]
+    what, value = (lambda r: r[0]), (lambda r: r[1])
     return (
-        f"{table(dev, [('what the reader reads (dev)', 'what', ''), ('EM', 'value', '.1f')])}\n\ngold passage ranked "
+        f"{table(dev, [('what the reader reads (dev)', what, ''), ('EM', value, '.1f')])}\n\ngold passage ranked "
         f"first for {100 * reader['gold_ranked_first']:.1f}% of dev questions\n\n"
-        + table(percent, [("answer policy, held-out test", "what", ""), ("value", "value", ".1f")])
+        + table(policy, [("answer policy, held-out test", what, ""), ("value", value, ".1f")])
     )
 
 
@@ -166,19 +136,19 @@ def plot(bins: list[dict]):
     ax.bar(centres, [b["accuracy"] for b in full], width=0.09, alpha=0.7, label="accuracy in the bin")
     for x, b in zip(centres, full):
         ax.annotate(str(b["count"]), (x, b["accuracy"]), ha="center", va="bottom", fontsize=7)
-    ax.set(
-        xlabel="confidence",
-        ylabel="share correct",
-        xlim=(0, 1),
-        ylim=(0, 1.05),
-        title="Reliability (held-out test)",
-    )
+    ax.set(xlabel="confidence", ylabel="share correct", xlim=(0, 1), ylim=(0, 1.05))
+    ax.set_title("Reliability (held-out test)")
     ax.legend(loc="upper left", fontsize=8)
     return fig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    import yaml
+
+    from app.qa import corpus_from_config
+    from rlm.inference.evaluation import reader_passages_from_config
+
+    parser = arguments(__doc__)
     parser.add_argument("--checkpoint", required=True, type=Path)
     parser.add_argument("--world", type=Path, help="its toy world folder (default: from its config)")
     parser.add_argument("--out-of-corpus", type=Path, help="a QA JSONL of questions from outside the world")
@@ -186,23 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=None, help="passages read (default: the checkpoint's)")
     parser.add_argument("--out", type=Path, help="write OUT.md, OUT.json and OUT.png")
     args = parser.parse_args(argv)
-    world = args.world
-    if world is None:
-        import yaml
-
-        from app.qa import corpus_from_config
-
-        config = yaml.safe_load((args.checkpoint / "config.yaml").read_text())
-        world = corpus_from_config(config, args.checkpoint).parent
-    import yaml
-
-    from rlm.inference.evaluation import reader_passages_from_config
-
-    k = args.k or reader_passages_from_config(
-        yaml.safe_load((args.checkpoint / "config.yaml").read_text()), 4
-    )
-    from rlm.experiments.reporting import cpu_name
-
+    config = yaml.safe_load((args.checkpoint / "config.yaml").read_text())
+    world = args.world or corpus_from_config(config, args.checkpoint).parent
+    k = args.k or reader_passages_from_config(config, 4)
     report = {"checkpoint": str(args.checkpoint), "cpu": cpu_name(), "k": k}
     report["reader"] = reader_rows(args.checkpoint, world, k)
     report["policy"], bins = policy_rows(args.checkpoint, world, args.out_of_corpus, args.num_out, args.k)

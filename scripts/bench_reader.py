@@ -17,28 +17,42 @@ behind the GPU arithmetic in docs/reader.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from rlm.experiments import reporting
+from rlm.precision import cpu_bf16_support
 
-VARIANTS = {
-    "fp32": {},
-    "fp32+checkpointing": {"gradient_checkpointing": True},
-    "bf16-autocast": {"bf16": True},
-}
+VARIANTS = {"fp32": {}, "fp32+checkpointing": {"gradient_checkpointing": True}}
+VARIANTS["bf16-autocast"] = {"bf16": True}
 T5_BASE = {"vocab_size": 32128, "d_model": 768, "d_ff": 3072, "num_layers": 12, "num_heads": 12, "d_kv": 64}
+CHILD_OPTIONS = ["batch", "passages", "length", "steps", "threads", "vocab_size", "score_batch_size"]
+CHILD_OPTIONS += ["corpus"]  # the settings a measurement's child process is given
 
 
 def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def timed(fn) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def warm_median(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up call."""
+    fn()
+    return statistics.median(timed(fn)[0] for _ in range(repeats))
 
 
 def run_variant(args: argparse.Namespace) -> dict:
@@ -55,30 +69,20 @@ def run_variant(args: argparse.Namespace) -> dict:
     # pyserini/FlashRAG layout: `contents` is `"Title"\ntext`.
     lines = Path(args.corpus).read_text(encoding="utf-8").splitlines()
     wiki = [(t.strip('"'), x) for t, _, x in (json.loads(line)["contents"].partition("\n") for line in lines)]
-    start = time.perf_counter()
-    tok = train_tokenizer((f"{t}. {x}" for t, x in wiki), vocab_size=args.vocab_size)
-    tokenizer_s = time.perf_counter() - start
+    texts = (f"{t}. {x}" for t, x in wiki)
+    tokenizer_s, tok = timed(lambda: train_tokenizer(texts, vocab_size=args.vocab_size))
     b, k, n = args.batch, args.passages, len(wiki)
     questions = [f"who or what is {wiki[i][0]}?" for i in range(b)]
     answers = [" ".join(wiki[i][1].split()[:4]) for i in range(b)]
     # Two passages joined, so that every one fills L tokens after truncation.
-    passages = [
-        [
-            (wiki[(i * k + j) % n][0], f"{wiki[(i * k + j) % n][1]} {wiki[(i * k + j + 1) % n][1]}")
-            for j in range(k)
-        ]
-        for i in range(b)
-    ]
+    joined = [(title, f"{text} {wiki[(j + 1) % n][1]}") for j, (title, text) in enumerate(wiki)]
+    passages = [[joined[(i * k + j) % n] for j in range(k)] for i in range(b)]
     config = FiDConfig(max_passage_length=args.length)
     reader = FiDReader.from_config(tok, SmallT5Config(), config, seed=0, **VARIANTS[args.variant])
-    batch = reader.collator(questions, passages, answers)
+    pairs = (questions, passages, answers)
+    batch = reader.collator(*pairs)
     tokens = int(batch["attention_mask"].sum())
     opt = torch.optim.AdamW(reader.parameters(), lr=1e-3)
-
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
 
     def train_step():
         reader.train()
@@ -89,36 +93,20 @@ def run_variant(args: argparse.Namespace) -> dict:
     # The baseline is taken before the warm-up step: after it, the allocator keeps freed activation memory,
     # which would hide most of the step's footprint. The increase includes gradients and AdamW state.
     rss_before = psutil.Process().memory_info().rss / 2**20
-    train_step()
-    train_s = statistics.median(timed(train_step) for _ in range(args.steps))
+    train_s = warm_median(train_step, args.steps)
     train_peak = peak_rss_mib() - rss_before
-
-    def score():
-        score_passages(reader, questions, passages, answers, batch_size=args.score_batch_size)
-
-    score()
-    score_s = statistics.median(timed(score) for _ in range(args.steps))
+    score = functools.partial(score_passages, reader, *pairs, batch_size=args.score_batch_size)
+    score_s = warm_median(score, args.steps)
     reader.eval()
     with torch.no_grad():
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        generate_s = timed(lambda: reader.generate(ids, mask, max_new_tokens=16, min_new_tokens=16))
-    params = sum(p.numel() for p in reader.parameters())
-    return {
-        "variant": args.variant,
-        "params": params,
-        "batch": b,
-        "passages": k,
-        "length": int(batch["input_ids"].shape[-1]),
-        "encoder_tokens": tokens,
-        "train_step_s": train_s,
-        "train_tokens_per_s": tokens / train_s,
-        "train_step_peak_rss_mib": train_peak,
-        "process_peak_rss_mib": peak_rss_mib(),
-        "score_passages_s": score_s,
-        "score_tokens_per_s": tokens / score_s,
-        "greedy_16_tokens_s": generate_s,
-        "tokenizer_train_s": tokenizer_s,
-    }
+        generate_s, _ = timed(lambda: reader.generate(ids, mask, max_new_tokens=16, min_new_tokens=16))
+    out = {"variant": args.variant, "params": sum(p.numel() for p in reader.parameters()), "batch": b}
+    out |= {"passages": k, "length": int(batch["input_ids"].shape[-1]), "encoder_tokens": tokens}
+    out |= {"train_step_s": train_s, "train_tokens_per_s": tokens / train_s}
+    out |= {"train_step_peak_rss_mib": train_peak, "process_peak_rss_mib": peak_rss_mib()}
+    out |= {"score_passages_s": score_s, "score_tokens_per_s": tokens / score_s}
+    return out | {"greedy_16_tokens_s": generate_s, "tokenizer_train_s": tokenizer_s}
 
 
 def run_t5_base_probe(args: argparse.Namespace) -> dict:
@@ -147,107 +135,74 @@ def run_t5_base_probe(args: argparse.Namespace) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = reader(ids, torch.ones_like(ids), labels=torch.randint(3, T5_BASE["vocab_size"], (1, 16))).loss
     loss.backward()
-    return {
-        "variant": args.probe_variant,
-        "passages": args.probe_passages,
-        "params": sum(p.numel() for p in reader.parameters()),
-        "step_s": time.perf_counter() - start,
-        "peak_rss_increase_mib": peak_rss_mib() - rss_before,
-        "saved_for_backward_mib": sum(saved.values()) / 2**20,
-    }
+    out = {"variant": args.probe_variant, "passages": args.probe_passages}
+    out |= {"params": sum(p.numel() for p in reader.parameters()), "step_s": time.perf_counter() - start}
+    out["peak_rss_increase_mib"] = peak_rss_mib() - rss_before
+    return out | {"saved_for_backward_mib": sum(saved.values()) / 2**20}
 
 
-COLUMNS = [
-    ("variant", "variant", ""),
-    ("train step s", "train_step_s", ".2f"),
-    ("train tokens/s", "train_tokens_per_s", ".0f"),
-    ("train step RSS increase MiB", "train_step_peak_rss_mib", ".1f"),
-    ("score_passages s", "score_passages_s", ".2f"),
-    ("score tokens/s", "score_tokens_per_s", ".0f"),
-    ("greedy 16 tokens s", "greedy_16_tokens_s", ".2f"),
-]
+COLUMNS = [("variant", "variant", ""), ("train step s", "train_step_s", ".2f")]
+COLUMNS += [("train tokens/s", "train_tokens_per_s", ".0f")]
+COLUMNS += [("train step RSS increase MiB", "train_step_peak_rss_mib", ".1f")]
+COLUMNS += [("score_passages s", "score_passages_s", ".2f"), ("score tokens/s", "score_tokens_per_s", ".0f")]
+COLUMNS += [("greedy 16 tokens s", "greedy_16_tokens_s", ".2f")]
 PROBE_COLUMNS = [("variant", "variant", ""), ("K", "passages", "d"), ("step s", "step_s", ".1f")]
-PROBE_COLUMNS += [
-    ("saved for backward MiB", "saved_for_backward_mib", ".1f"),
-    ("peak RSS increase MiB", "peak_rss_increase_mib", ".1f"),
-]
+PROBE_COLUMNS += [("saved for backward MiB", "saved_for_backward_mib", ".1f")]
+PROBE_COLUMNS += [("peak RSS increase MiB", "peak_rss_increase_mib", ".1f")]
 
 
 def markdown(results: dict) -> str:
     first, probe, bf16 = results["rows"][0], results["t5_base_probe"], results["cpu_bf16"]
-    lines = [
+    text = (
         f"FiD reader, default SmallT5Config ({first['params'] / 1e6:.2f}M parameters), B={first['batch']} "
         f"K={first['passages']} L={first['length']} ({first['encoder_tokens']} encoder tokens a step). Command: "
         f"`{results['command']}`; {reporting.machine_line(results['machine'])}. bf16 {'native' if bf16['native'] else 'emulated'} "
-        f"on this CPU ({bf16['reason']}; a bf16 matmul takes {bf16['probe_ratio']:.3g}x the float32 time).",
-        "",
-        reporting.table(results["rows"], COLUMNS),
-    ]
-    if probe:
-        lines += [
-            "",
-            f"T5-base ({probe[0]['params'] / 1e6:.1f}M parameters, random init) FiD forward+backward, B=1, ",
-        ]
-        lines[-1] += "K passages x 256 tokens:"
-        lines += [
-            "",
-            reporting.table(probe, PROBE_COLUMNS),
-            "",
-            "Activations saved for backward per 256-token passage ",
-        ]
-        lines[-1] += (
-            "(difference between the two K; the RSS column is allocator-noisy and includes the gradients):"
-        )
-        lines.append("")
-        for variant in dict.fromkeys(r["variant"] for r in probe):
-            pts = sorted(
-                (r["passages"], r["saved_for_backward_mib"]) for r in probe if r["variant"] == variant
-            )
-            if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
-                per = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
-                lines.append(
-                    f"- {variant}: {per:.1f} MiB per passage, so {per * 32 / 1024:.2f} GiB per question at K=32"
-                )
-    return "\n".join(lines)
+        f"on this CPU ({bf16['reason']}; a bf16 matmul takes {bf16['probe_ratio']:.3g}x the float32 time)."
+        + "\n\n"
+        + reporting.table(results["rows"], COLUMNS)
+    )
+    if not probe:
+        return text
+    text += (
+        f"\n\nT5-base ({probe[0]['params'] / 1e6:.1f}M parameters, random init) FiD forward+backward, B=1, "
+        f"K passages x 256 tokens:\n\n{reporting.table(probe, PROBE_COLUMNS)}\n\n"
+        "Activations saved for backward per 256-token passage (difference between the two K; the RSS column "
+        "is allocator-noisy and includes the gradients):\n"
+    )
+    for v in dict.fromkeys(r["variant"] for r in probe):
+        pts = sorted((r["passages"], r["saved_for_backward_mib"]) for r in probe if r["variant"] == v)
+        if len(pts) >= 2 and pts[-1][0] > pts[0][0]:
+            per = (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+            text += f"\n- {v}: {per:.1f} MiB per passage, so {per * 32 / 1024:.2f} GiB per question at K=32"
+    return text
 
 
 def main() -> int:
     p = reporting.arguments(__doc__)
-    p.add_argument("--batch", type=int, default=4, help="questions per step (B)")
-    p.add_argument("--passages", type=int, default=32, help="passages per question (K)")
-    p.add_argument("--length", type=int, default=192, help="tokens per (question, passage) pair (L)")
-    p.add_argument(
-        "--steps", type=int, default=2, help="timed repetitions after one warm-up (median reported)"
-    )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--score-batch-size", type=int, default=None, help="pairs per score_passages pass")
+    add = p.add_argument
+    add("--batch", type=int, default=4, help="questions per step (B)")
+    add("--passages", type=int, default=32, help="passages per question (K)")
+    add("--length", type=int, default=192, help="tokens per (question, passage) pair (L)")
+    add("--steps", type=int, default=2, help="timed repetitions after one warm-up (median reported)")
+    add("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    add("--vocab-size", type=int, default=8000)
+    add("--score-batch-size", type=int, default=None, help="pairs per score_passages pass")
     default_corpus = reporting.RESULTS.parents[2] / "shared" / "data" / "wiki_sample" / "passages.jsonl"
-    p.add_argument("--corpus", default=str(default_corpus), help="pyserini-style jsonl of passages")
-    p.add_argument(
-        "--variants",
-        default=None,
-        help=f"comma-separated subset of {list(VARIANTS)} (default: all; bf16-autocast only where the CPU "
-        "has native bf16)",
-    )
-    p.add_argument("--out", default=reporting.results_path("bench_reader"), help="output path stem")
-    p.add_argument(
-        "--t5-base-probe",
-        default="1,2",
-        help="passage counts K for the T5-base activation-memory probe (K x 256 tokens, B=1); '' skips it",
-    )
-    p.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant, print JSON
-    p.add_argument("--probe-variant", help=argparse.SUPPRESS)
-    p.add_argument("--probe-passages", type=int, help=argparse.SUPPRESS)
+    add("--corpus", default=str(default_corpus), help="pyserini-style jsonl of passages")
+    native = "(default: all; bf16-autocast only where the CPU has native bf16)"
+    add("--variants", default=None, help=f"comma-separated subset of {list(VARIANTS)} {native}")
+    add("--out", default=reporting.results_path("bench_reader"), help="output path stem")
+    probe = "passage counts K for the T5-base activation-memory probe (K x 256 tokens, B=1); '' skips it"
+    add("--t5-base-probe", default="1,2", help=probe)
+    add("--variant", help=argparse.SUPPRESS)  # internal: run one variant, print JSON
+    add("--probe-variant", help=argparse.SUPPRESS)
+    add("--probe-passages", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not Path(args.corpus).is_file():
         raise SystemExit(f"error: passage file {args.corpus} not found; pass --corpus PATH (pyserini jsonl)")
     if args.variant or args.probe_variant:
         print(json.dumps(run_variant(args) if args.variant else run_t5_base_probe(args)))
         return 0
-
-    from rlm.precision import cpu_bf16_support
-
     bf16 = cpu_bf16_support()
     variants = args.variants.split(",") if args.variants else list(VARIANTS)
     if not args.variants and not bf16.native:
@@ -256,34 +211,17 @@ def main() -> int:
         print(f"skipping bf16-autocast: {bf16.describe()}", file=sys.stderr)
     if unknown := set(variants) - set(VARIANTS):
         raise SystemExit(f"error: unknown variant(s) {sorted(unknown)}; choose from {list(VARIANTS)}")
-    common = []  # the settings a measurement's child process needs
-    for name in (
-        "batch",
-        "passages",
-        "length",
-        "steps",
-        "threads",
-        "vocab_size",
-        "score_batch_size",
-        "corpus",
-    ):
-        if getattr(args, name) is not None:
-            common += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     me = [sys.executable, __file__]
-    results = {
-        "command": reporting.command("bench_reader.py"),
-        "machine": {**reporting.machine(), "threads": args.threads},
-    }
+    for name in CHILD_OPTIONS:
+        if getattr(args, name) is not None:
+            me += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    results = {"command": reporting.command("bench_reader.py")}
+    results["machine"] = {**reporting.machine(), "threads": args.threads}
     results["cpu_bf16"] = {"native": bf16.native, "probe_ratio": bf16.ratio, "reason": bf16.reason}
-    results["rows"] = [reporting.run_json([*me, "--variant", v, *common], what=v) for v in variants]
+    results["rows"] = [reporting.run_json([*me, "--variant", v], what=v) for v in variants]
     ks = [int(x) for x in args.t5_base_probe.split(",") if x.strip()]
-    results["t5_base_probe"] = [
-        reporting.run_json(
-            [*me, "--probe-variant", v, "--probe-passages", str(k), *common], what=f"{v} probe"
-        )
-        for v in variants
-        for k in ks
-    ]
+    probes = [(v, ["--probe-variant", v, "--probe-passages", str(k)]) for v in variants for k in ks]
+    results["t5_base_probe"] = [reporting.run_json([*me, *extra], what=f"{v} probe") for v, extra in probes]
     reporting.write_report(args.out, markdown(results), results)
     return 0
 

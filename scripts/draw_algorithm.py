@@ -9,6 +9,7 @@ passage tower g), orange = reader, green = corrector h over the fixed buffer B.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import matplotlib
@@ -38,23 +39,12 @@ BOXES = {
     "update": (13.5, 1.2, 2.3, 2.2, GREY, "8. update f, g, reader\non (L + L') / 2;\nh on l only"),
 }
 
-# (from, to, carries gradient)
+# "from>to" carries a gradient, "from~to" does not; drawn in this order.
+EDGES = (
+    "x>f f~topk B~h h~topk topk~g g>ptilde topk~reader1 reader1~L ptilde>L topk~fid h>ph ptilde~ph L>update"
+)
 ARROWS = [
-    ("x", "f", True),
-    ("f", "topk", False),
-    ("B", "h", False),
-    ("h", "topk", False),
-    ("topk", "g", False),
-    ("g", "ptilde", True),
-    ("topk", "reader1", False),
-    ("reader1", "L", False),
-    ("ptilde", "L", True),
-    ("topk", "fid", False),
-    ("h", "ph", True),
-    ("ptilde", "ph", False),
-    ("L", "update", True),
-    ("fid", "update", True),
-    ("ph", "update", True),
+    (a, b, sep == ">") for a, sep, b in re.findall(r"(\w+)([>~])(\w+)", EDGES + " fid>update ph>update")
 ]
 
 
@@ -71,42 +61,24 @@ def _anchor(name: str, toward: str) -> tuple[float, float]:
 def draw(out: Path) -> None:
     """Render the figure and write it to `out` atomically."""
     fig, ax = plt.subplots(figsize=(16, 9), dpi=100)
-    ax.set_xlim(0, 16)
-    ax.set_ylim(0, 9)
+    ax.set(xlim=(0, 16), ylim=(0, 9))
     ax.axis("off")
-    ax.text(
-        8,
-        8.55,
-        "Algorithm 2: one training step (Monath et al., ICML 2024)",
-        ha="center",
-        fontsize=17,
-        weight="bold",
-    )
+    title = "Algorithm 2: one training step (Monath et al., ICML 2024)"
+    ax.text(8, 8.55, title, ha="center", fontsize=17, weight="bold")
     for x, y, w, h, colour, label in BOXES.values():
         ax.add_patch(
             FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", facecolor=colour, edgecolor="#555555")
         )
         ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=10.5)
     for start, end, grad in ARROWS:
-        ax.add_patch(
-            FancyArrowPatch(
-                _anchor(start, end),
-                _anchor(end, start),
-                arrowstyle="-|>",
-                mutation_scale=14,
-                linestyle="-" if grad else "--",
-                color="#333333" if grad else "#888888",
-                linewidth=1.4,
-            )
-        )
-    ax.text(
-        0.3,
-        0.35,
+        look = {"linestyle": "-", "color": "#333333"} if grad else {"linestyle": "--", "color": "#888888"}
+        ends = _anchor(start, end), _anchor(end, start)
+        ax.add_patch(FancyArrowPatch(*ends, arrowstyle="-|>", mutation_scale=14, linewidth=1.4, **look))
+    legend = (
         "solid arrow: gradient flows    dashed arrow: no gradient (torch.no_grad / detach)    "
-        "blue: retriever    orange: reader    green: corrector",
-        fontsize=10.5,
-        color="#333333",
+        "blue: retriever    orange: reader    green: corrector"
     )
+    ax.text(0.3, 0.35, legend, fontsize=10.5, color="#333333")
     with atomic_file(out) as tmp:
         fig.savefig(tmp, bbox_inches="tight", format="png")
     plt.close(fig)

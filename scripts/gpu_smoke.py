@@ -18,6 +18,7 @@ to `--out`; `docs/results/gpu_smoke/gpu_smoke.md` says what a GPU run must show.
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import importlib.util
 import io
@@ -30,13 +31,29 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import SkipTest as Skip  # a stage that needs what this machine lacks; the message says what
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from accelerate.state import AcceleratorState
 
+from app.qa import QAService
+from retriever.buffer import resolve_precision
+from retriever.index import PassageIndex
+from retriever.search import corrected_topk
+from rlm import cli, train
+from rlm.config import BufferConfig, load_config
 from rlm.experiments import reporting
+from rlm.experiments.benchmarking import corrector_moving, overlap
+from rlm.inference import evaluation
+from rlm.precision import cpu_bf16_support
+from rlm.training.accelerator import LOSS_KEYS
+from rlm.training.run import build_run
+from rlm.training.strategies import STRATEGY_CLASSES
+from rlm.training.validation import subcorpus_path
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = ".gpu_smoke"  # a work folder holding it is this script's to empty
@@ -54,74 +71,12 @@ TOY_PASSAGES = 120  # tests/tiny_run.py's toy world
 
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
 # On top of tests/tiny_run.py's tiny run: two steps, each strategy refreshing and logging at every one.
-SMOKE_RUN = [
-    "data.max_dev_examples=8",
-    "optim.max_steps=2",
-    "optim.warmup_steps=1",
-    "strategy.refresh_every=1",
-]
-SMOKE_RUN += [
-    "strategy.snm_size=30",
-    "strategy.regression.samples=30",
-    "log_every=1",
-    "save_every=0",
-    "report_to=none",
-]
-
-
-def load_tiny_run():
-    """tests/tiny_run.py, loaded by path: tests/ is no package, and no folder of scripts or tests may go on
-    sys.path (scripts/evaluate.py would shadow the `evaluate` library)."""
-    spec = importlib.util.spec_from_file_location("tiny_run", ROOT / "tests" / "tiny_run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-class Skip(Exception):
-    """The stage needs what this machine lacks; the message says what."""
-
-
-@dataclass
-class Outcome:
-    measured: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class StageResult(Outcome):
-    name: str = ""
-    status: str = "PASS"  # PASS, FAIL or SKIP
-    seconds: float = 0.0
-
-
-class Stages:
-    """Runs each stage, prints one line for it and keeps going after a failure."""
-
-    def __init__(self):
-        self.results: list[StageResult] = []
-
-    def run(self, name: str, fn, *args) -> StageResult:
-        start = time.perf_counter()
-        try:
-            result = StageResult(**asdict(fn(*args)), name=name)
-        except Skip as why:
-            result = StageResult(str(why), name=name, status="SKIP")
-        except Exception as err:  # noqa: BLE001 (a smoke test reports every failure and goes on)
-            first = str(err).splitlines()[0] if str(err) else ""
-            result = StageResult(f"{type(err).__name__}: {first}", name=name, status="FAIL")
-            traceback.print_exc(file=sys.stderr)
-        result.seconds = round(time.perf_counter() - start, 2)
-        print(f"{result.status} {name} ({result.seconds:.1f}s): {result.measured}", flush=True)
-        self.results.append(result)
-        return result
-
-    def passed(self, name: str) -> bool:
-        return any(r.name == name and r.status == "PASS" for r in self.results)
-
-    @property
-    def failed(self) -> list[str]:
-        return [r.name for r in self.results if r.status == "FAIL"]
+SMOKE_RUN = ["data.max_dev_examples=8", "optim.max_steps=2", "optim.warmup_steps=1", "strategy.snm_size=30"]
+SMOKE_RUN += ["strategy.refresh_every=1", "strategy.regression.samples=30", "log_every=1", "save_every=0"]
+SMOKE_RUN += ["report_to=none"]
+FEATURES = ["data.dev=toy", "data.dev_subcorpus=build", "data.dev_subcorpus_k=5", "strategy.name=corrector"]
+FEATURES += ["strategy.cache_corrected_mb=0", "gradient_checkpointing=true", "save_every=1", "eval_every=2"]
+FEATURES += ["optim.gradient_accumulation_steps=2", "report_to=tensorboard"]
 
 
 def check(condition: bool, message: str) -> None:
@@ -132,104 +87,103 @@ def check(condition: bool, message: str) -> None:
 
 def fresh_accelerate_state() -> None:
     """accelerate keeps one process-wide state; every in-process run here starts its own."""
-    from accelerate.state import AcceleratorState
-
     AcceleratorState._reset_state(reset_partial_state=True)
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
 
 
 def tensors_in(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, list | tuple):
         return [t for item in value for t in tensors_in(item)]
-    return []
+    return [value] if isinstance(value, torch.Tensor) else []
 
 
-class InputDevices:
-    """The device types of every tensor that reaches the given modules' forward while active.
+@contextlib.contextmanager
+def devices_seen(modules=None):
+    """The device types of every tensor reaching the given modules' forward while active (hooked where the
+    weights are: the reader's forward may take host tensors, which it moves); without, of every output."""
+    seen: set[str] = set()
 
-    Hooked on the modules that hold the weights (the HF models inside the towers and the reader, and h): the
-    reader's own forward may take host tensors, which it moves, but what reaches the weights must be there."""
+    def note(value) -> None:  # returns None: the hooks leave inputs and outputs as they are
+        seen.update(t.device.type for t in tensors_in(value))
 
-    def __init__(self, modules):
-        self.modules = [m for m in modules if m is not None]
-        self.seen: set[str] = set()
-        self.handles = []
-
-    def _hook(self, module, args, kwargs):
-        self.seen.update(t.device.type for t in tensors_in([args, kwargs]))
-
-    def __enter__(self):
-        self.handles = [m.register_forward_pre_hook(self._hook, with_kwargs=True) for m in self.modules]
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
+    if modules is None:
+        handles = [torch.nn.modules.module.register_module_forward_hook(lambda _, args, out: note(out))]
+    else:
+        hook = lambda _, args, kwargs: note([args, kwargs])  # noqa: E731
+        handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in modules if m is not None]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
             handle.remove()
 
 
 @contextlib.contextmanager
-def computed_on():
-    """The device types of every module output computed while active, by any module (those built inside the
-    block too): where the work of a block that builds its own models ran."""
-    seen: set[str] = set()
+def recording(owner, name: str):
+    """Every result of `owner.<name>(...)` while active (an instance attribute over a method)."""
+    calls, method, own = [], getattr(owner, name), name in vars(owner)
 
-    def hook(module, args, output):
-        seen.update(t.device.type for t in tensors_in(output))
+    def wrapper(*args, **kwargs):
+        calls.append(method(*args, **kwargs))
+        return calls[-1]
 
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    setattr(owner, name, wrapper)
     try:
-        yield seen
+        yield calls
     finally:
-        handle.remove()
+        setattr(owner, name, method) if own else delattr(owner, name)
 
 
-def record_selections(strategy) -> list:
-    """Every `strategy.select` result of the steps that follow (an instance attribute over the method)."""
-    calls = []
-    method = strategy.select
-
-    def select(*args, **kwargs):
-        top = method(*args, **kwargs)
-        calls.append(top)
-        return top
-
-    strategy.select = select
-    return calls
+def echoed(fn, *args) -> tuple[Any, str]:
+    """fn(*args) and what it printed, printed as well."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        result = fn(*args)
+    sys.stdout.write(printed.getvalue())
+    return result, printed.getvalue()
 
 
-def weight_modules(model) -> list:
-    towers = {id(t): t for t in (model.retriever.query_tower, model.retriever.passage_tower)}.values()
-    return [
-        *(t.model for t in towers),
-        model.reader.model if model.reader is not None else None,
-        model.corrector,
-    ]
+def read_log(path: Path, checked: bool = True) -> dict[int, dict]:
+    """A run's log.jsonl by step; checked: steps 1 and 2 logged, with finite losses."""
+    log = {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+    if checked:
+        check(sorted(log) == [1, 2], f"log steps {sorted(log)}")
+        check(all(math.isfinite(r["loss"]) for r in log.values()), "non-finite losses")
+    return log
 
 
-def read_log(path: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+def unit_rows(n: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """n random unit-norm rows, drawn a float32 block at a time: 2.63M rows at once are 8 GB."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = torch.empty(n, PAPER_DIM, dtype=dtype, device=device)
+    for start in range(0, n, 1 << 20):
+        block = torch.randn(min(1 << 20, n - start), PAPER_DIM, generator=generator, device=device)
+        rows[start : start + len(block)] = F.normalize(block, dim=-1)
+    return rows
+
+
+def memory_text(memory: dict) -> str:
+    if not memory:
+        return "max_memory_allocated: CUDA only"
+    above = f"{memory['selection_gib']:.2f} GiB above what was allocated before"
+    return f"max_memory_allocated {memory['max_allocated_gib']:.2f} GiB ({above})"
 
 
 class Smoke:
     """The stages, sharing one work folder: a toy world, a tiny retriever and its buffer, the runs."""
 
     def __init__(self, args: argparse.Namespace):
-        self.args = args
-        self.device = torch.device(args.device)
+        self.args, self.results = args, []
+        self.device, self.work = torch.device(args.device), args.work.resolve()
         self.cuda = self.device.type == "cuda"
-        self.work: Path = args.work.resolve()
-        self.tiny = load_tiny_run()
+        # Loaded by path: tests/ is no package, and no folder of scripts or tests may go on sys.path
+        # (scripts/evaluate.py would shadow the `evaluate` library).
+        spec = importlib.util.spec_from_file_location("tiny_run", ROOT / "tests" / "tiny_run.py")
+        self.tiny = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(self.tiny)
         self.minilm = (args.retriever or ("minilm" if self.cuda else "tiny")) == "minilm"
         # What a paper-scale run trains in (configs/nq.yaml): bf16 where the GPU has it; CPUs without native
         # bf16 fall back to float32 anyway (rlm.precision).
@@ -238,29 +192,43 @@ class Smoke:
         self.overlap_rows = args.overlap_rows or (self.selection_rows if self.cuda else CPU_OVERLAP_ROWS)
         self.gpus = torch.cuda.device_count() if self.cuda else 0
         self._rows: torch.Tensor | None = None
-        self._corrector = None
 
-    # ---- shared pieces ----------------------------------------------------------------------------------
+    def stage(self, name: str, fn, *args) -> str:
+        """Runs one stage (fn returns what it measured, in words and as the JSON's details) and prints its
+        line; a failure is reported and the next stage runs."""
+        start = time.perf_counter()
+        try:
+            (measured, details), status = fn(*args), "PASS"
+        except Skip as why:
+            measured, details, status = str(why), {}, "SKIP"
+        except Exception as err:  # noqa: BLE001 (a smoke test reports every failure and goes on)
+            first = str(err).splitlines()[0] if str(err) else ""
+            measured, details, status = f"{type(err).__name__}: {first}", {}, "FAIL"
+            traceback.print_exc(file=sys.stderr)
+        seconds = round(time.perf_counter() - start, 2)
+        print(f"{status} {name} ({seconds:.1f}s): {measured}", flush=True)
+        result = dict(measured=measured, details=details, name=name, status=status, seconds=seconds)
+        self.results.append(result)
+        return status
 
     def overrides(self, out: str, *extra: str) -> list[str]:
         common = [f"cpu={'false' if self.cuda else 'true'}", f"mixed_precision={self.precision}", *SMOKE_RUN]
         return self.tiny.tiny_overrides(self.work, out, *common, *extra, minilm=self.minilm)
 
     def config(self, out: str, *extra: str):
-        from rlm.config import load_config
-
         return load_config(None, self.overrides(out, *extra))
 
     def build(self, cfg):
-        from rlm.training.run import build_run
-
         fresh_accelerate_state()
         return build_run(cfg, overwrite=True)  # the script owns these folders: a rerun starts over
 
+    def check_on_device(self, what: str, *models) -> None:
+        found = {p.device.type for m in models for p in m.parameters()}
+        check(found == {self.device.type}, f"{what} on {found}, expected {self.device.type}")
+
     def check_placement(self, run) -> str:
         """Every parameter on the device; the scanned rows on it too where training keeps them there."""
-        found = {p.device.type for p in run.raw.parameters()}
-        check(found == {self.device.type}, f"parameters on {found}, expected {self.device.type}")
+        self.check_on_device("parameters", run.raw)
         rows = run.strategy.search.device
         if self.cuda and run.strategy.uses_passages:
             check(rows is not None and rows.type == "cuda", f"scanned rows on {rows}, expected the GPU")
@@ -278,26 +246,20 @@ class Smoke:
         dtype = str(scores.dtype).removeprefix("torch.")
         return f"[{rows.shape[0]}, {rows.shape[1]}] {dtype} on {scores.device}"
 
-    def train_steps(self, run, steps: int) -> tuple[list[dict], list, set[str]]:
-        from rlm.train import train_step
+    @contextlib.contextmanager
+    def watched(self, run):
+        """The selections made inside; every tensor reaching a module that holds weights on the device."""
+        model = run.raw
+        towers = {id(t): t for t in (model.retriever.query_tower, model.retriever.passage_tower)}.values()
+        reader = model.reader.model if model.reader is not None else None
+        weights = [*(t.model for t in towers), reader, model.corrector]
+        with recording(run.strategy, "select") as selections, devices_seen(weights) as seen:
+            yield selections
+        check(seen == {self.device.type}, f"module inputs on {seen}, expected {self.device}")
 
-        selections = record_selections(run.strategy)
-        run.model.train()
-        with InputDevices(weight_modules(run.raw)) as inputs:
-            records = [train_step(run) for _ in range(steps)]
-        check(all(r is not None for r in records), "a step was skipped for a non-finite loss")
-        losses = [r["loss"] for r in records]
-        check(all(math.isfinite(x) for x in losses), f"non-finite losses {losses}")
-        check(inputs.seen == {self.device.type}, f"module inputs on {inputs.seen}, expected {self.device}")
-        return records, selections, inputs.seen
-
-    # ---- stages -----------------------------------------------------------------------------------------
-
-    def device_stage(self) -> Outcome:
-        from rlm.experiments.reporting import cpu_name, load_average
-        from rlm.precision import cpu_bf16_support
-
-        details = {"torch": torch.__version__, "cpu": cpu_name(), "load_average": load_average()}
+    def device_stage(self) -> tuple[str, dict]:
+        cpu = reporting.cpu_name()
+        details = {"torch": torch.__version__, "cpu": cpu, "load_average": reporting.load_average()}
         if self.cuda:
             check(torch.cuda.is_available(), "no CUDA device visible (--device cpu runs the stages on CPU)")
             names = [torch.cuda.get_device_name(i) for i in range(self.gpus)]
@@ -306,21 +268,18 @@ class Smoke:
             details["bf16"] = torch.cuda.is_bf16_supported()
             measured = f"{self.gpus} x {names[0]} ({total:.0f} GiB), CUDA {torch.version.cuda}"
         else:
-            support = cpu_bf16_support(probe=False)
-            details["cpu_bf16_native"] = support.native
-            measured = f"{details['cpu']}, native bf16: {'yes' if support.native else 'no'}"
+            details["cpu_bf16_native"] = native = cpu_bf16_support(probe=False).native
+            measured = f"{cpu}, native bf16: {'yes' if native else 'no'}"
         details["training_precision"] = self.precision
         precision = "float32" if self.precision == "no" else self.precision
-        return Outcome(f"{measured}; torch {torch.__version__}; training in {precision}", details)
+        return f"{measured}; torch {torch.__version__}; training in {precision}", details
 
-    def buffer_stage(self) -> Outcome:
-        from retriever.buffer import resolve_precision
-
+    def buffer_stage(self) -> tuple[str, dict]:
         cfg = self.config("buffer_run", "strategy.name=corrector")
         buffer_dir = Path(cfg.buffer.dir)
         check(not (buffer_dir / "meta.json").exists(), f"{buffer_dir} exists: the build would be skipped")
         start = time.perf_counter()
-        with computed_on() as devices:  # the passage tower's embedding is the only forward pass in a build
+        with devices_seen() as devices:  # the passage tower's embedding is the only forward pass in a build
             run = self.build(cfg)
         seconds = time.perf_counter() - start
         meta = json.loads((buffer_dir / "meta.json").read_text())
@@ -328,23 +287,25 @@ class Smoke:
         check(meta["count"] == len(run.corpus), f"{meta['count']} rows for {len(run.corpus)} passages")
         wanted = resolve_precision("auto", self.device)
         check(meta["precision"] == wanted, f"buffer built in {meta['precision']}, expected {wanted}")
-        details = {k: meta[k] for k in ("count", "dim", "dtype", "precision")} | {
-            "embedded_on": sorted(devices)
-        }
-        return Outcome(
+        details = {k: meta[k] for k in ("count", "dim", "dtype", "precision")}
+        details["embedded_on"] = sorted(devices)
+        return (
             f"{meta['count']} x {meta['dim']} {meta['dtype']} embedded by build_run on {self.device.type} "
             f"({meta['precision']}) in {seconds:.1f} s; {self.check_placement(run)}",
             details,
         )
 
-    def strategy_stage(self, name: str) -> Outcome:
-        cls = self.strategy_classes()[name]
-        algorithm = ["algorithm=1"] if 2 not in cls.algorithms else []
+    def strategy_stage(self, name: str) -> tuple[str, dict]:
+        algorithm = ["algorithm=1"] if 2 not in STRATEGY_CLASSES[name].algorithms else []
         run = self.build(self.config(f"strategy_{name}", f"strategy.name={name}", *algorithm))
-        placement = self.check_placement(run)
-        strategy = run.strategy
+        placement, strategy = self.check_placement(run), run.strategy
         refreshing = strategy.refreshes_at(1)
-        records, selections, _ = self.train_steps(run, 2)
+        run.model.train()
+        with self.watched(run) as selections:
+            records = [train.train_step(run) for _ in range(2)]
+        check(all(r is not None for r in records), "a step was skipped for a non-finite loss")
+        losses = [r["loss"] for r in records]
+        check(all(math.isfinite(x) for x in losses), f"non-finite losses {losses}")
         reembedded = records[-1]["reembedded"]
         if refreshing:
             check(strategy.refresh_step == 1, f"last refresh before step {strategy.refresh_step}, not 1")
@@ -363,91 +324,55 @@ class Smoke:
         refresh = f"refresh before step 1: {reembedded} re-embedded" if refreshing else "no refresh"
         loss = f"loss {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}"
         details = {"algorithm": run.cfg.algorithm, "reembedded": reembedded, "refreshed": refreshing}
-        return Outcome(f"{loss}; {refresh}; selected {selected}; {placement}", details)
+        return f"{loss}; {refresh}; selected {selected}; {placement}", details
 
-    @staticmethod
-    def strategy_classes() -> dict:
-        from rlm.training.strategies import STRATEGY_CLASSES
-
-        return STRATEGY_CLASSES
-
-    FEATURES = tuple(
-        [
-            "data.dev=toy",
-            "data.dev_subcorpus=build",
-            "data.dev_subcorpus_k=5",
-            "strategy.name=corrector",
-            "strategy.cache_corrected_mb=0",
-            "gradient_checkpointing=true",
-            "optim.gradient_accumulation_steps=2",
-            "save_every=1",
-            "eval_every=2",
-            "report_to=tensorboard",
-        ]
-    )
-
-    def features_stage(self) -> Outcome:
-        from rlm.train import train_loop
-        from rlm.training.validation import subcorpus_path
-
-        cfg = self.config("features", *self.FEATURES)
+    def features_stage(self) -> tuple[str, dict]:
+        cfg = self.config("features", *FEATURES)
         run = self.build(cfg)
         check(run.accumulation_steps == 2, f"accumulation {run.accumulation_steps}, expected 2")
         check(run.raw.reader.is_gradient_checkpointing, "gradient checkpointing is off in the reader")
         subcorpus = subcorpus_path(cfg).read_text().split()
         check(0 < len(subcorpus) < len(run.corpus), f"hard subcorpus of {len(subcorpus)} passages")
         placement = self.check_placement(run)
-        selections = record_selections(run.strategy)
-        with InputDevices(weight_modules(run.raw)) as inputs:
-            summary = train_loop(run)
-        check(inputs.seen == {self.device.type}, f"module inputs on {inputs.seen}, expected {self.device}")
+        with self.watched(run) as selections:
+            summary = train.train_loop(run)
         # cache_corrected_mb=0: h ran over every row inside each selection, as it must at 21M rows.
         check(run.strategy.search._h_cache is None, "h(B) was cached despite strategy.cache_corrected_mb=0")
         check(len(selections) == 4, f"{len(selections)} selections in 2 steps of 2 micro-batches")
         selected = self.check_selection(selections[-1], run.strategy.k)
         log = read_log(Path(cfg.output_dir) / "log.jsonl")
-        check(sorted(log) == [1, 2], f"log steps {sorted(log)}")
-        check(all(math.isfinite(r["loss"]) for r in log.values()), "non-finite losses")
         check("dev_exact_match" in log[2], "no validation on the hard subcorpus at step 2")
         saved = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir())
         check(saved == ["step_0000001", "step_0000002"], f"checkpoints {saved}")
         check("dev_exact_match" in summary, f"no final validation in {summary}")
         details = {"losses": [log[s]["loss"] for s in (1, 2)], "subcorpus": len(subcorpus)}
-        return Outcome(
+        return (
             f"accumulation 2, reader checkpointing on, h over all {len(run.corpus)} rows at each of 4 "
             f"selections (nothing cached); hard dev subcorpus {len(subcorpus)} of {len(run.corpus)} passages "
             f"validated at step 2; checkpoints {', '.join(saved)}; selected {selected}; {placement}",
             details,
         )
 
-    def resume_stage(self) -> Outcome:
-        from rlm.train import main as train_main
-
-        if not self.stages.passed("train features"):
+    def resume_stage(self) -> tuple[str, dict]:
+        if not any(r["name"] == "train features" and r["status"] == "PASS" for r in self.results):
             raise Skip("needs the `train features` run, which failed")
         folder = self.work / "features"
-        before = read_log(folder / "log.jsonl")
+        before = read_log(folder / "log.jsonl", checked=False)
         shutil.rmtree(folder / "checkpoints" / "step_0000002")
         fresh_accelerate_state()
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            code = train_main(
-                ["--resume", *self.tiny.as_set_args(self.overrides("features", *self.FEATURES))]
-            )
-        sys.stdout.write(printed.getvalue())
+        argv = ["--resume", *self.tiny.as_set_args(self.overrides("features", *FEATURES))]
+        code, printed = echoed(train.main, argv)
         check(code == 0, f"python -m rlm.train --resume exited {code}")
-        check("resumed from" in printed.getvalue() and "step_0000001" in printed.getvalue(), "did not resume")
-        after = read_log(folder / "log.jsonl")
+        check("resumed from" in printed and "step_0000001" in printed, "did not resume")
+        after = read_log(folder / "log.jsonl", checked=False)
         check(sorted(after) == [1, 2], f"log steps {sorted(after)} after the resume")
-        from rlm.training.accelerator import LOSS_KEYS
-
         keys = [k for k in LOSS_KEYS if k in before[2]]
         diffs = {k: abs(after[2][k] - before[2][k]) / max(abs(before[2][k]), 1e-12) for k in keys}
         worst = max(diffs.values())
         check(worst <= RESUME_RTOL, f"step 2 after the resume differs: {diffs}")
         identical = all(after[2][k] == before[2][k] for k in keys)
         shown = "identical" if identical else f"max rel. difference {worst:.1e}"
-        return Outcome(
+        return (
             f"resumed from step_0000001; step 2 {', '.join(keys)} {shown} ({before[2]['loss']:.6f})",
             {"identical": identical, "max_rel_diff": worst, "keys": keys},
         )
@@ -463,25 +388,18 @@ class Smoke:
         if done.returncode != 0:
             sys.stderr.write(output[-6000:])
             raise RuntimeError(f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
-        log = read_log(self.work / out / "log.jsonl")
-        check(sorted(log) == [1, 2], f"log steps {sorted(log)}")
-        check(all(math.isfinite(r["loss"]) for r in log.values()), "non-finite losses")
-        return log, output
+        return read_log(self.work / out / "log.jsonl"), output
 
-    def deepspeed_stage(self, processes: int) -> Outcome:
+    def deepspeed_stage(self, processes: int) -> tuple[str, dict]:
         if not self.cuda:
-            raise Skip(
-                "DeepSpeed over NCCL needs CUDA (tests/test_train_deepspeed.py runs ZeRO-2 on CPU, gloo)"
-            )
+            on_cpu = "tests/test_train_deepspeed.py runs ZeRO-2 on CPU, gloo"
+            raise Skip(f"DeepSpeed over NCCL needs CUDA ({on_cpu})")
         if processes > self.gpus:
             raise Skip(f"needs {processes} GPUs, {self.gpus} visible")
-        out = f"deepspeed_{processes}"
-        log, output = self.launch(
-            "deepspeed_zero2.yaml", processes, out, "strategy.name=corrector", "save_every=2"
-        )
-        check(
-            all("grad_norm_global" in r for r in log.values()), "no DeepSpeed step (grad_norm_global) logged"
-        )
+        out, extra = f"deepspeed_{processes}", ("strategy.name=corrector", "save_every=2")
+        log, output = self.launch("deepspeed_zero2.yaml", processes, out, *extra)
+        stepped = all("grad_norm_global" in r for r in log.values())
+        check(stepped, "no DeepSpeed step (grad_norm_global) logged")
         checkpoint = self.work / out / "checkpoints" / "step_0000002"
         shards = sorted(p.name for p in checkpoint.rglob("*zero_pp_rank_*optim_states.pt"))
         check(len(shards) == processes, f"ZeRO optimizer shards {shards}, expected one per process")
@@ -489,13 +407,13 @@ class Smoke:
         found = re.search(r"with backend (\w+)", output)  # DeepSpeed's own line, where it prints one
         backend = found.group(1) if found else "not printed"
         losses = [log[s]["loss"] for s in (1, 2)]
-        return Outcome(
+        return (
             f"{processes} process(es), loss {losses[0]:.3f} -> {losses[1]:.3f}, one global grad norm "
             f"{log[2]['grad_norm_global']:.3f}; {', '.join(shards)}; backend {backend}",
             {"losses": losses, "shards": shards, "backend": backend},
         )
 
-    def ddp_stage(self) -> Outcome:
+    def ddp_stage(self) -> tuple[str, dict]:
         if self.cuda and self.gpus < 2:
             raise Skip(f"needs 2 or more GPUs, {self.gpus} visible")
         if not self.cuda and not self.args.ddp:
@@ -507,7 +425,7 @@ class Smoke:
         files = sorted((self.work / "ddp" / "refresh" / "step_0000001").glob("rank*.npy"))
         check(len(files) == processes, f"refresh files {[f.name for f in files]}, expected one per process")
         check(log[2]["reembedded"] == TOY_PASSAGES, f"re-embedded {log[2]['reembedded']}")
-        return Outcome(
+        return (
             f"{processes} processes, buffer sharded, refresh split into {len(files)} files, "
             f"loss {log[1]['loss']:.3f} -> {log[2]['loss']:.3f}",
             {"processes": processes},
@@ -515,64 +433,39 @@ class Smoke:
 
     def paper_rows(self, n: int) -> torch.Tensor:
         """n unit-norm 768-d rows in fp16 (the buffer's dtype) on the device, drawn once and sliced after."""
-        import torch.nn.functional as F
-
         if self._rows is None or len(self._rows) < n:
             self._rows = None  # freed before the larger one is drawn
-            generator = torch.Generator(device=self.device).manual_seed(0)
-            rows = torch.empty(n, PAPER_DIM, dtype=torch.float16, device=self.device)
-            for start in range(0, n, 1 << 20):  # a float32 block at a time: 2.63M rows at once are 8 GB
-                size = min(1 << 20, n - start)
-                block = torch.randn(size, PAPER_DIM, generator=generator, device=self.device)
-                rows[start : start + size] = F.normalize(block, dim=-1).half()
-            self._rows = rows
+            self._rows = unit_rows(n, 0, self.device, torch.float16)
         return self._rows[:n]
 
+    @functools.cached_property
     def paper_corrector(self):
-        from rlm.experiments.benchmarking import corrector_moving
-
-        if self._corrector is None:
-            # A fresh h is the identity (zero output layer) and would select exactly what B selects under any
-            # precision; this one moves rows by 0.2, as a trained one does (docs/results/bench_retrieval/bench_retrieval.md).
-            self._corrector = corrector_moving(PAPER_DIM, PAPER_HIDDEN, move=0.2).to(self.device)
-        return self._corrector
-
-    def paper_queries(self) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        generator = torch.Generator(device=self.device).manual_seed(1)
-        queries = torch.randn(PAPER_QUERIES, PAPER_DIM, generator=generator, device=self.device)
-        return F.normalize(queries, dim=-1)
+        # A fresh h is the identity (zero output layer) and would select exactly what B selects under any
+        # precision; this one moves rows by 0.2, as a trained one does (docs/results/bench_retrieval/bench_retrieval.md).
+        return corrector_moving(PAPER_DIM, PAPER_HIDDEN, move=0.2).to(self.device)
 
     def select(self, n: int, bf16: bool) -> tuple[Any, float, dict]:
         """The top-32 over n rows as a training selection runs it (`corrected_topk`, the buffer's chunk size),
         timed after a warm-up; on CUDA with the peak memory it allocated."""
-        from retriever.search import corrected_topk
-        from rlm.config import BufferConfig
-
-        chunk = BufferConfig().chunk_size
-        rows, corrector, queries = self.paper_rows(n), self.paper_corrector(), self.paper_queries()
-        autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        )
-        with autocast:
+        chunk, rows, corrector = BufferConfig().chunk_size, self.paper_rows(n), self.paper_corrector
+        queries = unit_rows(PAPER_QUERIES, 1, self.device, torch.float32)
+        synchronize = torch.cuda.synchronize if self.cuda else lambda device: None
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
             # CUDA's lazy start (context, cuBLAS handles) outside the timing; a tenth of the rows at most, which
             # on CPU, where the rows fit in one chunk, would otherwise double the stage.
-            warm = rows[: max(1, min(chunk, n // 10))]
-            corrected_topk(queries, warm, corrector, PAPER_K, chunk_size=chunk)
+            corrected_topk(queries, rows[: max(1, min(chunk, n // 10))], corrector, PAPER_K, chunk_size=chunk)
             synchronize(self.device)
             memory = {}
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)
                 memory["before_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
             start = time.perf_counter()
-            top = corrected_topk(queries, rows, corrector, PAPER_K, chunk_size=chunk)
+            scores, indices = top = corrected_topk(queries, rows, corrector, PAPER_K, chunk_size=chunk)
             synchronize(self.device)
             seconds = time.perf_counter() - start
         if self.cuda:
             memory["max_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             memory["selection_gib"] = memory["max_allocated_gib"] - memory["before_gib"]
-        scores, indices = top
         check(tuple(indices.shape) == (PAPER_QUERIES, PAPER_K), f"selected {tuple(indices.shape)}")
         check(scores.dtype == torch.float32, f"scores in {scores.dtype} (bf16={bf16}), expected float32")
         check(scores.device.type == self.device.type, f"scores on {scores.device}")
@@ -580,35 +473,20 @@ class Smoke:
         check(int(indices.min()) >= 0 and int(indices.max()) < n, "a selected row out of range")
         return top, seconds, {k: round(v, 2) for k, v in memory.items()}
 
-    def memory_text(self, memory: dict) -> str:
-        if not memory:
-            return "max_memory_allocated: CUDA only"
-        return (
-            f"max_memory_allocated {memory['max_allocated_gib']:.2f} GiB "
-            f"({memory['selection_gib']:.2f} GiB above what was allocated before)"
-        )
-
-    def timed_selection_stage(self) -> Outcome:
+    def timed_selection_stage(self) -> tuple[str, dict]:
         n = self.selection_rows
         _, seconds, memory = self.select(n, bf16=False)
         projected = seconds * PAPER_ROWS / n
-        details = {
-            "rows": n,
-            "seconds": round(seconds, 3),
-            "projected_seconds": round(projected, 2),
-            **memory,
-        }
+        details = dict(rows=n, seconds=round(seconds, 3), projected_seconds=round(projected, 2), **memory)
         scale = "" if n == PAPER_ROWS else f", {projected:.2f} s projected to {PAPER_ROWS:,} rows (linear)"
-        return Outcome(
+        return (
             f"top-{PAPER_K} of {PAPER_QUERIES} queries over {n:,} x {PAPER_DIM} fp16 rows through h "
             f"({PAPER_DIM} -> {PAPER_HIDDEN} -> {PAPER_DIM}), fp32: {seconds:.3f} s{scale}; "
-            f"{self.memory_text(memory)}",
+            f"{memory_text(memory)}",
             details,
         )
 
-    def overlap_stage(self) -> Outcome:
-        from rlm.experiments.benchmarking import overlap
-
+    def overlap_stage(self) -> tuple[str, dict]:
         n = self.overlap_rows
         fp32, _, _ = self.select(n, bf16=False)
         bf16, seconds, memory = self.select(n, bf16=True)
@@ -616,17 +494,13 @@ class Smoke:
         worst = min(overlap(a[None], b[None]) for a, b in zip(bf16.indices.cpu(), fp32.indices.cpu()))
         top1 = float((bf16.indices[:, 0] == fp32.indices[:, 0]).float().mean())
         shift = float((bf16.scores - fp32.scores).abs().mean())
-        details = {
-            "rows": n,
-            "overlap": round(both, 4),
-            "min_overlap": round(worst, 4),
-            "top1_agreement": round(top1, 4),
-            "mean_abs_score_shift": shift,
-            "bf16_seconds": round(seconds, 3),
-            **{f"bf16_{k}": v for k, v in memory.items()},
-        }
-        timing = f"; bf16 selection {seconds:.3f} s, {self.memory_text(memory)}" if self.cuda else ""
-        return Outcome(
+        details = dict(
+            rows=n, overlap=round(both, 4), min_overlap=round(worst, 4), top1_agreement=round(top1, 4)
+        )
+        details.update(mean_abs_score_shift=shift, bf16_seconds=round(seconds, 3))
+        details |= {f"bf16_{k}": v for k, v in memory.items()}
+        timing = f"; bf16 selection {seconds:.3f} s, {memory_text(memory)}" if self.cuda else ""
+        return (
             f"{n:,} rows, scores float32 under both; overlap@{PAPER_K} {both:.3f} (worst query {worst:.3f}), "
             f"top-1 agreement {top1:.3f}, mean |score shift| {shift:.1e}{timing}",
             details,
@@ -639,77 +513,45 @@ class Smoke:
             raise Skip("needs the checkpoint of `train features` / `resume`, which failed")
         return final
 
-    def evaluate_stage(self) -> Outcome:
-        from rlm.cli import main as rlm_main
-        from rlm.inference import evaluation
-
-        checkpoint, out = self.checkpoint, self.work / "evaluate"
-        bf16 = self.cuda
-        args = ["evaluate", "--checkpoint", str(checkpoint), "--dataset", "toy", "--data-path"]
-        args += [str(self.work / "toy"), "--max-examples", "8", "--k", "5", "--index", "corrected"]
-        args += [
-            "--device",
-            str(self.device),
-            "--out",
-            str(out),
-            "--no-progress",
-            *(["--bf16"] if bf16 else []),
-        ]
-        loaded = []
-        load_checkpoint = evaluation.load_checkpoint
-
-        def spy(*a, **kw):
-            models = load_checkpoint(*a, **kw)
-            loaded.append(models)
-            return models
-
-        printed = io.StringIO()
-        evaluation.load_checkpoint = spy
-        try:
-            with contextlib.redirect_stdout(printed):
-                code = rlm_main(args)
-        finally:
-            evaluation.load_checkpoint = load_checkpoint
-        sys.stdout.write(printed.getvalue())
+    def evaluate_stage(self) -> tuple[str, dict]:
+        checkpoint, out, bf16 = self.checkpoint, self.work / "evaluate", self.cuda
+        args = ["evaluate", "--checkpoint", str(checkpoint), "--dataset", "toy", "--max-examples", "8"]
+        args += ["--k", "5"]
+        args += ["--data-path", str(self.work / "toy"), "--index", "corrected", "--device", str(self.device)]
+        args += ["--out", str(out), "--no-progress", *(["--bf16"] if bf16 else [])]
+        with recording(evaluation, "load_checkpoint") as loaded:
+            code, printed = echoed(cli.main, args)
         check(code == 0, f"rlm evaluate exited {code}")
         retriever, reader, _ = loaded[0]
-        found = {p.device.type for m in (retriever, reader) for p in m.parameters()}
-        check(found == {self.device.type}, f"rlm evaluate loaded models on {found}")
+        self.check_on_device("rlm evaluate loaded models", retriever, reader)
         said = f"running on {self.device}" + (" under bf16 autocast" if bf16 else " in float32")
-        check(said in printed.getvalue(), f"rlm evaluate did not say {said!r}")
-        check("index over h(B)" in printed.getvalue(), "rlm evaluate did not retrieve over h(B)")
+        check(said in printed, f"rlm evaluate did not say {said!r}")
+        check("index over h(B)" in printed, "rlm evaluate did not retrieve over h(B)")
         metrics = json.loads((out / "metrics.json").read_text())
         check(metrics["num_questions"] == 8, f"{metrics['num_questions']} questions evaluated")
-        return Outcome(
+        return (
             f"--device {self.device}{' --bf16' if bf16 else ''} --index corrected: models on "
             f"{self.device.type}, printed {said!r}; 8 questions, EM {metrics['exact_match']:.3f}, "
             f"answer recall@5 {metrics['recall@5']:.3f}",
             {"metrics": metrics, "bf16": bf16},
         )
 
-    def qa_service_stage(self) -> Outcome:
-        from app.qa import QAService
-
+    def qa_service_stage(self) -> tuple[str, dict]:
         bf16 = self.cuda
         service = QAService.from_checkpoint(self.checkpoint, device=self.device, bf16=bf16)
-        found = {p.device.type for m in (service.retriever, service.reader) for p in m.parameters()}
-        check(found == {self.device.type}, f"QAService models on {found}")
+        self.check_on_device("QAService models", service.retriever, service.reader)
         check(service.bf16 == bf16, f"QAService bf16={service.bf16}, asked {bf16}")
         question = service.examples[0] if service.examples else "Where was the founder born?"
         result = service.answer(question, k=2)
         check(len(result["passages"]) == 2, f"expected 2 passages, got {len(result['passages'])}")
         index = "GPU" if service.index.on_gpu else "host"
-        return Outcome(
+        return (
             f"device={self.device}, bf16={bf16}: models on {self.device.type}, faiss index on {index}; "
             f"{question!r} -> {result['answer']!r} ({result['latency_ms']:.0f} ms)",
             {"bf16": service.bf16, "index_on_gpu": bool(service.index.on_gpu)},
         )
 
-    def faiss_stage(self) -> Outcome:
-        import numpy as np
-
-        from retriever.index import PassageIndex
-
+    def faiss_stage(self) -> tuple[str, dict]:
         if not self.cuda:
             raise Skip("no GPU (--device cpu)")
         import faiss
@@ -719,33 +561,27 @@ class Smoke:
         vectors = np.random.default_rng(0).standard_normal((1000, 64)).astype("float32")
         index = PassageIndex.build(vectors, [str(i) for i in range(1000)], use_gpu=True)
         _, ids = index.search(vectors[:5], 3)
-        check(
-            [row[0] for row in ids] == [str(i) for i in range(5)], "a vector is not its own nearest neighbour"
-        )
+        nearest = [row[0] for row in ids] == [str(i) for i in range(5)]
+        check(nearest, "a vector is not its own nearest neighbour")
         check(index.on_gpu, "the index stayed on the host")
-        return Outcome(f"on {faiss.get_num_gpus()} GPU(s)")
+        return f"on {faiss.get_num_gpus()} GPU(s)", {}
 
-    # ---- the run ----------------------------------------------------------------------------------------
-
-    def run(self) -> Stages:
-        self.stages = stages = Stages()
-        if stages.run("device", self.device_stage).status == "FAIL":
-            return stages
-        stages.run("buffer", self.buffer_stage)
-        names = self.args.strategies.split(",") if self.args.strategies else list(self.strategy_classes())
-        for name in names:
-            stages.run(f"strategy {name}", self.strategy_stage, name)
-        stages.run("train features", self.features_stage)
-        stages.run("resume", self.resume_stage)
-        stages.run("deepspeed zero-2, 1 process", self.deepspeed_stage, 1)
-        stages.run("ddp, sharded buffer", self.ddp_stage)
-        stages.run("deepspeed zero-2, every GPU", self.deepspeed_stage, max(self.gpus, 2))
-        stages.run("timed selection", self.timed_selection_stage)
-        stages.run("selection fp32 vs bf16", self.overlap_stage)
-        stages.run("rlm evaluate", self.evaluate_stage)
-        stages.run("QAService", self.qa_service_stage)
-        stages.run("faiss index on GPU", self.faiss_stage)
-        return stages
+    def run(self) -> None:
+        if self.stage("device", self.device_stage) == "FAIL":
+            return
+        self.stage("buffer", self.buffer_stage)
+        for name in self.args.strategies.split(",") if self.args.strategies else list(STRATEGY_CLASSES):
+            self.stage(f"strategy {name}", self.strategy_stage, name)
+        self.stage("train features", self.features_stage)
+        self.stage("resume", self.resume_stage)
+        self.stage("deepspeed zero-2, 1 process", self.deepspeed_stage, 1)
+        self.stage("ddp, sharded buffer", self.ddp_stage)
+        self.stage("deepspeed zero-2, every GPU", self.deepspeed_stage, max(self.gpus, 2))
+        self.stage("timed selection", self.timed_selection_stage)
+        self.stage("selection fp32 vs bf16", self.overlap_stage)
+        self.stage("rlm evaluate", self.evaluate_stage)
+        self.stage("QAService", self.qa_service_stage)
+        self.stage("faiss index on GPU", self.faiss_stage)
 
 
 def claim_work_folder(work: Path) -> None:
@@ -758,71 +594,48 @@ def claim_work_folder(work: Path) -> None:
     (work / MARKER).write_text("scripts/gpu_smoke.py empties this folder on every run\n")
 
 
-def write_stage_report(stages: Stages, smoke: Smoke, out: Path, argv: list[str]) -> None:
-    device = next((r for r in stages.results if r.name == "device"), None)
-    failed = stages.failed
-    report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["bash scripts/gpu_smoke.sh", *argv]),
-        "device": smoke.args.device,
-        "machine": device.measured if device and device.status == "PASS" else "(the device stage failed)",
-        "result": f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed",
-        "passed": not failed,
-        "settings": {
-            "selection_rows": smoke.selection_rows,
-            "overlap_rows": smoke.overlap_rows,
-            "retriever": "minilm" if smoke.minilm else "tiny",
-            "training_precision": smoke.precision,
-        },
-        "stages": [asdict(r) for r in stages.results],
-    }
-    columns = [
-        ("stage", "name", ""),
-        ("result", "status", ""),
-        ("s", "seconds", ".1f"),
-        ("measured", "measured", ""),
-    ]
+def write_stage_report(smoke: Smoke, out: Path, argv: list[str]) -> dict:
+    device = smoke.results[0]  # run() starts with it
+    failed = [r["name"] for r in smoke.results if r["status"] == "FAIL"]
+    settings = {"selection_rows": smoke.selection_rows, "overlap_rows": smoke.overlap_rows}
+    settings |= {"retriever": "minilm" if smoke.minilm else "tiny", "training_precision": smoke.precision}
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(["bash scripts/gpu_smoke.sh", *argv])
+    report = {"date": date, "command": command, "device": smoke.args.device}
+    report["machine"] = device["measured"] if device["status"] == "PASS" else "(the device stage failed)"
+    result = f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed"
+    report |= {"result": result, "passed": not failed, "settings": settings, "stages": smoke.results}
+    columns = [("stage", "name", ""), ("result", "status", ""), ("s", "seconds", ".1f")]
+    table = reporting.table(report["stages"], [*columns, ("measured", "measured", "")])
     text = f"# GPU smoke run, {report['date']}\n\n`{report['command']}` on {report['machine']}: **{report['result']}**"
-    reporting.write_report(
-        out / "gpu_smoke", f"{text}\n\n{reporting.table(report['stages'], columns)}", report, echo=False
-    )
+    reporting.write_report(out / "gpu_smoke", f"{text}\n\n{table}", report, echo=False)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = reporting.arguments(__doc__)
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument(
-        "--work", type=Path, default=ROOT / "runs" / "gpu_smoke", help="emptied and reused on every run"
-    )
-    parser.add_argument("--out", type=Path, help="where gpu_smoke.json and .md go (default: WORK/report)")
-    parser.add_argument(
-        "--selection-rows",
-        type=int,
-        help=f"rows of the timed selection (default {PAPER_ROWS:,} on cuda, {CPU_SELECTION_ROWS:,} on cpu)",
-    )
-    parser.add_argument(
-        "--overlap-rows",
-        type=int,
-        help="rows of the fp32 vs bf16 selection "
-        f"(default: --selection-rows on cuda, {CPU_OVERLAP_ROWS:,} on cpu)",
-    )
-    parser.add_argument(
-        "--retriever", choices=("tiny", "minilm"), help="tests/tiny_run.py's (cpu default) or MiniLM (cuda)"
-    )
-    parser.add_argument("--ddp", action="store_true", help="on cpu: run the DDP stage on 2 processes (gloo)")
-    parser.add_argument("--strategies", help="comma-separated strategies to step (default: every one)")
+    add = parser.add_argument
+    add("--device", choices=("cuda", "cpu"), default="cuda")
+    add("--work", type=Path, default=ROOT / "runs" / "gpu_smoke", help="emptied and reused on every run")
+    add("--out", type=Path, help="where gpu_smoke.json and .md go (default: WORK/report)")
+    rows = f"(default {PAPER_ROWS:,} on cuda, {CPU_SELECTION_ROWS:,} on cpu)"
+    add("--selection-rows", type=int, help=f"rows of the timed selection {rows}")
+    rows = f"(default: --selection-rows on cuda, {CPU_OVERLAP_ROWS:,} on cpu)"
+    add("--overlap-rows", type=int, help=f"rows of the fp32 vs bf16 selection {rows}")
+    add("--retriever", choices=("tiny", "minilm"), help="tests/tiny_run.py's (cpu default) or MiniLM (cuda)")
+    add("--ddp", action="store_true", help="on cpu: run the DDP stage on 2 processes (gloo)")
+    add("--strategies", help="comma-separated strategies to step (default: every one)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     claim_work_folder(args.work.resolve())
     smoke = Smoke(args)
-    stages = smoke.run()
+    smoke.run()
     out = (args.out or smoke.work / "report").resolve()
-    write_stage_report(stages, smoke, out, argv)
-    failed = stages.failed
+    report = write_stage_report(smoke, out, argv)
     print(f"wrote {out / 'gpu_smoke.json'} and {out / 'gpu_smoke.md'}")
-    print(f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed")
-    return 1 if failed else 0
+    print(report["result"])
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

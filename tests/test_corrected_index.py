@@ -100,6 +100,7 @@ def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
     ]
 
 
+@pytest.mark.slow
 def test_answer_from_hb_script_compares_the_three_indexes(run, tmp_path):
     import subprocess
     import sys

@@ -149,6 +149,7 @@ def test_kin_facts_restate_each_asked_relation_about_a_relative_never_with_the_a
         build_toy_world(tmp_path / "bad", 500, kin_facts=-1)
 
 
+@pytest.mark.slow
 def test_kin_facts_defeat_the_off_the_shelf_retriever(tmp_path):
     """The premise of the quickstart's world: all-MiniLM-L6-v2 ranks a relative's fact, worded like the question,
     above the subject's own paraphrased fact, so its top-4 misses the answer far more often with kin facts."""

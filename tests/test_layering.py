@@ -203,3 +203,23 @@ def test_every_library_module_is_named_in_the_architecture_doc_and_every_package
     readme = (ROOT / "README.md").read_text()
     packages = {p.parent.relative_to(ROOT).parts[-1] for p in library_files() if p.name == "__init__.py"}
     assert not [name for name in sorted(packages) if f"`{name}/`" not in readme]
+
+
+def test_tests_launch_several_processes_only_through_local_port():
+    """`make test` runs two pytest-xdist workers: a launch on the default port (accelerate's and torchrun's
+    29500) collides with the other worker's and fails with the port in use. tests/local_port.py gives each
+    launch a free port."""
+    launchers = (
+        "accelerate.commands.launch",
+        "torch.distributed.run",
+        "--main_process_port",
+        "--master_port",
+    )
+    fixed = [
+        f"{path.name}: {word}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        if path.name not in ("local_port.py", "test_layering.py")
+        for word in launchers
+        if word in path.read_text()
+    ]
+    assert not fixed, fixed

@@ -6,48 +6,35 @@ config and Slurm script are checked for what can be checked without a cluster.""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from local_port import accelerate_launch, free_port
 from test_run_lifecycle import args, env, read_log, same_losses
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_2PROC = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
 
 
-def launcher(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_2PROC), *flags]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_machines_of_one_process_train_what_one_machine_of_two_trains(tmp_path):
+def test_two_machines_of_one_process_train_what_one_machine_of_two_trains(two_process_run):
+    """One machine of two processes: the session's run (tests/conftest.py), `rlm.train` with these arguments."""
     program = ["-m", "rlm.train"]
-    one = subprocess.run(
-        [*launcher(), *program, *args(tmp_path, "one_machine", "save_every=0", steps=4)],
-        capture_output=True,
-        text=True,
-        env=env(),
-        timeout=600,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-    port = str(free_port())
+    root = two_process_run
+    port = free_port()  # the two machines meet on one port
     machines = [
         subprocess.Popen(
             [
-                *launcher("--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2"),
-                *("--main_process_ip", "127.0.0.1", "--main_process_port", port),
+                *accelerate_launch(
+                    CPU_2PROC,
+                    *("--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2"),
+                    *("--main_process_ip", "127.0.0.1"),
+                    port=port,
+                ),
                 *program,
-                *args(tmp_path, "two_machines", "save_every=0", steps=4),
+                *args(root, "two_machines", "save_every=0"),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -59,17 +46,14 @@ def test_two_machines_of_one_process_train_what_one_machine_of_two_trains(tmp_pa
     for machine in machines:
         _, stderr = machine.communicate(timeout=600)
         assert machine.returncode == 0, stderr[-3000:]
-    single, split = (
-        read_log(tmp_path / "one_machine" / "log.jsonl"),
-        read_log(tmp_path / "two_machines" / "log.jsonl"),
-    )
+    single, split = read_log(root / "reference" / "log.jsonl"), read_log(root / "two_machines" / "log.jsonl")
     same_losses(split, single)
     for step, record in single.items():
         assert {k: v for k, v in split[step].items() if k.startswith("lr_")} == {
             k: v for k, v in record.items() if k.startswith("lr_")
         }
-    summary = json.loads((tmp_path / "two_machines" / "summary.json").read_text())
-    assert summary["steps"] == 4
+    summary = json.loads((root / "two_machines" / "summary.json").read_text())
+    assert summary["steps"] == 6 and sorted(single) == list(range(1, 7))
 
 
 def test_the_shipped_multinode_config_and_slurm_script_agree():

@@ -78,8 +78,14 @@ def build_wheel(tmp_path: Path) -> Path:
     return wheel
 
 
-def test_wheel_carries_the_apache_license(tmp_path):
-    wheel = zipfile.ZipFile(build_wheel(tmp_path))
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, built once for the tests that read or install it."""
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_wheel_carries_the_apache_license(wheel):
+    wheel = zipfile.ZipFile(wheel)
     (license_file,) = [n for n in wheel.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
     assert wheel.read(license_file) == (ROOT / "LICENSE").read_bytes()
     assert "Apache License\n                           Version 2.0" in (ROOT / "LICENSE").read_text()
@@ -152,8 +158,7 @@ def test_library_needs_no_test_only_package():
 
 
 @pytest.mark.slow
-def test_quickstart_runs_from_a_wheel_install(tmp_path):
-    wheel = build_wheel(tmp_path)
+def test_quickstart_runs_from_a_wheel_install(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in SHIPPED_CONFIGS.rglob("*.yaml"):
         assert f"rlm/configs/{shipped.relative_to(SHIPPED_CONFIGS).as_posix()}" in names

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from local_port import torchrun as launch_torchrun
 from torch import nn
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
@@ -207,15 +207,7 @@ def test_torchrun_two_processes(encoder, tmp_path):
         "open(f'{sys.argv[2]}.rank{state.process_index}', 'w').write(str(len(buf)))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29533",
-    ]
+    torchrun = launch_torchrun(2)
     done = subprocess.run(
         [*torchrun, str(script), str(tower), str(tmp_path / "b")],
         env=env,
@@ -240,15 +232,7 @@ def test_rlm_embed_under_torchrun_splits_the_work(encoder, tmp_path):
         "".join(json.dumps({"id": i, "title": "", "text": t}) + "\n" for i, t in zip(IDS, TEXTS))
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "29534",
-    ]
+    torchrun = launch_torchrun(2)
     embed = [
         "-m",
         "rlm.cli",

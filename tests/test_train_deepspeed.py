@@ -12,11 +12,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from local_port import accelerate_launch
 from tiny_run import as_set_args, tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -36,8 +36,7 @@ EXTRA = [
 
 
 def launch(root: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2)]
-    cmd += ["--num_processes", "2", "-m", "rlm.train"]
+    cmd = accelerate_launch(ZERO2, "--num_processes", "2", "-m", "rlm.train")
     cmd += as_set_args(tiny_overrides(root, out, *EXTRA))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = str(REPO)
@@ -90,8 +89,9 @@ def test_a_skipped_window_leaves_the_parameters_as_they_were_under_deepspeed(tmp
     """ZeRO-2 steps inside the window's last backward: a NaN on rank 1's first micro-step of optimizer step 1
     (accumulation 2) must leave every parameter where step 0 left it, on both ranks, and the step is retried."""
     out = tmp_path / "nan_probe"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO2)]
-    cmd += ["--num_processes", "2", str(REPO / "tests" / "multiprocess_train.py"), str(out)]
+    cmd = accelerate_launch(
+        ZERO2, "--num_processes", "2", str(REPO / "tests" / "multiprocess_train.py"), str(out)
+    )
     cmd += ["--nan-rank", "1", "--nan-call", "2"]
     extra = [e for e in EXTRA if not e.startswith(("save_every", "optim.max_steps"))]
     cmd += as_set_args(tiny_overrides(tmp_path, "nan", *extra, "optim.max_steps=2", "save_every=0"))

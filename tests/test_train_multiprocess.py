@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from local_port import accelerate_launch as launch
 from tiny_run import as_set_args, tiny_overrides
 
 from rlm.training.schedule import lr_lambda
@@ -35,8 +35,9 @@ def env() -> dict:
 
 
 def accelerate_launch(config: Path, *program: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *program]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600, cwd=REPO)
+    done = subprocess.run(
+        launch(config, *program), capture_output=True, text=True, env=env(), timeout=600, cwd=REPO
+    )
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     return done
 

@@ -125,11 +125,11 @@ def test_each_loss_falls_on_a_repeated_batch(world):
         for p in model.retriever.passage_tower.parameters():
             p.mul_(1 + 0.05 * torch.randn_like(p))
     lr["retriever"]["lr"] = 0.0
-    history = run(6)
+    history = run(4)
     assert falls(history, "corrector"), [h["corrector"] for h in history]
     # And the reader learns the answers.
     lr["reader"]["lr"] = 3e-3
-    history = run(4)
+    history = run(3)
     assert falls(history, "reader"), [h["reader"] for h in history]
 
 

@@ -1,4 +1,4 @@
-"""`rlm bench retrieval|reader|training|scale|two-stage|strategies|synthetic`: run a benchmark
+"""`rlm bench retrieval|reader|training|two-stage|strategies|synthetic`: run a benchmark
 script in scripts/ with its own options."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ BENCHMARKS = {
     "retrieval": "bench_retrieval.py",
     "reader": "bench_reader.py",
     "training": "bench_training.py",
-    "scale": "bench_scale.py",
     "two-stage": "bench_two_stage.py",
     "strategies": "compare_strategies.py",
     "synthetic": "synthetic_corrector.py",
@@ -26,10 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "benchmark",
         choices=sorted(BENCHMARKS),
         metavar="benchmark",
-        help="retrieval (corrected top-k, two-stage search), reader (FiD train step and scoring), "
-        "training (per-strategy step time), scale (sharded top-k on 1 and 2 processes, 21M-row projection), "
-        "two-stage (faiss candidates re-scored with h against the exact top-k at 1M-4M rows), strategies (the paper's Tables 1 "
-        "and 3 at CPU scale), synthetic (its Section 5.3 study)",
+        help="retrieval (corrected top-k, two-stage search), reader (FiD train step and scoring), training "
+        "(per-strategy step time), two-stage (faiss candidates re-scored with h against the exact top-k at "
+        "1M-4M rows), strategies (the paper's Tables 1 and 3 at CPU scale), synthetic (its Section 5.3 study)",
     )
     parser.add_argument(
         "script_args",

@@ -1,7 +1,6 @@
-"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: where a timing was taken, best-of
-timing, peak RSS, top-k overlap, a corrector that moves vectors by a stated amount, synthetic buffers written
-the way `rlm embed` writes them, and what the two selection-at-scale benchmarks (`bench_scale.py`,
-`bench_two_stage.py`) share: their options, their buffers' life, the paper-scale projection constants.
+"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: best-of timing, peak RSS, top-k
+overlap, a corrector that moves vectors by a stated amount, and synthetic buffers (in memory, or written the way
+`rlm embed` writes them).
 
 The scripts import these from the installed package instead of from each other: a script folder put on
 `sys.path` would shadow installed packages by its file names (`scripts/evaluate.py` hides the `evaluate`
@@ -10,12 +9,8 @@ library from every later import in that process).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import shutil
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -23,31 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from rlm.experiments import reporting
-
-# Projection defaults: the paper's RLM setting as configs/nq.yaml states it, and H100 SXM constants.
-PROJECTION_DEFAULTS = {
-    "n": 21_000_000,  # DPR psgs_w100 (21,015,324 passages), 768-d GTR-base vectors
-    "gpus": 8,
-    "questions_per_step": 128,
-    "micro_batch": 4,  # questions per GPU per micro-step (configs/nq.yaml): accumulation 4 on 8 GPUs
-    "passages": 32,
-    "passage_tokens": 256,
-    "query_tokens": 64,
-    "answer_tokens": 32,
-    "steps": 20_000,
-    "refresh_every": 500,  # the exhaustive baseline (for the refresh column only; the corrector never refreshes)
-    "peak_tflops": 989.0,  # H100 SXM bf16 dense
-    "gemm_efficiency": 0.7,  # large bf16 GEMMs (65536 x 768 x H): ~700 TFLOP/s achieved
-    "train_mfu": 0.4,  # model FLOPs utilisation of the T5-base FiD training step (HF T5, checkpointing)
-    "embed_mfu": 0.5,  # the passage tower in inference (refresh)
-    "hbm_tbps": 3.0,
-    "pcie_gbps": 25.0,  # host -> device
-    "disk_gbps": 2.0,  # one NVMe read by all 8 processes of the node (a cold start; warm page cache: faster)
-    "nvlink_gbps": 300.0,  # all-reduce bus bandwidth per GPU
-    "launch_s": 30.0,  # launcher + python + torch/CUDA/NCCL init per process
-}
 
 
 def best_of(reps: int, fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -182,77 +152,3 @@ def clustered_buffer(n: int, dim: int, queries: int, cluster: int = 200, noise: 
     for s, lo in enumerate(range(0, n, 100_000)):
         buffer[lo : lo + 100_000] = torch.from_numpy(shard(s, min(100_000, n - lo)))
     return buffer, draw(queries)
-
-
-def fmt_n(n: int) -> str:
-    """1,000,000 -> '1M', 4,000 -> '4k'."""
-    return f"{n / 1e6:g}M" if n >= 1_000_000 else f"{n / 1e3:g}k"
-
-
-def autocast(dtype: str):
-    """bf16 autocast on the CPU for 'bf16'; nothing for 'fp32'."""
-    import torch
-
-    return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
-
-
-def gpu_rates(p: dict) -> tuple[float, float]:
-    """(achieved GEMM FLOP/s, HBM bytes/s) of a projection's constants."""
-    return p["peak_tflops"] * 1e12 * p["gemm_efficiency"], p["hbm_tbps"] * 1e12
-
-
-def scale_arguments(doc: str, study: str, sizes: str, **defaults) -> argparse.ArgumentParser:
-    """The options both selection-at-scale benchmarks take; `defaults` sets hidden, reps, threads, dtype."""
-    parser = reporting.arguments(doc)
-    add = parser.add_argument
-    add("--sizes", type=reporting.int_list, help=f"comma-separated N (default {sizes})")
-    add("--quick", action="store_true", help="small N, fewer repetitions (about a minute)")
-    add("--hidden", type=int, default=defaults["hidden"], help="corrector width measured over all rows")
-    add("--reps", type=int, default=defaults.get("reps"), help="repetitions (min)")
-    add("--threads", type=int, default=defaults.get("threads"), help="torch threads (per process)")
-    add("--dtype", choices=("bf16", "fp32"), default=defaults.get("dtype"), help="compute (autocast) dtype")
-    add("--workdir", type=Path, help="where the buffers go (default: a temp dir)")
-    add("--keep", action="store_true", help="keep the buffers (a later --workdir run reuses them)")
-    add("--out", type=Path, default=reporting.results_path(study), help="output stem")
-    add("--no-plot", action="store_true")
-    add("--render", type=Path, help="re-render the .md and .png of a saved JSON (no benchmark)")
-    return parser
-
-
-def synthetic_buffers(args, dim: int, name: str, make: Callable[[int], tuple[Callable, str]]):
-    """Yield (n, folder, write figures) for each N of `args.sizes`: `make(n)` gives (shard, source) for
-    `write_buffer` into `args.workdir` (default a temp folder) / `<name>_<n>`; without `args.keep` each buffer
-    is deleted once measured, and the folder too when this run created it."""
-    made = args.workdir is None or not args.workdir.exists()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=f"bench_{name}_"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        for n in args.sizes:
-            folder = workdir / f"{name}_{n}"
-            written = write_buffer(folder, n, dim, *make(n))
-            print(f"N={n:,}: buffer written in {written['seconds']:.1f} s", file=sys.stderr)
-            yield n, folder, written
-            if not args.keep:
-                shutil.rmtree(folder, ignore_errors=True)
-    finally:
-        if args.keep:
-            print(f"buffers kept in {workdir}", file=sys.stderr)
-        elif made:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            for n in args.sizes:
-                shutil.rmtree(workdir / f"{name}_{n}", ignore_errors=True)
-
-
-def run_or_render(
-    args, argv, benchmark: Callable, markdown: Callable, plot: Callable, load=lambda r: r
-) -> int:
-    """`--render JSON`: the report and plot of a saved run; otherwise run `benchmark(args, argv)` and write all."""
-    if args.render is not None:
-        results, out, saved = load(reporting.load_results(args.render)), args.render.with_suffix(""), None
-    else:
-        results = saved = benchmark(args, argv)
-        out = args.out
-    plots = {} if args.no_plot else {".png": lambda: plot(results)}
-    reporting.write_report(out, markdown(results), saved, plots)
-    return 0

@@ -1,13 +1,5 @@
-"""A strategy comparison's table and plots, made from its JSON alone.
-
-`scripts/compare_strategies.py` trains the runs and writes `<out>.json`: every run's figures (and its drift and
-KL over training), the table's settings, the dropout floor. Everything a reader looks at is made from that file
-here, so a table can be re-rendered or re-plotted without training anything
-(`python scripts/compare_strategies.py --render <out>.json`):
-
-* `<out>.md`: one row per strategy, mean ± spread (population std) over the seeds;
-* `<out>.png`: quality against passages re-embedded during training (the paper's Fig. 2);
-* `<out>_drift.png`: mean ||g(y) - B_y|| and KL(P~ || P_stale), KL(P~ || P_h) over training (first seed).
+"""A strategy comparison's table and plots (`scripts/compare_strategies.py` describes them), made from its JSON
+alone, so that `--render <out>.json` redoes them without training.
 """
 
 from __future__ import annotations
@@ -26,7 +18,6 @@ HEADERS = {
     "dev_gold_passage_exact_match": "EM with gold passages",
     "dev_selection_exact_match": "EM own selection",
     "dev_selection_gold_recall@1": "gold R@1 own selection",
-    "drift": "drift",
     "kl_fresh_stale": "KL(P~‖P_stale)",
     "kl_fresh_corrected": "KL(P~‖P_h)",
 }
@@ -68,49 +59,38 @@ def mean_spread(key: str, scale: float, digits: int):
     return cell
 
 
-def title_of(args: dict) -> str:
-    return (
-        f"Algorithm {args['algorithm']}, {args['data']}, start {args['start']}: {args['steps']} steps, seeds "
-        f"{args['seeds']} (R={args['refresh_every']}, SNM M={args['snm_size']}, regression "
-        f"s'={args.get('regression_samples', 200)})"
-    )
-
-
 def report_markdown(report: dict, rows: list[dict], metrics: list[str]) -> str:
     """The whole `<out>.md` of a comparison JSON (its `summarise`d rows given): the table, the dropout floor,
     the settings, the precision."""
-    args = report["args"]
-    name = lambda m: HEADERS.get(m, m.replace("dev_gold_recall@", "gold R@"))  # noqa: E731
+    args, name = report["args"], lambda m: HEADERS.get(m, m.replace("dev_gold_recall@", "gold R@"))
     columns = [("strategy", "strategy", ""), *((name(m), mean_spread(m, 100, 1), "") for m in metrics)]
     columns.append(("re-embedded", lambda r: f"{r.get('reembedded', 0):.0f}", ""))
     columns += [(name(k), mean_spread(k, 1, 3), "") for k in DRIFT_KEYS]
     columns.append(("wall (s)", lambda r: f"{r.get('wall_s', 0):.0f}", ""))
     text = (
-        f"## {title_of(args)}\n\n{table(rows, columns)}\n\nDropout floor of `drift` (train-mode g(y) vs eval-mode "
-        f"g(y) of the starting passage tower, no update): {report['dropout_floor']:.3f}. Settings: "
-        f"{' '.join(args['overrides']) or 'defaults'}."
+        f"## Algorithm {args['algorithm']}, {args['data']}, start {args['start']}: {args['steps']} steps, seeds "
+        f"{args['seeds']} (R={args['refresh_every']}, SNM M={args['snm_size']}, regression "
+        f"s'={args.get('regression_samples', 200)})\n\n{table(rows, columns)}\n\nDropout floor of `drift` "
+        "(train-mode g(y) vs eval-mode g(y) of the starting passage tower, no update): "
+        f"{report['dropout_floor']:.3f}. Settings: {' '.join(args['overrides']) or 'defaults'}."
     )
-    precision, configured = report.get("precision"), report.get("mixed_precision")
-    if precision is not None and precision != configured:
+    if (precision := report.get("precision")) not in (None, report.get("mixed_precision")):
         text += f" Trained with mixed_precision={precision}: this CPU has no native bf16 (`rlm.precision`)."
     return text
 
 
 def drift_log(log_file: Path) -> list[dict]:
     """The drift and KL figures a run logged over training (the `drift_log` of its JSON record)."""
-    if not log_file.exists():
-        return []
-    rows = [json.loads(line) for line in log_file.read_text().splitlines()]
+    rows = [json.loads(line) for line in log_file.read_text().splitlines()] if log_file.exists() else []
     return [{k: r[k] for k in ("step", *DRIFT_KEYS) if k in r} for r in rows if "drift" in r]
 
 
 def plot_quality(rows: list[dict], metric: str, title: str):
     fig, ax = figure()
-    for row in rows:
-        if metric in row:
-            x, y = row.get("reembedded", 0) + 1, row[metric] * 100  # log axis: 0 re-embedded plots at 1
-            ax.errorbar(x, y, yerr=row.get(metric + "_std", 0) * 100, fmt="o", capsize=3)
-            ax.annotate(row["strategy"], (x, y), textcoords="offset points", xytext=(5, 5))
+    for row in (r for r in rows if metric in r):
+        x, y = row.get("reembedded", 0) + 1, row[metric] * 100  # log axis: 0 re-embedded plots at 1
+        ax.errorbar(x, y, yerr=row.get(metric + "_std", 0) * 100, fmt="o", capsize=3)
+        ax.annotate(row["strategy"], (x, y), textcoords="offset points", xytext=(5, 5))
     ax.set(xscale="log", xlabel="passages re-embedded during training (+1, log scale)", title=title)
     ax.set_ylabel(metric.replace("dev_", "") + " (%)")
     ax.grid(alpha=0.3)
@@ -126,38 +106,37 @@ def plot_drift(runs: list[dict], title: str):
     fig, (ax_norm, ax_kl) = figure(2, (11, 4))
     first_seed = min(r["seed"] for r in runs)
     for run in (r for r in runs if r["seed"] == first_seed):
-        log = run["drift_log"]
-        steps = [r["step"] for r in log]
-        (line,) = ax_norm.plot(steps, _smooth([r["drift"] for r in log]), label=run["strategy"])
-        ax_kl.plot(steps, _smooth([r["kl_fresh_stale"] for r in log]), color=line.get_color())
+        log, steps = run["drift_log"], [r["step"] for r in run["drift_log"]]
+        (line,) = ax_norm.plot(steps, _smooth(log, "drift"), label=run["strategy"])
+        ax_kl.plot(steps, _smooth(log, "kl_fresh_stale"), color=line.get_color())
         if "kl_fresh_corrected" in log[0]:
-            corrected = _smooth([r["kl_fresh_corrected"] for r in log])
-            ax_kl.plot(steps, corrected, "--", color=line.get_color(), label=f"{run['strategy']}: P_h")
-    ax_norm.set_ylabel("mean ||g(y) - B_y|| on S_x")
-    ax_kl.set_ylabel("KL(P~ || P_stale) (solid), KL(P~ || P_h) (dashed)")
+            corrected, label = _smooth(log, "kl_fresh_corrected"), f"{run['strategy']}: P_h"
+            ax_kl.plot(steps, corrected, "--", color=line.get_color(), label=label)
+    ax_norm.set(xlabel="step", ylabel="mean ||g(y) - B_y|| on S_x")
+    ax_kl.set(xlabel="step", ylabel="KL(P~ || P_stale) (solid), KL(P~ || P_h) (dashed)")
     for ax in (ax_norm, ax_kl):
-        ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"{title}: drift of the fixed buffer over training (seed {first_seed}, 10-step mean)")
     return fig
 
 
-def _smooth(values: list[float], window: int = 10) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
+def _smooth(log: list[dict], key: str, window: int = 10) -> list[float]:
+    return [statistics.fmean(r[key] for r in log[max(0, i - window + 1) : i + 1]) for i in range(len(log))]
 
 
 def render(json_path: str | Path) -> str:
     """Write `<stem>.md`, `<stem>.png` and `<stem>_drift.png` next to a comparison JSON; return the markdown."""
     json_path = Path(json_path)
     report = json.loads(json_path.read_text())
-    metrics = table_metrics(report["args"]["algorithm"], report["runs"])
-    rows = summarise(report["runs"], metrics)
-    text = report_markdown(report, rows, metrics)
-    short = title_of(report["args"]).split(":")[0]
+    args, runs = report["args"], report["runs"]
+    metrics = table_metrics(args["algorithm"], runs)
+    rows = summarise(runs, metrics)
+    short = f"Algorithm {args['algorithm']}, {args['data']}, start {args['start']}"
     plots = {
         ".png": lambda: plot_quality(rows, metrics[0], short),
-        "_drift.png": lambda: plot_drift(report["runs"], short),
+        "_drift.png": lambda: plot_drift(runs, short),
     }
+    text = report_markdown(report, rows, metrics)
     write_report(json_path.with_suffix(""), text, plots=plots, echo=False)
     return text

@@ -1,59 +1,28 @@
 """The paper's Section 5.3 synthetic study: how well a corrector h(g') recovers the softmax of drifted targets.
 
-Vectors stand in for the encoders (no text, no dual-encoder training):
-
-* g'(y), the stale buffer: targets drawn from a mixture of Gaussians (paper: 4,096 targets, D = 8, 20
-  components);
-* g(y) = m(g'(y)), the fresh targets: g' pushed through a randomly initialised residual MLP m; its depth, width
-  and init scale set how stale g' is;
-* f(x), the queries: drawn from the same mixture as g' (the paper does not say how it draws them; this keeps
-  every query near some targets, so P is peaked the way a retrieval softmax is).
-
-P(y|x) = softmax_y(beta <f(x), g(y)>) over all targets is the truth, P_g' uses g' and P_h uses h(g'). The
-corrector h is trained alone (Adam, lr 0.03, at most 1,000 full-batch epochs, patience 100) with the
-cross-entropy between the truncated softmaxes of g and h(g') over a sampled fraction of the targets (Eq. 6),
-and judged by KL(P || P_h) over *all* targets on held-out queries, so targets it never saw count.
-
-Its rival at the same budget (`fit_regression`): Dynnibal's Nystrom kernel ridge regression from g' to g, fitted
-in closed form on the same sampled targets and judged the same way.
+Vectors stand in for the encoders: g'(y), the stale buffer, are targets drawn from a mixture of Gaussians
+(paper: 4,096 targets, D = 8, 20 components); g(y) = m(g'(y)), the fresh targets, pass g' through a random
+residual MLP m whose depth, width and init scale set how stale g' is; the queries f(x) come from the same
+mixture (the paper does not say how it draws them; this keeps every query near some targets, so P is peaked
+the way a retrieval softmax is). P(y|x) = softmax_y(beta <f(x), g(y)>) over all targets is the truth, P_g'
+uses g' and P_h uses h(g'). h is trained alone on the cross-entropy between the truncated softmaxes of g and
+h(g') over a sampled fraction of the targets (Eq. 6) and judged by KL(P || P_h) over *all* targets on held-out
+queries, so targets it never saw count; so is its rival at the same budget (`fit_regression`), Dynnibal's
+Nystrom kernel ridge regression from g' to g, fitted in closed form on the same sampled targets.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from collections import namedtuple
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from retriever.corrector import CorrectorNetwork
 from retriever.reencode import NystromRegression
-
-
-def random_drift(
-    dim: int, hidden_dim: int, num_hidden_layers: int, init_scale: float, seed: int
-) -> CorrectorNetwork:
-    """A frozen random residual MLP m, g = m(g'): weights N(0, 1 / fan_in), biases N(0, 1/4), and the output
-    layer (weights and bias) then multiplied by `init_scale`.
-
-    `init_scale` 0 gives the identity (no drift). The fan-in scaling keeps each layer's output on the scale of
-    its input, so `init_scale` reads roughly as "how far, relative to |g'|, the targets move".
-    """
-    if init_scale < 0:
-        raise ValueError(f"init_scale must be >= 0, got {init_scale}")
-    generator = torch.Generator().manual_seed(seed)
-    drift = CorrectorNetwork(dim, hidden_dim, num_hidden_layers)  # the corrector's shape, random weights
-    with torch.no_grad():
-        for layer in [*drift.hidden, drift.output]:
-            fan_in = layer.weight.shape[1]
-            layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / math.sqrt(fan_in))
-            layer.bias.copy_(0.5 * torch.randn(layer.bias.shape, generator=generator))
-        # Only the output layer is scaled: the hidden ReLU features keep their shape and the size of the
-        # residual update is set by one number.
-        drift.output.weight.mul_(init_scale)
-        drift.output.bias.mul_(init_scale)
-    return drift.requires_grad_(False)
 
 
 def build_corrector(dim: int, hidden_dim: int, num_hidden_layers: int, seed: int = 0) -> nn.Module:
@@ -77,15 +46,8 @@ def softmax_kl(queries: Tensor, true_targets: Tensor, approx_targets: Tensor, be
     return (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
 
 
-@dataclass(frozen=True)
-class FitResult:
-    """How a corrector fit went: epochs run, best training loss and the truncated KL it corresponds to."""
-
-    epochs: int
-    best_epoch: int
-    train_ce: float
-    train_kl: float
-    seconds: float
+# How a corrector fit went: epochs run, the best one, its training loss and the truncated KL that loss is.
+FitResult = namedtuple("FitResult", "epochs best_epoch train_ce train_kl seconds")
 
 
 def train_corrector(
@@ -99,12 +61,10 @@ def train_corrector(
     patience: int = 100,
     min_delta: float = 1e-6,
 ) -> FitResult:
-    """Fit h so that softmax(beta <x, h(stale)>) matches softmax(beta <x, fresh>) over the given targets (Eq. 6).
-
+    """Fit h so that softmax(beta <x, h(stale)>) matches softmax(beta <x, fresh>) over given targets (Eq. 6):
     `stale`, `fresh` [M, D] are the sampled targets (the truncated set S(Y)), `queries` [Q, D]. One epoch is
     one full-batch Adam step. Stops when the loss has not improved by `min_delta` for `patience` epochs or
-    after `max_epochs`; the corrector is left with its best-loss weights.
-    """
+    after `max_epochs`; the corrector is left with its best-loss weights."""
     if stale.shape != fresh.shape:
         raise ValueError(f"stale {tuple(stale.shape)} and fresh {tuple(fresh.shape)} differ")
     start = time.perf_counter()
@@ -112,13 +72,10 @@ def train_corrector(
     # The CE floor is the entropy of the target softmax; subtracting it reports the truncated KL.
     entropy = -(p_target * p_target.clamp_min(1e-30).log()).sum(-1).mean().item()
     optimizer = torch.optim.Adam(corrector.parameters(), lr=lr)
-    best, best_epoch, best_state = math.inf, 0, None
-    epoch = 0
+    best, best_epoch, best_state, epoch = math.inf, 0, None, 0
     for epoch in range(1, max_epochs + 1):
-        log_q = (beta * queries @ corrector(stale).T).log_softmax(-1)
-        loss = -(p_target * log_q).sum(-1).mean()
-        value = loss.item()
-        if value < best - min_delta:
+        loss = -(p_target * (beta * queries @ corrector(stale).T).log_softmax(-1)).sum(-1).mean()
+        if (value := loss.item()) < best - min_delta:
             # The loss belongs to the weights before this step, so they are the ones kept.
             best, best_epoch = value, epoch
             best_state = {k: v.detach().clone() for k, v in corrector.state_dict().items()}
@@ -198,16 +155,32 @@ class SyntheticWorld:
         return cls(stale, sample(num_train_queries), sample(num_eval_queries), beta)
 
     def drifted(self, drift: DriftSpec) -> Tensor:
-        """The fresh targets g = m(g') for one staleness setting."""
-        net = random_drift(
-            self.dim, drift.width_mult * self.dim, drift.num_hidden_layers, drift.init_scale, drift.seed
-        )
+        """The fresh targets g = m(g'), m a frozen random residual MLP of the corrector's shape: weights
+        N(0, 1 / fan_in), biases N(0, 1/4), the output layer then scaled by `init_scale` (0: no drift). The
+        fan-in scaling keeps each layer's output on the scale of its input, so `init_scale` reads roughly as
+        "how far, relative to |g'|, the targets move"."""
+        if drift.init_scale < 0:
+            raise ValueError(f"init_scale must be >= 0, got {drift.init_scale}")
+        generator = torch.Generator().manual_seed(drift.seed)
+        net = CorrectorNetwork(self.dim, drift.width_mult * self.dim, drift.num_hidden_layers)
         with torch.no_grad():
+            for layer in [*net.hidden, net.output]:
+                fan_in = layer.weight.shape[1]
+                layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / math.sqrt(fan_in))
+                layer.bias.copy_(0.5 * torch.randn(layer.bias.shape, generator=generator))
+            # Only the output layer is scaled: the hidden ReLU features keep their shape and the size of the
+            # residual update is set by one number.
+            net.output.weight.mul_(drift.init_scale)
+            net.output.bias.mul_(drift.init_scale)
             return net(self.stale)
+
+    def kl(self, fresh: Tensor, approx: Tensor) -> float:
+        """KL(P || P_approx) on the held-out queries, over all targets."""
+        return softmax_kl(self.eval_queries, fresh, approx, self.beta)
 
     def stale_kl(self, fresh: Tensor) -> float:
         """KL(P || P_g') on the held-out queries: how stale the buffer is."""
-        return softmax_kl(self.eval_queries, fresh, self.stale, self.beta)
+        return self.kl(fresh, self.stale)
 
 
 def sample_targets(num_targets: int, fraction: float, seed: int) -> Tensor:
@@ -220,69 +193,36 @@ def sample_targets(num_targets: int, fraction: float, seed: int) -> Tensor:
 
 
 def fit_corrector(
-    world: SyntheticWorld,
-    fresh: Tensor,
-    corrector: CorrectorSpec,
-    fraction: float,
-    seed: int = 0,
-    **train_kwargs,
+    world: SyntheticWorld, fresh: Tensor, corrector: CorrectorSpec, fraction: float, seed: int = 0, **train
 ) -> dict:
-    """Train one corrector on a uniform sample of `fraction` of the targets; score it on all of them.
-
-    Returns a flat record: the corrector shape and parameter count, the number of sampled targets, the
-    held-out KL(P || P_h) over all targets, and the fit (epochs, truncated training KL, seconds).
-    """
+    """Train one corrector on a uniform sample of `fraction` of the targets; score it on all of them: a flat
+    record of the corrector's shape and parameter count, the number of sampled targets, the held-out
+    KL(P || P_h) over all targets, and the fit (epochs, truncated training KL, seconds)."""
     sampled = sample_targets(len(world.stale), fraction, seed)
     h = build_corrector(world.dim, corrector.width_mult * world.dim, corrector.num_hidden_layers, seed=seed)
-    fit = train_corrector(
-        h, world.stale[sampled], fresh[sampled], world.train_queries, world.beta, **train_kwargs
-    )
+    fit = train_corrector(h, world.stale[sampled], fresh[sampled], world.train_queries, world.beta, **train)
     with torch.no_grad():
-        corrected = h(world.stale)
-    return {
-        "corrector": corrector.label,
-        "corrector_layers": corrector.num_hidden_layers,
-        "corrector_width_mult": corrector.width_mult,
-        "params": parameter_count(h),
-        "fraction": fraction,
-        "sampled_targets": len(sampled),
-        "corrected_kl": softmax_kl(world.eval_queries, fresh, corrected, world.beta),
-        **{f"fit_{k}": v for k, v in asdict(fit).items()},
-    }
+        kl = world.kl(fresh, h(world.stale))
+    record = {"corrector": corrector.label, "corrector_layers": corrector.num_hidden_layers}
+    record |= {"corrector_width_mult": corrector.width_mult, "params": parameter_count(h)}
+    record |= {"fraction": fraction, "sampled_targets": len(sampled), "corrected_kl": kl}
+    return record | {f"fit_{k}": v for k, v in fit._asdict().items()}
 
 
 def fit_regression(
-    world: SyntheticWorld,
-    fresh: Tensor,
-    fraction: float,
-    kernel: str = "rbf",
-    landmarks: int = 128,
-    ridge: float | None = None,
-    seed: int = 0,
+    world: SyntheticWorld, fresh: Tensor, fraction: float, kernel: str, landmarks: int = 128, seed: int = 0
 ) -> dict:
     """Dynnibal's approximate re-encoding at the corrector's re-embedding budget: a Nystrom kernel ridge
     regression (`retriever.reencode`) fitted on the same sampled targets `fit_corrector` sees, applied to all
-    targets, scored by the same held-out KL. Landmarks are `landmarks` random stale targets; `ridge` None
-    chooses it on a held-out fifth of the samples, as training does.
-    """
+    targets, scored by the same held-out KL. Landmarks are `landmarks` random stale targets; the ridge is
+    chosen on a held-out fifth of the samples, as training does."""
     sampled = sample_targets(len(world.stale), fraction, seed)
     generator = torch.Generator().manual_seed(seed + 1)
     chosen = torch.randperm(len(world.stale), generator=generator)[:landmarks]
     start = time.perf_counter()
     stale, target, landmarks = world.stale[sampled], fresh[sampled], world.stale[chosen]
-    if ridge is None:  # as training does: chosen on a held-out fifth of the samples
-        model, scores = NystromRegression.fit_validated(stale, target, landmarks, kernel=kernel, seed=seed)
-        ridge = min(scores, key=scores.get) if scores else None
-    else:
-        model = NystromRegression.fit(stale, target, landmarks, kernel=kernel, ridge=ridge)
-    mapped = model(world.stale)
-    return {
-        "method": f"nystrom-{kernel}",
-        "kernel": kernel,
-        "landmarks": len(chosen),
-        "ridge": ridge,
-        "fraction": fraction,
-        "sampled_targets": len(sampled),
-        "regression_kl": softmax_kl(world.eval_queries, fresh, mapped, world.beta),
-        "seconds": time.perf_counter() - start,
-    }
+    model, scores = NystromRegression.fit_validated(stale, target, landmarks, kernel=kernel, seed=seed)
+    record = {"method": f"nystrom-{kernel}", "kernel": kernel, "landmarks": len(chosen)}
+    record |= {"ridge": min(scores, key=scores.get) if scores else None, "fraction": fraction}
+    record |= {"sampled_targets": len(sampled), "regression_kl": world.kl(fresh, model(world.stale))}
+    return record | {"seconds": time.perf_counter() - start}
