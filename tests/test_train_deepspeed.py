@@ -65,6 +65,9 @@ def test_deepspeed_zero2_trains_on_two_cpu_processes_and_resumes_exactly(tmp_pat
     # One global norm clips the three components together under DeepSpeed: it is logged (and warned of).
     assert all(log[s]["grad_norm_global"] > 0 for s in log) and "grad_norm_reader" not in log[1]
     assert full.stderr.count("DeepSpeedClippingWarning") == 1  # from the main process
+    # DeepSpeed's shared-memory inference all-reduce is not compiled for training on CPU (~100 s per new
+    # environment, rlm.training.accelerator.skip_deepspeed_cpu_inference_kernel).
+    assert "deepspeed_shm_comm" not in full.stdout + full.stderr
     # final/ holds the fp32 master weights, not the bf16 module's: values bf16 cannot represent occur.
     from safetensors.torch import load_file
 

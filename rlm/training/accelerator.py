@@ -59,10 +59,24 @@ def launched_with_deepspeed() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
+def skip_deepspeed_cpu_inference_kernel() -> None:
+    """DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce (`deepspeed_shm_comm`) as its
+    communication starts: ~100 s of C++ on a 2-core machine, again in every new environment (the build's hash
+    holds the install path). Only DeepSpeed's tensor-parallel inference calls that kernel
+    (`inference_all_reduce`); training's collectives go through torch.distributed (gloo) either way."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     cuda, deepspeed = torch.cuda.is_available(), launched_with_deepspeed()
     # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
     backend = {"backend": "gloo"} if deepspeed and not cuda else {}
+    if deepspeed and not cuda:
+        skip_deepspeed_cpu_inference_kernel()
     handlers = [
         DistributedDataParallelKwargs(find_unused_parameters=True),
         InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout_s), **backend),
