@@ -104,17 +104,8 @@ def tree_bytes(folder: Path) -> int:
 
 @pytest.fixture(scope="session", autouse=True)
 def _record_basetemp(request, tmp_path_factory):
-    basetemp = tmp_path_factory.getbasetemp()
     # Under pytest-xdist each worker has a folder of its own in one common one: the budget is the suite's.
-    request.config.stash[_BASETEMP] = basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp
-
-
-def pytest_collection_modifyitems(config, items):
-    """Files holding slow tests first, each file's tests in their order: `make test`'s two workers take one
-    file at a time in this order, so the long files start early and the short ones fill the end, instead of
-    one worker finishing the alphabet's last long files (test_train_*) while the other waits."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    request.config.stash[_BASETEMP] = shared_basetemp(tmp_path_factory)
 
 
 _PEAK = pytest.StashKey[tuple[float, str]]()
