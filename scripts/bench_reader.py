@@ -19,15 +19,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from rlm.experiments import reporting
+from rlm.experiments.benchmarking import best_of, median_of
 from rlm.precision import cpu_bf16_support
 
 VARIANTS = {"fp32": {}, "fp32+checkpointing": {"gradient_checkpointing": True}}
@@ -41,18 +40,6 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def timed(fn) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
-def warm_median(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
-    fn()
-    return statistics.median(timed(fn)[0] for _ in range(repeats))
 
 
 def run_variant(args: argparse.Namespace) -> dict:
@@ -70,7 +57,7 @@ def run_variant(args: argparse.Namespace) -> dict:
     lines = Path(args.corpus).read_text(encoding="utf-8").splitlines()
     wiki = [(t.strip('"'), x) for t, _, x in (json.loads(line)["contents"].partition("\n") for line in lines)]
     texts = (f"{t}. {x}" for t, x in wiki)
-    tokenizer_s, tok = timed(lambda: train_tokenizer(texts, vocab_size=args.vocab_size))
+    tokenizer_s, tok = best_of(1, lambda: train_tokenizer(texts, vocab_size=args.vocab_size))
     b, k, n = args.batch, args.passages, len(wiki)
     questions = [f"who or what is {wiki[i][0]}?" for i in range(b)]
     answers = [" ".join(wiki[i][1].split()[:4]) for i in range(b)]
@@ -93,14 +80,14 @@ def run_variant(args: argparse.Namespace) -> dict:
     # The baseline is taken before the warm-up step: after it, the allocator keeps freed activation memory,
     # which would hide most of the step's footprint. The increase includes gradients and AdamW state.
     rss_before = psutil.Process().memory_info().rss / 2**20
-    train_s = warm_median(train_step, args.steps)
+    train_s = median_of(args.steps, train_step)[0]
     train_peak = peak_rss_mib() - rss_before
     score = functools.partial(score_passages, reader, *pairs, batch_size=args.score_batch_size)
-    score_s = warm_median(score, args.steps)
+    score_s = median_of(args.steps, score)[0]
     reader.eval()
     with torch.no_grad():
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        generate_s, _ = timed(lambda: reader.generate(ids, mask, max_new_tokens=16, min_new_tokens=16))
+        generate_s, _ = best_of(1, lambda: reader.generate(ids, mask, max_new_tokens=16, min_new_tokens=16))
     out = {"variant": args.variant, "params": sum(p.numel() for p in reader.parameters()), "batch": b}
     out |= {"passages": k, "length": int(batch["input_ids"].shape[-1]), "encoder_tokens": tokens}
     out |= {"train_step_s": train_s, "train_tokens_per_s": tokens / train_s}

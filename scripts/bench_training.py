@@ -32,7 +32,7 @@ from retriever.index import PassageIndex
 from retriever.search import corrected_topk, two_stage_corrected_topk
 from retriever.selection import auto_index_factory
 from rlm.config import load_config
-from rlm.experiments.benchmarking import clustered_buffer, corrector_moving, overlap
+from rlm.experiments.benchmarking import clustered_buffer, corrector_moving, median_of, overlap
 from rlm.experiments.reporting import ROOT, arguments, int_list, results_path, table, write_report
 from rlm.train import train_step
 from rlm.training.run import build_run
@@ -104,14 +104,8 @@ def per_phase(args) -> tuple[dict, float]:
 
 
 def timed_median(repeats: int, fn):
-    if repeats > 1:
-        fn()  # warm-up (allocator, autocast caches); at 1 repetition the call is long enough to need none
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    # At 1 repetition the call is long enough to need no warm-up.
+    return median_of(repeats, fn, warmup=repeats > 1)
 
 
 def selection_costs(args, n: int, dim: int, precision: str) -> dict:

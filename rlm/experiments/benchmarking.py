@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -20,14 +21,29 @@ from typing import Any
 import numpy as np
 
 
-def best_of(reps: int, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Fewest wall seconds of `reps` calls of `fn` (the least disturbed by other jobs) and the last result."""
+def timings(reps: int, fn: Callable[[], Any]) -> tuple[list[float], Any]:
+    """Wall seconds of each of `reps` calls of `fn`, and the last result."""
     times, out = [], None
     for _ in range(reps):
         start = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - start)
+    return times, out
+
+
+def best_of(reps: int, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Fewest wall seconds of `reps` calls of `fn` (the least disturbed by other jobs) and the last result."""
+    times, out = timings(reps, fn)
     return min(times), out
+
+
+def median_of(reps: int, fn: Callable[[], Any], warmup: bool = True) -> tuple[float, Any]:
+    """Median wall seconds of `reps` calls of `fn`, after one untimed call with `warmup` (allocator and
+    autocast caches), and the last result."""
+    if warmup:
+        fn()
+    times, out = timings(reps, fn)
+    return statistics.median(times), out
 
 
 def overlap(found, reference) -> float:
