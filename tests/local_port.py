@@ -6,16 +6,28 @@ in use. tests/test_layering.py holds the tests to building their launches here."
 
 from __future__ import annotations
 
+import random
 import socket
 import sys
 from pathlib import Path
 
+LINUX = Path("/proc/sys/net/ipv4/ip_local_port_range").is_file()
+
 
 def free_port() -> int:
-    """A port nothing listens on now (the OS picks it; it stays free unless another process takes it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, drawn below the kernel's ephemeral range: a port the OS hands out itself
+    can be handed out again, before the launcher binds it, to any outgoing connection (gloo opens many), and a
+    launch then fails with the port in use."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) if LINUX else 32768
+    for _ in range(100):
+        port = random.SystemRandom().randrange(20000, max(20001, min(low, 32768)))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 def accelerate_launch(config: str | Path, *args: str, port: int | None = None) -> list[str]:
