@@ -15,6 +15,14 @@ import time
 import uuid
 from pathlib import Path
 
+if __name__ == "__main__":
+    # `python -m rlm.train` (each process of `accelerate launch -m rlm.train`) is `rlm train`, which reads and
+    # checks the command line and the config before it imports the training code below (torch, transformers'
+    # model code: ~8 CPU-s a process): a bad setting is one line from every rank at once, not after the imports.
+    from rlm.cli import main as cli_main
+
+    sys.exit(cli_main(["train", *sys.argv[1:]]))
+
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
@@ -278,7 +286,3 @@ def main(argv: list[str] | None = None) -> int:
     from rlm.cli import main as cli_main
 
     return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -199,10 +199,11 @@ def prepare(args, work: Path, evaluate: bool, num: int = 256) -> tuple[dict | No
 def train_all(args, work: Path, tasks: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     """Every (strategy, seed) run; with --jobs N, N at a time, each on cpu_count / N threads (two 1-thread runs
     train about 1.5x faster in total than one 2-thread run on this 2-core machine: small matmuls scale poorly)."""
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import torch
+
+    from rlm.quickstart.concurrent_runs import worker_context
 
     results = {}
     if args.jobs <= 1:
@@ -211,8 +212,9 @@ def train_all(args, work: Path, tasks: list[tuple[str, int]]) -> dict[tuple[str,
             print(json.dumps(results[task]), flush=True)
         return results
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    spawn = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(args.jobs, spawn, initializer=torch.set_num_threads, initargs=(threads,))
+    pool = ProcessPoolExecutor(
+        args.jobs, worker_context(), initializer=torch.set_num_threads, initargs=(threads,)
+    )
     with pool:
         futures = {pool.submit(one_run, args, work, *task): task for task in tasks}
         for future in as_completed(futures):

@@ -189,27 +189,39 @@ def test_two_ranks_share_the_shards(encoder, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes(encoder, tmp_path):
-    """A real 2-process (gloo, CPU) build under torchrun with accelerate's PartialState."""
+def test_two_processes_under_torchrun_build_the_one_process_buffer_and_rlm_embed_splits_the_work(
+    encoder, tmp_path
+):
+    """A real 2-process (gloo, CPU) build under torchrun: the library's `build_passage_buffer` with accelerate's
+    PartialState (every rank gets the finished buffer back), then `rlm embed` in the same two processes (one
+    summary, from the main rank); both buffers are the one-process buffer. One launch for both: a process
+    start is ~8 CPU-s of imports."""
     tower = tmp_path / "tower"
     encoder.save_pretrained(tower)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(json.dumps({"id": i, "title": "", "text": t}) + "\n" for i, t in zip(IDS, TEXTS))
+    )
+    embed = ["embed", "--corpus", str(corpus), "--encoder", str(tower), "--out", str(tmp_path / "cli")]
+    embed += ["--shard-size", "6", "--max-length", "32", "--no-progress"]
     script = tmp_path / "build.py"
     script.write_text(
         "import sys, torch\n"
         "from accelerate import PartialState\n"
         "from retriever.buffer import build_passage_buffer\n"
         "from retriever.encoder import SentenceEncoder\n"
+        "from rlm.cli import main\n"
         "torch.set_num_threads(1)\n"
         "state = PartialState(cpu=True)\n"
         f"ids = {IDS!r}\ntexts = {TEXTS!r}\n"
         "enc = SentenceEncoder.from_pretrained(sys.argv[1], max_length=32)\n"
         "buf = build_passage_buffer(ids, texts, enc, sys.argv[2], shard_size=6, accelerator=state, show_progress=False)\n"
         "open(f'{sys.argv[2]}.rank{state.process_index}', 'w').write(str(len(buf)))\n"
+        f"sys.exit(main({embed!r}))\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    torchrun = launch_torchrun(2)
     done = subprocess.run(
-        [*torchrun, str(script), str(tower), str(tmp_path / "b")],
+        [*launch_torchrun(2), str(script), str(tower), str(tmp_path / "b")],
         env=env,
         capture_output=True,
         text=True,
@@ -218,38 +230,10 @@ def test_torchrun_two_processes(encoder, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):  # both ranks ran distributed and returned the finished buffer
         assert Path(f"{tmp_path / 'b'}.rank{rank}").read_text() == "23"
-    single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=6, show_progress=False)
-    assert torch.equal(PassageBuffer.load(tmp_path / "b").embeddings, single.embeddings)
-
-
-@pytest.mark.slow
-def test_rlm_embed_under_torchrun_splits_the_work(encoder, tmp_path):
-    """`rlm embed` launched with 2 CPU processes really runs distributed (one summary, from the main rank)."""
-    tower = tmp_path / "tower"
-    encoder.save_pretrained(tower)
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(
-        "".join(json.dumps({"id": i, "title": "", "text": t}) + "\n" for i, t in zip(IDS, TEXTS))
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    torchrun = launch_torchrun(2)
-    embed = [
-        "-m",
-        "rlm.cli",
-        "embed",
-        "--corpus",
-        str(corpus),
-        "--encoder",
-        str(tower),
-        "--out",
-        str(tmp_path / "b"),
-    ]
-    args = [*torchrun, *embed, "--shard-size", "6", "--max-length", "32", "--no-progress"]
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("23 passages x 16") == 1, done.stdout
     single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=6, show_progress=False)
-    assert torch.equal(PassageBuffer.load(tmp_path / "b").embeddings, single.embeddings)
+    for built in ("b", "cli"):
+        assert torch.equal(PassageBuffer.load(tmp_path / built).embeddings, single.embeddings), built
 
 
 class CountingTexts:

@@ -301,6 +301,31 @@ def test_loading_a_config_imports_no_training_code_and_of_the_retriever_only_its
     assert out.strip() == "['retriever', 'retriever.errors']"  # rlm.errors names the retriever's InputError
 
 
+@pytest.mark.parametrize("entry", ["-m rlm.train", "-m rlm train"])
+def test_a_bad_setting_fails_before_the_training_code_is_imported(entry, tmp_path):
+    """`python -m rlm.train` (each rank of `accelerate launch -m rlm.train`) and `rlm train` read the config
+    before torch and transformers (~8 CPU-s a process): a bad setting is one line, at once, and nothing is
+    written."""
+    import subprocess
+    import sys
+
+    module = entry.split()[1]
+    argv = (["train"] if module == "rlm" else []) + ["--set", "strategy.name=nonsense"]
+    argv += ["--set", f"output_dir={tmp_path / 'run'}"]
+    code = f"""
+import runpy, sys
+sys.argv = [{module!r}, *{argv!r}]
+try:
+    runpy.run_module({module!r}, run_name="__main__", alter_sys=True)  # what `python -m` does
+except SystemExit as stop:
+    print(stop.code, "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], (done.stdout, done.stderr[-2000:])
+    assert done.stderr.startswith("error: strategy.name must be one of") and "nonsense" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_every_default_is_in_its_range():
     """The loader checks the values a config gives; the defaults it does not give are checked here."""
     from functools import reduce

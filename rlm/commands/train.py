@@ -9,10 +9,6 @@ import sys
 
 from rlm.config import add_override_argument, dump_config, load_config
 from rlm.errors import main_process
-from rlm.train import train
-from rlm.training.alignment import RepresentationCollapseError
-from rlm.training.preemption import EXIT_PREEMPTED, Preempted
-from rlm.training.run import NonFiniteLossError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    # Only now the training code (torch, transformers): a config error above took no imports to find.
+    from rlm.train import train
+    from rlm.training.alignment import RepresentationCollapseError
+    from rlm.training.preemption import EXIT_PREEMPTED, Preempted
+    from rlm.training.run import NonFiniteLossError
+
     try:
         summary = train(cfg, resume=args.resume, overwrite=args.overwrite, allow_changed=args.allow_changed)
     except Preempted as err:

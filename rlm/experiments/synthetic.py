@@ -5,10 +5,11 @@ Vectors stand in for the encoders: g'(y), the stale buffer, are targets drawn fr
 residual MLP m whose depth, width and init scale set how stale g' is; the queries f(x) come from the same
 mixture (the paper does not say how it draws them; this keeps every query near some targets, so P is peaked
 the way a retrieval softmax is). P(y|x) = softmax_y(beta <f(x), g(y)>) over all targets is the truth, P_g'
-uses g' and P_h uses h(g'). h is trained alone on the cross-entropy between the truncated softmaxes of g and
-h(g') over a sampled fraction of the targets (Eq. 6) and judged by KL(P || P_h) over *all* targets on held-out
-queries, so targets it never saw count; so is its rival at the same budget (`fit_regression`), Dynnibal's
-Nystrom kernel ridge regression from g' to g, fitted in closed form on the same sampled targets.
+uses g' and P_h uses h(g'). h is trained alone (Adam, lr 0.03, at most 1,000 full-batch epochs, patience 100) on
+the cross-entropy between the truncated softmaxes of g and h(g') over a sampled fraction of the targets (Eq. 6)
+and judged by KL(P || P_h) over *all* targets on held-out queries, so targets it never saw count; so is its
+rival at the same budget (`fit_regression`), Dynnibal's Nystrom kernel ridge regression from g' to g, fitted in
+closed form on the same sampled targets.
 """
 
 from __future__ import annotations

@@ -99,6 +99,20 @@ def _output_to(path: Path) -> Iterator[None]:
             os.close(saved[1])
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Where a pool's worker processes come from: a fork server that imported the training code once, so
+    each worker starts without repeating its ~8 CPU-s of imports (torch, transformers' model code), which for
+    the quickstart's small runs is as long as the training. Not a fork of this process: a copy of a process
+    that has run torch (its thread pools) can deadlock; the server has only imported it. Children inherit
+    the server's environment, taken when the first pool starts. Spawn where there is no fork server
+    (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["rlm.train"])
+    return context
+
+
 def _yield_cpu() -> None:
     """A worker's start: lower its priority, so that what this process does meanwhile (fitting the answer
     policy, serving the demo of a finished run) is not slowed down by the runs still training."""
@@ -141,10 +155,7 @@ def train_runs(
     from tqdm import tqdm
 
     total = sum(job.cfg.optim.max_steps - job.first_step for job in jobs)
-    # spawn, not fork: a forked copy of a process that has run torch (and its thread pools) can deadlock.
-    pool = ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_yield_cpu
-    )
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=worker_context(), initializer=_yield_cpu)
     try:
         with tqdm(total=total, desc=f"{len(jobs)} runs, {workers} at a time", unit="step") as bar:
             pending = {pool.submit(_train_in_worker, job.cfg, job.prefix): job for job in jobs}
