@@ -47,7 +47,7 @@ def indexes(args, corpus, retriever):
     yield "B (stale)", stale, time.perf_counter() - start, "0 re-embedded"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = reporting.arguments(__doc__)
     parser.add_argument("--checkpoint", required=True, help="final/ folder of a corrector run")
     parser.add_argument("--dataset", default="toy")
@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--retrieval-only", action="store_true", help="recall only (e.g. an Algorithm 1 run)")
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--out", default=reporting.results_path("answer_from_hb"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     corpus = load_corpus(args.corpus or Path(args.data_path) / "corpus.jsonl")
     examples = load_qa_dataset(args.dataset, args.split, args.data_path)
@@ -75,7 +75,7 @@ def main() -> int:
         rows.append({"name": name, "metrics": result.metrics, "index_seconds": seconds, "cost": cost})
         print(f"{name}: index {seconds:.2f} s, {result.metrics}", file=sys.stderr)
     results = {
-        "command": reporting.command("answer_from_hb.py"),
+        "command": reporting.command("answer_from_hb.py", argv),
         "machine": reporting.machine(),
         "checkpoint": str(args.checkpoint),
     }

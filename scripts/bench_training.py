@@ -24,18 +24,11 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 
-import torch
-from accelerate.state import AcceleratorState
-
-from retriever.buffer import PassageBuffer
-from retriever.index import PassageIndex
-from retriever.search import corrected_topk, two_stage_corrected_topk
-from retriever.selection import auto_index_factory
 from rlm.config import load_config
-from rlm.experiments.benchmarking import clustered_buffer, corrector_moving, median_of, overlap
+from rlm.experiments.benchmarking import median_of
 from rlm.experiments.reporting import ROOT, arguments, int_list, results_path, table, write_report
-from rlm.train import train_step
-from rlm.training.run import build_run
+
+# torch and the training code are imported where they run: `--help` needs neither (~8 CPU-s).
 
 PHASES = ["select", "retriever", "reader_scoring", "reader", "corrector", "backward+optimizer", "reembed"]
 
@@ -54,6 +47,8 @@ class PhaseTimer(defaultdict):
 
 def step_phases(run, args) -> dict:
     """Median seconds per phase of the measured steps; the time no phase timed is `backward+optimizer`."""
+    from rlm.train import train_step
+
     run.raw.timer = timer = PhaseTimer(float)
     run.strategy.before_step = timer("reembed")(run.strategy.before_step)  # refreshes timed as "reembed"
     run.model.train()
@@ -77,6 +72,10 @@ def step_phases(run, args) -> dict:
 def per_phase(args) -> tuple[dict, float]:
     """Each strategy's real training steps (`build_run` + `train_step`: accelerate, clipping, schedule,
     autocast), and the passage tower's throughput."""
+    from accelerate.state import AcceleratorState
+
+    from rlm.training.run import build_run
+
     work, bf16 = args.work, str(args.force_cpu_bf16).lower()
     overrides = [f"output_dir={work}/run", f"buffer.dir={work}/buffer", f"data.toy_world.dir={work}/toy"]
     overrides += [f"data.toy_world.num_passages={args.num_passages}", f"optim.batch_size={args.batch_size}"]
@@ -112,6 +111,14 @@ def selection_costs(args, n: int, dim: int, precision: str) -> dict:
     """Seconds per selection (median) over an [n, dim] clustered buffer, the way each strategy selects, in the
     steps' precision: stale exact, corrected exact (hidden 1D-8D), and two-stage (the auto faiss index, then
     `candidates` rows re-scored with h) with its top-k overlap with exact."""
+    import torch
+
+    from retriever.buffer import PassageBuffer
+    from retriever.index import PassageIndex
+    from retriever.search import corrected_topk, two_stage_corrected_topk
+    from retriever.selection import auto_index_factory
+    from rlm.experiments.benchmarking import clustered_buffer, corrector_moving, overlap
+
     buffer, q = clustered_buffer(n, dim, args.batch_size)
     rows = PassageBuffer.from_embeddings([str(i) for i in range(n)], buffer)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
@@ -242,6 +249,8 @@ def main() -> None:
     if args.quick:
         args.steps, args.warmup, args.table2_n, args.repeats = 3, 1, [20_000, 120_000], 2
     if args.threads:
+        import torch
+
         torch.set_num_threads(args.threads)
     phases, throughput = per_phase(args)
     results = {"args": vars(args), "phases": phases, "throughput": throughput, "dim": 384}
