@@ -18,10 +18,12 @@ import re
 import time
 import traceback
 from pathlib import Path
-
-import gradio as gr
+from typing import TYPE_CHECKING
 
 from app.qa import InvalidQuestion, QAService
+
+if TYPE_CHECKING:
+    import gradio as gr
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
@@ -150,6 +152,8 @@ def build_demo(
     service: QAService, concurrency_limit: int = CONCURRENCY_LIMIT, max_batch_size: int = MAX_BATCH_SIZE
 ) -> gr.Blocks:
     """The page; the answer endpoint is exposed to API clients as `/answer`."""
+    import gradio as gr  # here, not above: the answering and rendering need none of its ~3 s of imports
+
     with gr.Blocks(title="rlm: retrieval-augmented QA") as demo:
         gr.Markdown(
             "## Retrieval-augmented QA\n"
