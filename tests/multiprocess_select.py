@@ -37,11 +37,11 @@ CASES = [
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, end_training: bool = True) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     add_override_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = load_config(None, args.overrides)
     run = build_run(cfg, overwrite=True)
     acc, model = run.accelerator, run.raw.eval()
@@ -127,7 +127,8 @@ def main() -> None:
     results.append({"validation": "selection", **figures})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"select_rank{acc.process_index}.json").write_text(json.dumps(results, indent=2))
-    acc.end_training()
+    if end_training:  # not when another probe runs next in these processes (tests/multiprocess_probes.py)
+        acc.end_training()
 
 
 def _count(counted: list[int], embeddings: torch.Tensor) -> torch.Tensor:

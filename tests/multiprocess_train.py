@@ -21,13 +21,13 @@ from rlm.train import train_step
 from rlm.training.run import build_run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--nan-rank", type=int, default=-1, help="the rank whose forward returns a NaN loss")
     parser.add_argument("--nan-call", type=int, default=-1, help="at its forward call number C (0-based)")
     add_override_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = load_config(None, args.overrides)
     run = build_run(cfg, overwrite=True)
     acc = run.accelerator

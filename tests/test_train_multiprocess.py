@@ -51,28 +51,46 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("multiprocess")
 
 
-def test_nan_on_one_rank_skips_the_step_everywhere_and_windows_stay_aligned(root):
-    """Accumulation 2, warm-up 4 of 8 steps, a NaN on rank 1's third forward (step 1, micro-step 0)."""
-    steps, warmup, lr = 8, 4, 1e-3
-    out = root / "nan_probe"
-    accelerate_launch(
-        CPU_2PROC,
-        str(REPO / "tests" / "multiprocess_train.py"),
-        str(out),
-        "--nan-rank",
-        "1",
-        "--nan-call",
-        "2",
-        *overrides(
-            root,
-            "nan",
-            f"optim.max_steps={steps}",
-            f"optim.warmup_steps={warmup}",
-            f"optim.lr_reader={lr}",
-            "optim.gradient_accumulation_steps=2",
-            "strategy.name=corrector",
-        ),
+# The training probe's schedule: accumulation 2, warm-up 4 of 8 steps.
+STEPS, WARMUP, LR = 8, 4, 1e-3
+
+
+@pytest.fixture(scope="module")
+def probes(root) -> Path:
+    """One `accelerate launch` for both probes (tests/multiprocess_probes.py; a launch is ~20 CPU-s of process
+    start-up): the selection probe writes `select_probe/`, then the training probe, with a NaN on rank 1's third
+    forward, `nan_probe/`; each builds its own run."""
+    select = [
+        str(root / "select_probe"),
+        *overrides(root, "select", "strategy.name=corrector", "optim.max_steps=4"),
+    ]
+    select += [
+        "--set",
+        "data.dev=toy",
+        "--set",
+        "data.max_dev_examples=8",
+        "--set",
+        "data.dev_subcorpus=build",
+    ]
+    select += ["--set", "data.dev_subcorpus_k=5"]
+    train = [str(root / "nan_probe"), "--nan-rank", "1", "--nan-call", "2"]
+    train += overrides(
+        root,
+        "nan",
+        f"optim.max_steps={STEPS}",
+        f"optim.warmup_steps={WARMUP}",
+        f"optim.lr_reader={LR}",
+        "optim.gradient_accumulation_steps=2",
+        "strategy.name=corrector",
     )
+    accelerate_launch(CPU_2PROC, str(REPO / "tests" / "multiprocess_probes.py"), *select, "--", *train)
+    return root
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere_and_windows_stay_aligned(probes):
+    """Accumulation 2, warm-up 4 of 8 steps, a NaN on rank 1's third forward (step 1, micro-step 0)."""
+    steps, warmup, lr = STEPS, WARMUP, LR
+    out = probes / "nan_probe"
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2], "accelerate launch did not start two processes"
     for r in ranks:
@@ -128,24 +146,16 @@ def test_cpu_2proc_config_trains_two_processes_and_a_sharded_buffer_selects_the_
             assert sharded[step][key] == pytest.approx(log[step][key], rel=1e-4, abs=1e-5), (step, key)
 
 
-def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_processes(root):
+def test_every_strategy_selects_the_same_with_its_rows_sharded_across_two_processes(probes):
     """Stale, corrector, exhaustive, two-round, SNM and regression, with and without Algorithm 1's forced label and
     uniform rows: each process scanning (and re-embedding) half the rows selects what one process scanning all
     of them selects; the re-embedding counter counts each passage once; a resumed strategy reads the refreshed
     rows back from the run folder."""
-    out = root / "select_probe"
-    accelerate_launch(
-        CPU_2PROC,
-        str(REPO / "tests" / "multiprocess_select.py"),
-        str(out),
-        *overrides(root, "select", "strategy.name=corrector", "optim.max_steps=4"),
-        *("--set", "data.dev=toy", "--set", "data.max_dev_examples=8", "--set", "data.dev_subcorpus=build"),
-        *("--set", "data.dev_subcorpus_k=5"),
-    )
+    out = probes / "select_probe"
     ranks = [json.loads((out / f"select_rank{r}.json").read_text()) for r in (0, 1)]
     n = 120
     # The hard dev subcorpus was built once at the start: the dev questions' gold passages and top-5 rows.
-    hard = (root / "select" / "dev_subcorpus.txt").read_text().split()
+    hard = (probes / "select" / "dev_subcorpus.txt").read_text().split()
     assert 8 <= len(hard) <= 8 * (5 + 2) < n
     for results in ranks:
         validations = {r["validation"]: r for r in results if "validation" in r}
