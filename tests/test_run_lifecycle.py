@@ -126,20 +126,48 @@ def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout: float =
     pytest.fail(f"timed out waiting for step {step}")
 
 
+def stopped_here(argv: list[str], signum: signal.Signals, monkeypatch, capsys) -> tuple[int, str]:
+    """`train_here(argv)` with `signum` sent to this process once step 2 is done: (exit code, stderr)."""
+    import rlm.train
+
+    train_step = rlm.train.train_step
+
+    def step_then_signal(run):
+        record = train_step(run)
+        if record is not None and record["step"] == 2:
+            os.kill(os.getpid(), signum)
+        return record
+
+    monkeypatch.setattr(rlm.train, "train_step", step_then_signal)
+    capsys.readouterr()
+    code = train_here(argv)
+    monkeypatch.undo()
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_stop_signal_saves_the_current_step_and_resume_gives_the_same_losses(root, reference, signum):
+def test_a_stop_signal_saves_the_current_step_and_resume_gives_the_same_losses(
+    root, reference, signum, monkeypatch, capsys
+):
+    """SIGTERM to a `python -m rlm.train` process, as a scheduler sends it; SIGUSR1 (Slurm's --signal) to a run
+    in this process, through the same handler (a process start is ~8 CPU-s of imports)."""
     out = root / f"preempted_{signum.name}"
     # No periodic checkpoints: all that survives is the one the signal makes.
-    cmd = [sys.executable, "-m", "rlm.train", *args(root, out.name, "save_every=0")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-    try:
-        wait_for_step(out / "log.jsonl", 2, proc)
-        proc.send_signal(signum)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    argv = args(root, out.name, "save_every=0")
+    if signum == signal.SIGTERM:
+        cmd = [sys.executable, "-m", "rlm.train", *argv]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+        try:
+            wait_for_step(out / "log.jsonl", 2, proc)
+            proc.send_signal(signum)
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        code = proc.returncode
+    else:
+        code, stderr = stopped_here(argv, signum, monkeypatch, capsys)
+    assert code == EXIT_PREEMPTED, stderr[-3000:]
     stopped = steps_of(out)
     assert len(stopped) == 1 and 2 <= stopped[0] < 6, (stopped, stderr[-2000:])
     assert f"stopped by {signum.name} at step {stopped[0]}" in stderr and "--resume" in stderr
