@@ -282,7 +282,8 @@ def finish(run: TrainRun, prefix) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rlm.train` and `accelerate launch -m rlm.train`: `rlm train`, with its error handling."""
+    """`rlm train ARGV`, with its error handling, in a process that has imported this module (the tests; `python
+    -m rlm.train` hands over at the top of the file, before the imports)."""
     from rlm.cli import main as cli_main
 
     return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
