@@ -11,16 +11,17 @@ import socket
 import sys
 from pathlib import Path
 
-LINUX = Path("/proc/sys/net/ipv4/ip_local_port_range").is_file()
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; elsewhere its default, 32768
 
 
 def free_port() -> int:
     """A port nothing listens on now, drawn below the kernel's ephemeral range: a port the OS hands out itself
     can be handed out again, before the launcher binds it, to any outgoing connection (gloo opens many), and a
     launch then fails with the port in use."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) if LINUX else 32768
+    low = int(EPHEMERAL_RANGE.read_text().split()[0]) if EPHEMERAL_RANGE.is_file() else 32768
+    draw = random.SystemRandom()
     for _ in range(100):
-        port = random.SystemRandom().randrange(20000, max(20001, min(low, 32768)))
+        port = draw.randrange(20000, max(20001, min(low, 32768)))
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

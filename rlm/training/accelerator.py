@@ -73,9 +73,10 @@ def skip_deepspeed_cpu_inference_kernel() -> None:
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     cuda, deepspeed = torch.cuda.is_available(), launched_with_deepspeed()
-    # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
-    backend = {"backend": "gloo"} if deepspeed and not cuda else {}
+    backend = {}
     if deepspeed and not cuda:
+        # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
+        backend = {"backend": "gloo"}
         skip_deepspeed_cpu_inference_kernel()
     handlers = [
         DistributedDataParallelKwargs(find_unused_parameters=True),
