@@ -14,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: demo test test-fast lint format bench clean venv browser
+.PHONY: demo test test-fast test-kernels lint format bench clean venv browser
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ browser:
 
 test: $(VENV)/.installed-test browser
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --timeout=900 --durations=15 $(PYTEST_ARGS)
+
+# The learning tests (pytest -m learning) once per float kernel family this CPU can run (default, avx2, avx512:
+# ATen, MKL and oneDNN capped together), so a verdict that holds here holds on CPUs with fewer instruction sets.
+test-kernels: $(VENV)/.installed-test
+	$(PY) scripts/kernel_families.py tests -- -n $(TEST_WORKERS) --dist loadfile --timeout=900 $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -12,6 +12,7 @@ the timed probe (`probe_ratio`) is reported in the messages, and decides only wh
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,10 @@ CPUINFO = Path("/proc/cpuinfo")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags, as Linux spells them
 # Capabilities below AVX512 cannot have AVX512-BF16 or AMX (both need AVX512): a hint where no flags are readable.
 NO_AVX512_CAPABILITIES = ("DEFAULT", "NO AVX", "AVX", "AVX2")
+# oneDNN's ISA caps (`ONEDNN_MAX_CPU_ISA`) at or above which its bf16 matmuls run on bf16 instructions; a lower cap
+# (AVX512_CORE, AVX2, ...) makes it emulate them on a CPU that has them, as `scripts/kernel_families.py` does to
+# compute on one machine what a machine with fewer instruction sets computes.
+ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "ALL")
 # Where flags are unreadable, bf16 counts as native when the probe's bf16 matmul is at most this many times
 # slower than float32: native kernels measure ~0.3-1x, emulated ones 10x and more.
 PROBE_NATIVE_MAX_RATIO = 2.0
@@ -98,6 +103,18 @@ def probe_ratio(rows: int = 256, dim: int = 384, repeats: int = 5, slow_s: float
     return bf16 / max(fp32, 1e-9)
 
 
+def kernel_cap(capability: str, environ: dict | None = None) -> str | None:
+    """Why this process's kernels run below the CPU's bf16 instructions, or None: torch's own kernels capped
+    under AVX512 (`ATEN_CPU_CAPABILITY`) or oneDNN's under AVX512_CORE_BF16 (`ONEDNN_MAX_CPU_ISA`)."""
+    environ = os.environ if environ is None else environ
+    if capability in NO_AVX512_CAPABILITIES:
+        return f"torch's CPU kernels are capped at {capability} (ATEN_CPU_CAPABILITY)"
+    isa = environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if isa and not isa.startswith("AVX10") and isa not in ONEDNN_BF16_ISAS:
+        return f"oneDNN is capped at {isa} (ONEDNN_MAX_CPU_ISA)"
+    return None
+
+
 def cpu_bf16_support(probe: bool = True, cpuinfo: Path | None = None) -> Bf16Support:
     """Does this CPU run bf16 natively? From its flags; the probe ratio only decides where flags are missing."""
     flags = read_cpu_flags(cpuinfo)
@@ -105,6 +122,10 @@ def cpu_bf16_support(probe: bool = True, cpuinfo: Path | None = None) -> Bf16Sup
     ratio = probe_ratio() if probe else math.nan
     if flags is not None:
         have = [f for f in NATIVE_BF16_FLAGS if f in flags]
+        if have and (capped := kernel_cap(capability)):
+            return Bf16Support(
+                False, ratio, f"the CPU has {' and '.join(have)}, but {capped}, so bf16 is emulated"
+            )
         if have:
             return Bf16Support(
                 True, ratio, f"the CPU has {' and '.join(have)} (torch CPU capability {capability})"

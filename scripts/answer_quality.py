@@ -70,6 +70,7 @@ def bootstrap_se(conf: np.ndarray, correct: np.ndarray, draws: int = 500, seed: 
 def policy_rows(checkpoint: Path, world: Path, outside: Path | None, num_out: int, k) -> tuple[dict, list]:
     from app.qa import QAService
     from rlm.data.qa import load_qa_dataset, read_qa_jsonl
+    from rlm.inference.answer_kinds import asked_kind
     from rlm.inference.answer_policy import auroc, expected_calibration_error, reliability_bins
     from rlm.inference.metrics import exact_match
 
@@ -93,6 +94,20 @@ def policy_rows(checkpoint: Path, world: Path, outside: Path | None, num_out: in
     for kind in sorted({q.meta["type"] for q in unanswerable}):
         picked = [r for r, q in zip(refused, unanswerable) if q.meta["type"] == kind]
         rows[f"abstained_{kind}"] = float(np.mean([r["abstained"] for r in picked]))
+    # The unstated facts that ask for a kind of answer the world's own questions never ask for (a year, a date,
+    # a number, a person): a reader that knows birthplaces and jobs answers them with one of those.
+    known = {asked_kind(q.question) for q in test}
+    unstated = [(r, q) for r, q in zip(refused, unanswerable) if q.meta["type"] == "unstated_fact"]
+    other = [r for r, q in unstated if asked_kind(q.question) not in known]
+    rows["abstained_unstated_fact_of_a_kind_never_asked"] = (
+        float(np.mean([r["abstained"] for r in other])) if other else None
+    )
+    rows["unstated_fact_of_a_kind_never_asked_questions"] = len(other)
+    rows["unstated_fact_answered"] = [
+        {"question": q.question, "answer": r["best_guess"], "confidence": r["confidence"]}
+        for r, q in unstated
+        if not r["abstained"]
+    ]
     if outside is not None:
         questions = read_qa_jsonl(outside, allow_empty_answers=True)[:num_out]
         rows |= {"out_of_corpus_questions": len(questions), "out_of_corpus_source": str(outside)}

@@ -24,6 +24,8 @@ from rlm.inference.answer_policy import (
     reliability_bins,
 )
 
+pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
+
 OUT_OF_CORPUS = "What is the capital of France?"
 
 

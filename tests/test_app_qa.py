@@ -12,6 +12,8 @@ from test_quickstart import build_tiny_quickstart
 from app.demo import highlight, launch_kwargs, passages_html, render, respond
 from app.qa import INDEX_CACHE, InvalidQuestion, QAService, corpus_from_config
 
+pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
+
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory) -> QAService:

@@ -30,6 +30,9 @@ def fake_cpu(tmp_path, monkeypatch):
     """Point the cpuinfo reader at a file with the given flags (and fix the probe's ratio, which is timing)."""
 
     def use(flags: str | None, ratio: float = 25.0):
+        # The kernels uncapped, whatever family this test runs under (`make test-kernels`).
+        monkeypatch.setattr(precision, "torch_cpu_capability", lambda: "AVX512")
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
         path = tmp_path / "cpuinfo"
         if flags is None:
             path.unlink(missing_ok=True)
@@ -65,6 +68,32 @@ def test_native_bf16_is_decided_by_the_cpu_flags_not_the_timing(fake_cpu, flags,
     assert support.native is native and named in support.reason
     assert support.ratio == (0.5 if not native else 30.0)
     assert math.isnan(cpu_bf16_support(probe=False).ratio)
+
+
+@pytest.mark.parametrize(
+    "capability, onednn_isa, capped_by",
+    [
+        ("AVX2", None, "ATEN_CPU_CAPABILITY"),
+        ("DEFAULT", "SSE41", "ATEN_CPU_CAPABILITY"),
+        ("AVX512", "AVX512_CORE", "ONEDNN_MAX_CPU_ISA"),
+        ("AVX512", "avx2", "ONEDNN_MAX_CPU_ISA"),
+        ("AVX512", "AVX512_CORE_BF16", None),
+        ("AVX512", "AVX512_CORE_AMX", None),
+        ("AVX512", "AVX10_1_512", None),
+    ],
+)
+def test_bf16_counts_as_emulated_where_the_kernels_are_capped_below_it(
+    fake_cpu, monkeypatch, capability, onednn_isa, capped_by
+):
+    # A machine with AVX512-BF16 computing what an AVX2 one does decides as the AVX2 one would.
+    fake_cpu(AVX512_BF16_FLAGS, ratio=30.0)
+    monkeypatch.setattr(precision, "torch_cpu_capability", lambda: capability)
+    if onednn_isa:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_isa)
+    support = cpu_bf16_support(probe=False)
+    assert support.native is (capped_by is None)
+    if capped_by:
+        assert capped_by in support.reason and "avx512_bf16" in support.reason
 
 
 def test_without_flags_the_capability_hint_then_the_probe_decide(fake_cpu, monkeypatch):

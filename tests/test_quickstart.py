@@ -49,6 +49,7 @@ def tiny_run(tmp_path_factory) -> Path:
     return build_tiny_quickstart(tmp_path_factory.getbasetemp())
 
 
+@pytest.mark.learning
 def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_prints_its_table(tiny_run):
     """What the README's `make demo` promises, at a size a test can run: the world with held-out dev entities,
     B embedded once by the packaged MiniLM, each phase of the recipe (Algorithm 2 with the corrector among

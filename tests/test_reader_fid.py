@@ -122,6 +122,7 @@ def test_answer_confidence_is_the_probability_of_the_generated_sequence(reader):
     assert all(0.0 < c <= 1.0 for _, c in beams)
 
 
+@pytest.mark.learning
 def test_reader_learns_to_answer_from_its_passages(tok):
     torch.manual_seed(0)
     reader = FiDReader.from_config(tok, TINY, seed=0, dropout_rate=0.0)

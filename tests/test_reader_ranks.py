@@ -19,8 +19,9 @@ from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
 from rlm.inference.metrics import exact_match
+from rlm.training.schedule import lr_lambda
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.learning]
 
 OPTIONS = {
     "num_cities": 24,
@@ -63,10 +64,14 @@ def reading_lists(corpus, questions, same_type, rng, gold_first: float):
 
 def train_reader(world, template: str, steps: int = 400, copy_steps: int = 150) -> FiDReader:
     corpus, train, dev, same_type, tok = world
-    # The quickstart's reader (configs/quickstart.yaml) and learning rate.
+    # The quickstart's reader (configs/quickstart.yaml), learning rate and schedule: 30 steps of warm-up, then a
+    # linear decay to a tenth. At a constant rate the reader is still hopping between solutions at step 400
+    # (held-out EM with the gold first 51-54% on two kernel families, 82-94% on others, 0.41-0.94 along one
+    # run); the decay lets every family settle.
     config = SmallT5Config(d_model=128, d_ff=512, num_layers=2, num_heads=4, d_kv=32, dropout_rate=0.0)
     reader = FiDReader.from_config(tok, config, FiDConfig(template=template, max_passage_length=40), seed=0)
     optimizer = torch.optim.AdamW(reader.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(30, steps))
     rng = random.Random(0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -84,6 +89,7 @@ def train_reader(world, template: str, steps: int = 400, copy_steps: int = 150) 
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            schedule.step()
     return reader
 
 
@@ -111,7 +117,9 @@ def test_a_reader_that_reads_the_ranks_picks_the_gold_among_other_answers(world,
     # Held-out people; each list holds four answers to the question.
     first = exact_match_reading(world, reader, gold_last=False)
     last = exact_match_reading(world, reader, gold_last=True)
-    # Four answers to each question: copying one at random gets 25%. 400 steps from scratch land anywhere
-    # between 72% (one thread) and 96% (two) with the gold first, so the bound leaves room for the floats.
-    assert first >= 0.6, (first, last)
-    assert last <= 0.15, (first, last)
+    # Four answers to each question: copying one at random gets 25%. With the schedule, 400 steps land at
+    # 88.75-97.5% with the gold first and 0-1.25% with it last over seeds 0-2 and the default, avx2 and avx512
+    # kernel families (this test's seed: 88.75 / 90.0 / 93.75%; at a constant rate it was 51-54% on two
+    # families); `make test-kernels` runs it under each.
+    assert first >= 0.75, (first, last)
+    assert last <= 0.1, (first, last)

@@ -85,6 +85,7 @@ def test_quickstart_uses_the_recipe():
     assert rc.final_reader_only_steps > 0 and "{rank}" in cfg.reader.template
 
 
+@pytest.mark.learning
 def test_warm_started_reader_from_config_is_small_to_train_and_round_trips(tmp_path):
     cfg = load_config(None, [f"output_dir={tmp_path}", *WARM])
     reader = build_reader(cfg, corpus=None, examples=[])

@@ -68,6 +68,7 @@ def test_chunking_mean_reduction_and_mode_restored(reader):
     assert n_tokens > 1
 
 
+@pytest.mark.learning
 def test_scores_follow_what_the_reader_learned(reader):
     """Trained to answer one question from whichever passage it gets, the reader ranks the gold passage first."""
     facts = [("Alice", "Lyon"), ("Bob", "Osaka"), ("Carla", "Japan"), ("Dan", "Rhone")]

@@ -43,6 +43,7 @@ def test_encoder_keeps_the_first_pretrained_layers(warm, minilm_path):
         build_warm_started_encoder_decoder(minilm_path, WarmStartConfig(encoder_layers=9))
 
 
+@pytest.mark.learning
 def test_fid_over_warm_start_trains_scores_and_round_trips(warm, tmp_path):
     model, tok = warm
     reader = FiDReader(model, tok, gradient_checkpointing=False)

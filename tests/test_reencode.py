@@ -7,6 +7,8 @@ import torch
 
 from retriever.reencode import NystromRegression, kernel_matrix, median_gamma
 
+pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
+
 
 def unit(x):
     return torch.nn.functional.normalize(x, dim=-1)

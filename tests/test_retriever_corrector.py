@@ -8,6 +8,7 @@ import torch
 from retriever.corrector import CorrectorNetwork, corrector_ce_loss, corrector_mse_loss
 
 
+@pytest.mark.learning
 def test_identity_at_init_and_trainable():
     torch.manual_seed(0)
     net = CorrectorNetwork(16, 64, num_hidden_layers=2)
@@ -93,6 +94,7 @@ def test_save_load_roundtrip(tmp_path):
         CorrectorNetwork.from_pretrained(tmp_path)
 
 
+@pytest.mark.learning
 def test_linear_term_starts_at_identity_and_fits_a_linear_drift_the_relu_mlp_cannot(tmp_path):
     """A rotation-like drift g = M x: the linear term fits it to float precision, the ReLU MLP alone does not."""
     torch.manual_seed(0)

@@ -21,6 +21,8 @@ from rlm.experiments.synthetic import (
     train_corrector,
 )
 
+pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
+
 
 @pytest.fixture(scope="module")
 def world() -> SyntheticWorld:

@@ -133,6 +133,7 @@ def test_non_finite_losses_stop_the_run_with_a_checkpoint(root, tmp_path, capsys
     assert (tmp_path / "nan" / "checkpoints").is_dir()
 
 
+@pytest.mark.learning
 def test_bf16_mixed_precision_trains_on_cpu_and_validates_close_to_fp32(root, tmp_path):
     """mixed_precision=bf16 on CPU: the step, refreshes and validation run under autocast (faster only on CPUs
     with native bf16, docs/training.md), and the losses and dev recall stay close to the float32 run's. With

@@ -91,6 +91,7 @@ def test_fresh_corrector_selects_exactly_the_stale_top_k(world):
 
 
 @pytest.mark.slow
+@pytest.mark.learning
 def test_each_loss_falls_on_a_repeated_batch(world):
     """On MiniLM: a random-init retriever scores every passage about the same (mean cosine 0.96 for the tiny
     one), so the corrector's target is near uniform and has nothing to learn in a few steps."""
@@ -234,6 +235,7 @@ def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
     assert not torch.allclose(parts.buffer.embeddings[:5].float(), fresh, atol=1e-3)
 
 
+@pytest.mark.learning
 def test_regression_maps_every_row_towards_the_live_tower_from_a_few_re_embedded_ones(world):
     """Dynnibal's approximate re-encoding: 60 of 150 passages re-embedded, all 150 rows move towards what the
     live passage tower gives, the 90 never re-embedded included; the landmarks stay fixed across refits."""

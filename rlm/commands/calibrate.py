@@ -68,7 +68,10 @@ def calibrate_checkpoint(
             signals.append(answer_signals)
             correct.append(bool(ex.answers) and bool(exact_match(result["best_guess"], ex.answers)))
     answerable = [True] * len(examples) + [False] * len(unanswerable)
-    policy = fit_answer_policy(signals, correct, answerable, keep=keep, fitted_on=fitted_on)
+    gold = [ex.answers for ex in questions]
+    policy = fit_answer_policy(
+        signals, correct, answerable, keep=keep, fitted_on=fitted_on, gold_answers=gold
+    )
     policy.save(checkpoint)
     service.policy = policy
     return policy

@@ -24,6 +24,9 @@ from rlm.errors import UserError
 
 KINDS = ("unstated_fact", "unknown_entity")
 _PERSON_TYPES = ("born_in", "works_for", "occupation", "employer_city")
+# Half of them ask for a kind of answer the world's questions never ask for (a year, a date, a number, a person):
+# a reader that knows only birthplaces and jobs answers those with a place or a job, and the answer policy learns
+# from these that an answer of the wrong kind is a wrong answer (`rlm.inference.answer_kinds`).
 _UNSTATED = {
     "dev": {
         "person": (
@@ -31,8 +34,15 @@ _UNSTATED = {
             "Which school did {s} attend?",
             "What is the favourite food of {s}?",
             "How old is {s}?",
+            "In what year was {s} born?",
+            "When did {s} get married?",
+            "How many children does {s} have?",
         ),
-        "org": ("How many employees does {s} have?", "Who is the chief executive of {s}?"),
+        "org": (
+            "How many employees does {s} have?",
+            "Who is the chief executive of {s}?",
+            "In which year was {s} founded?",
+        ),
     },
     "test": {
         "person": (
@@ -40,8 +50,15 @@ _UNSTATED = {
             "Which language does {s} speak at home?",
             "Who is the best friend of {s}?",
             "What instrument does {s} play?",
+            "What year did {s} retire?",
+            "On what date did {s} move house?",
+            "How tall is {s}?",
         ),
-        "org": ("What does {s} sell?", "What is the annual revenue of {s}?"),
+        "org": (
+            "What does {s} sell?",
+            "What is the annual revenue of {s}?",
+            "In what month did {s} open its first shop?",
+        ),
     },
 }
 

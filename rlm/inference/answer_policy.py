@@ -14,12 +14,16 @@ questions the corpus does not answer), never on the split it reports on:
   their rarity among the fit questions (a passage about the person asked names them; the hard unanswerable
   case, a fact the corpus never states about a person it knows, is answered from another person's passage of
   the same relation). On the quickstart's seed 2 it raised the test AUROC of correct vs wrong from 0.967 to
-  0.996 (`docs/results/answer_quality/answer_quality.md`).
+  0.996 (`docs/results/answer_quality/answer_quality.md`);
+* `kind_match`: the probability that the answer is of the kind the question asks for (a year, a number, a
+  person, a place: `rlm.inference.answer_kinds`). Asked in what year a person was born, a reader that only
+  knows birthplaces answers one, from the person's own passage, and nothing above looks wrong.
 
 The policy abstains when P(correct) is below a threshold chosen on the same questions (on out-of-fold
 confidences: each from a fit that did not see the question) so that `keep` (98%) of their correct answers are
-kept, or when the best retrieval score is far below the answerable questions' (four robust standard
-deviations under their median: the question matches nothing in the corpus). It is saved as `answer_policy.json` in the
+kept, when the best retrieval score is far below the answerable questions' (four robust standard
+deviations under their median: the question matches nothing in the corpus), or when the answer is surely not
+of the kind the question asks for (a place for "in what year"). It is saved as `answer_policy.json` in the
 checkpoint folder, so `QAService` (and through it the demo and its API) and `rlm evaluate` all apply the same
 rule; `rlm calibrate` fits it.
 """
@@ -38,10 +42,11 @@ import numpy as np
 
 from atomicio import atomic_write_json
 from rlm.errors import UserError, read_json_file
+from rlm.inference.answer_kinds import AnswerKinds, asked_kind
 from rlm.inference.metrics import has_answer
 
 POLICY_FILE = "answer_policy.json"
-FEATURES = ("reader_logit", "top_score", "score_margin", "answer_in_top", "question_support")
+FEATURES = ("reader_logit", "top_score", "score_margin", "answer_in_top", "question_support", "kind_match")
 # The out-of-corpus cut: this many robust standard deviations (1.4826 x the median absolute deviation) below
 # the answerable fit questions' median best retrieval score. A low quantile of a hundred or so scores is an
 # estimate of their tail too noisy for a hard rule (at the 1% quantile, 3 of seed 2's 53 correct held-out
@@ -55,7 +60,7 @@ DEFAULT_KEEP = 0.98
 # Words a question type repeats (what, the, occupation) say nothing about whom it asks: a word in fewer than this
 # many fit questions is weighted as a rare one (names), and only the more common ones are kept in the file.
 COMMON_WORD_MIN_QUESTIONS = 2
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 def words(text: str) -> frozenset[str]:
@@ -95,6 +100,8 @@ class AnswerSignals:
     answer_in_top: bool
     question: frozenset[str] = frozenset()  # the question's words
     answer_passages: tuple[frozenset[str], ...] = ()  # the words of each passage read that holds the answer
+    answer: str = ""
+    asked: str | None = None  # the kind of answer the question asks for (`answer_kinds.asked_kind`)
 
     @classmethod
     def of(
@@ -115,15 +122,18 @@ class AnswerSignals:
             found,
             words(question),
             tuple(words(t) for t in holding),
+            answer,
+            asked_kind(question),
         )
 
-    def vector(self, question_words: QuestionWords) -> list[float]:
-        """The features in `FEATURES` order."""
+    def vector(self, question_words: QuestionWords, kinds: AnswerKinds | None = None) -> list[float]:
+        """The features in `FEATURES` order (`kinds`: what tells a name's kind; none known without it)."""
         top = self.scores[0] if len(self.scores) else 0.0
         second = self.scores[1] if len(self.scores) > 1 else top
         p = min(max(self.reader_probability, 1e-6), 1 - 1e-6)
         support = max((question_words.support(self.question, w) for w in self.answer_passages), default=0.0)
-        return [math.log(p / (1 - p)), top, top - second, float(self.answer_in_top), support]
+        kind_match = (kinds or AnswerKinds()).match(self.asked, self.answer)
+        return [math.log(p / (1 - p)), top, top - second, float(self.answer_in_top), support, kind_match]
 
 
 @dataclass
@@ -146,12 +156,14 @@ class AnswerPolicy:
     threshold: float
     min_top_score: float
     question_words: QuestionWords
+    answer_kinds: AnswerKinds = field(default_factory=AnswerKinds)
     features: tuple[str, ...] = FEATURES
     fitted_on: dict = field(default_factory=dict)  # where and how it was fitted, and what it measured there
 
     def confidence(self, signals: AnswerSignals) -> float:
         """P(correct) of an answer with these signals."""
-        x = (np.asarray(signals.vector(self.question_words)) - np.asarray(self.mean)) / np.asarray(self.scale)
+        vector = signals.vector(self.question_words, self.answer_kinds)
+        x = (np.asarray(vector) - np.asarray(self.mean)) / np.asarray(self.scale)
         z = float(x @ np.asarray(self.coef) + self.intercept)
         return 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
 
@@ -165,6 +177,8 @@ class AnswerPolicy:
                 f"{self.min_top_score:.2f}, far under what the questions the corpus answers score"
             )
             return Decision(confidence, True, reason)
+        if mismatch := self.answer_kinds.mismatch(signals.asked, signals.answer):
+            return Decision(confidence, True, f"{mismatch}, so it does not answer the question")
         if confidence < self.threshold:
             reason = (
                 f"the passages read do not support an answer: its estimated chance of being right is "
@@ -194,6 +208,7 @@ class AnswerPolicy:
         data["features"] = tuple(data["features"])
         try:
             data["question_words"] = QuestionWords(**data.get("question_words", {}))
+            data["answer_kinds"] = AnswerKinds(**data.get("answer_kinds", {}))
             return cls(**data)
         except TypeError as err:
             raise UserError(f"{path}: {err}; rerun `rlm calibrate`") from None
@@ -240,19 +255,25 @@ def fit_answer_policy(
     answerable: Sequence[bool],
     keep: float = DEFAULT_KEEP,
     fitted_on: dict | None = None,
+    gold_answers: Sequence[Sequence[str]] | None = None,
 ) -> AnswerPolicy:
     """Fit P(correct) on these answers and choose the threshold that keeps `keep` of the correct ones.
 
     `correct[i]`: the answer was right (always False for a question the corpus does not answer);
     `answerable[i]`: the corpus answers question i (the out-of-corpus cut is a low quantile of their best
-    retrieval scores). Both classes must occur among `correct`.
+    retrieval scores). Both classes must occur among `correct`. `gold_answers[i]`: question i's gold answers
+    (empty for an unanswerable one), what tells the kinds of names apart (`AnswerKinds`); without them no
+    name's kind is known.
     """
     from sklearn.linear_model import LogisticRegression
 
     if not 0.0 < keep <= 1.0:
         raise UserError(f"keep must be in (0, 1], got {keep}")
     question_words = QuestionWords.fit([s.question for s in signals])
-    x = np.asarray([s.vector(question_words) for s in signals], dtype=np.float64)
+    if gold_answers is not None and len(gold_answers) != len(signals):
+        raise ValueError("gold_answers must have one entry per question")
+    kinds = AnswerKinds.fit([s.asked for s in signals], gold_answers) if gold_answers else AnswerKinds()
+    x = np.asarray([s.vector(question_words, kinds) for s in signals], dtype=np.float64)
     y = np.asarray(correct, dtype=bool)
     able = np.asarray(answerable, dtype=bool)
     if len(x) != len(y) or len(y) != len(able):
@@ -276,6 +297,7 @@ def fit_answer_policy(
         threshold=0.0,
         min_top_score=out_of_corpus_cut(x[able, 1]),
         question_words=question_words,
+        answer_kinds=kinds,
     )
     policy.threshold = _keeping_threshold(conf, y, x[:, 1] >= policy.min_top_score, keep)
     policy.fitted_on = {**(fitted_on or {}), **_fit_report(policy, signals, conf, y, able, keep)}
