@@ -67,6 +67,48 @@ def bootstrap_se(conf: np.ndarray, correct: np.ndarray, draws: int = 500, seed: 
     return float(np.std([expected_calibration_error(conf[pick], correct[pick]) for pick in picks]))
 
 
+# Questions asking for a kind of answer the world never states (a year, a date, a number, a person) about the
+# test split's own people and organisations, in wordings neither the fit (dev) nor the test's unanswerable
+# questions use, that share words with facts the world does state ("born", "located", "work"): a reader that
+# knows only birthplaces and jobs answers them with one, from the subject's own passage.
+KIND_PROBES = {
+    "person": (
+        "When was {s} born?",
+        "What year was {s} born in?",
+        "On what date was {s} born?",
+        "Who was born in the same year as {s}?",
+        "How many years has {s} worked?",
+        "Who did {s} work with?",
+    ),
+    "org": (
+        "When was {s} located in its city?",
+        "In what year did {s} move its headquarters?",
+        "How many cities is {s} located in?",
+        "Who located {s} in its city?",
+    ),
+}
+
+
+def kind_probe_questions(test, count: int = 100, seed: int = 0):
+    """`count` questions of `KIND_PROBES` about the subjects of the test questions (a third about
+    organisations, when the world asks about any); none of them is answered by the corpus."""
+    import random
+
+    from rlm.data.qa import QAExample
+
+    subjects = {"person": [], "org": []}
+    for q in test:
+        kind = "org" if q.meta.get("type") in ("located_in", "founded_by") else "person"
+        if q.meta.get("subject") not in subjects[kind]:
+            subjects[kind].append(q.meta["subject"])
+    rng, out = random.Random(seed), []
+    for n in range(count):
+        kind = "org" if subjects["org"] and (not subjects["person"] or n % 3 == 0) else "person"
+        question = rng.choice(KIND_PROBES[kind]).format(s=rng.choice(subjects[kind]))
+        out.append(QAExample(f"kind-probe-{n}", question, [], [], {"type": "kind_probe"}))
+    return out
+
+
 def policy_rows(checkpoint: Path, world: Path, outside: Path | None, num_out: int, k) -> tuple[dict, list]:
     from app.qa import QAService
     from rlm.data.qa import load_qa_dataset, read_qa_jsonl
@@ -103,6 +145,16 @@ def policy_rows(checkpoint: Path, world: Path, outside: Path | None, num_out: in
         float(np.mean([r["abstained"] for r in other])) if other else None
     )
     rows["unstated_fact_of_a_kind_never_asked_questions"] = len(other)
+    probes = kind_probe_questions(test)
+    probed = answer_all(service, probes, k)
+    rows["abstained_held_out_wordings_of_a_kind_never_asked"] = float(
+        np.mean([r["abstained"] for r in probed])
+    )
+    rows["held_out_wordings_answered"] = [
+        {"question": q.question, "answer": r["best_guess"], "confidence": r["confidence"]}
+        for r, q in zip(probed, probes)
+        if not r["abstained"]
+    ]
     rows["unstated_fact_answered"] = [
         {"question": q.question, "answer": r["best_guess"], "confidence": r["confidence"]}
         for r, q in unstated
