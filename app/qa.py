@@ -62,6 +62,7 @@ class QAService:
         load_policy: bool = True,
         device=None,
         bf16: bool = False,
+        index_search: dict[str, int] | None = None,
     ) -> QAService:
         """Load reader + retriever from `checkpoint` onto `device` (None: the accelerator when there is one),
         the corpus from `corpus_path` or the run's config. `bf16`: answer (and embed the corpus) under bf16
@@ -80,6 +81,7 @@ class QAService:
         corrector's weights and the buffer's fingerprints. `load_policy=False` ignores the checkpoint's answer
         policy (what `rlm calibrate` does before it fits a new one, which may replace an unreadable one). The
         index is on the GPU when the models are and faiss sees one (`rlm.inference.evaluation.index_on_gpu`).
+        `index_search`: faiss search parameters (e.g. {"nprobe": 64}) over those saved with a prebuilt index.
         """
         from rlm.inference import evaluation
 
@@ -91,7 +93,10 @@ class QAService:
         retriever.eval()
         reader.eval()
         if index_path is not None:
-            index = evaluation.load_index_for(index_path, corpus.ids, use_gpu=evaluation.index_on_gpu(device))
+            use_gpu = evaluation.index_on_gpu(device)
+            index = evaluation.load_index_for(
+                index_path, corpus.ids, use_gpu=use_gpu, search_params=index_search
+            )
         elif corrected_buffer:
             index = cached_corrected_index(root, corpus, buffer_path, device, show_progress)
         else:

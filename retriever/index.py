@@ -5,6 +5,13 @@ The index type is a faiss `index_factory` string ("Flat" exact by default; e.g. 
 index is moved there: a lone process replicates it on every GPU, one rank of a multi-process (DDP) job only on
 its own; types faiss has no GPU version of (HNSW, bare PQ) stay on CPU with a warning. Saving writes a CPU copy.
 
+Approximate types are only as good as their search parameters, and faiss's defaults are the cheapest ones
+(IVF probes 1 list, HNSW explores 16 candidates: an IVF256 index over the quickstart's corpus found the answering
+passage for half the questions a Flat one found it for). So `tune` chooses them for a target recall against
+exact search on a sample of the indexed rows, `save` writes them to `index.json`, `load` applies them, and a
+caller may override them (`search_params`). Searches of an index on a GPU are serialised by a lock: faiss's
+`StandardGpuResources` are not thread-safe, and the demo answers two batches at once.
+
 faiss comes from an extra (`rlm-corrector[cpu]` or `[gpu]`: both provide the `faiss` module, so not a core
 dependency) and is imported on first use, so the project imports without it.
 """
@@ -12,8 +19,10 @@ dependency) and is imported on first use, so the project imports without it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +39,9 @@ IDS_NAME = "ids.txt"
 META_NAME = "index.json"
 INDEX_FILES = (INDEX_NAME, IDS_NAME, META_NAME)  # all that `save` writes
 ADD_ROWS = 65_536  # rows per `add`, so that building a 21M-passage index reports its progress
+# What `tune` aims for by default: the share of exact search's top-k that the index finds.
+DEFAULT_TARGET_RECALL = 0.95
+EF_SEARCH_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def _faiss():
@@ -98,7 +110,14 @@ class PassageIndex:
     `on_gpu` says `index` is a GPU clone (one GPU, or `IndexReplicas`/`IndexShards` over several).
     """
 
-    def __init__(self, index, ids: Sequence[str], factory: str, on_gpu: bool = False):
+    def __init__(
+        self,
+        index,
+        ids: Sequence[str],
+        factory: str,
+        on_gpu: bool = False,
+        search_params: dict[str, int] | None = None,
+    ):
         if index.ntotal != len(ids):
             raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
         self.index = index
@@ -107,6 +126,11 @@ class PassageIndex:
         self.ids = ids if isinstance(ids, list | IdSequence) else list(ids)
         self.factory = factory
         self.on_gpu = on_gpu
+        self.search_params: dict[str, int] = {}
+        self.tuning: dict = {}  # how `tune` chose `search_params` (saved with them)
+        self._gpu_lock = threading.Lock()
+        if search_params:
+            self.set_search_params(search_params)
 
     @property
     def ntotal(self) -> int:
@@ -183,17 +207,104 @@ class PassageIndex:
             raise InputError(f"faiss cannot build index type {factory!r} for dim {dim}: {err}") from err
         return _to_gpu(index, use_gpu)
 
+    def tunable_parameter(self) -> str | None:
+        """The search parameter that trades speed for recall in this index type: `nprobe` (IVF: lists
+        probed), `efSearch` (HNSW: candidates explored), or None (exact or nothing to tune)."""
+        if "IVF" in self.factory:
+            return "nprobe"
+        if "HNSW" in self.factory:
+            return "efSearch"
+        return None
+
+    def set_search_params(self, params: dict[str, int]) -> None:
+        """Apply faiss search parameters (e.g. {"nprobe": 32}); an unknown one for this index type is refused."""
+        faiss = _faiss()
+        # A GpuIndexIVF is no IndexIVF: only GpuParameterSpace (GPU builds) reaches its nprobe.
+        space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
+        for name, value in params.items():
+            try:
+                space.set_index_parameter(self.index, name, int(value))
+            except RuntimeError as err:
+                raise InputError(f"faiss index {self.factory!r} has no search parameter {name!r}") from err
+            self.search_params[name] = int(value)
+
+    def tune(
+        self,
+        rows,
+        target_recall: float = DEFAULT_TARGET_RECALL,
+        k: int = 100,
+        queries: int = 1000,
+        seed: int = 0,
+    ) -> dict:
+        """Choose the smallest value of `tunable_parameter` whose recall@k against exact search reaches
+        `target_recall`, on `queries` of the indexed `rows` (a `PassageBuffer` or an [N, D] array, the
+        vectors this index holds) used as queries; the largest value tried when none does (with a warning).
+        Applies it and returns what was measured (also kept in `tuning`, saved with the index)."""
+        import torch
+
+        from retriever.buffer import PassageBuffer
+        from retriever.search import corrected_topk
+
+        name = self.tunable_parameter()
+        if name is None:
+            return {}
+        if not 0.0 < target_recall <= 1.0:
+            raise InputError(f"target recall must be in (0, 1], got {target_recall}")
+        if not isinstance(rows, PassageBuffer):
+            rows = PassageBuffer(range(len(rows)), [torch.from_numpy(_as_float32(rows))])
+        rng = np.random.default_rng(seed)
+        picked = np.sort(rng.choice(len(rows), min(queries, len(rows)), replace=False))
+        sample = rows.rows(torch.from_numpy(picked)).float()
+        k = min(k, self.ntotal)
+        exact = corrected_topk(sample, rows, None, k).indices.numpy()
+        sample = sample.numpy()
+        measured = {}
+        for value in self._values(name):
+            self.set_search_params({name: value})
+            _, found = self.search_rows(sample, k)
+            hits = (found[:, :, None] == exact[:, None, :]).any(-1) & (found >= 0)
+            measured[value] = float(hits.sum(-1).mean() / k)
+            if measured[value] >= target_recall:
+                break
+        chosen = value
+        if measured[chosen] < target_recall:
+            warnings.warn(
+                f"{self.factory}: recall@{k} {measured[chosen]:.3f} at {name}={chosen}, the most tried, is "
+                f"below the target {target_recall}",
+                stacklevel=2,
+            )
+        self.tuning = {
+            "parameter": name,
+            "value": chosen,
+            "target_recall": target_recall,
+            "k": k,
+            "queries": len(sample),
+            "recall": measured[chosen],
+            "tried": {str(v): r for v, r in measured.items()},
+        }
+        return self.tuning
+
+    def _values(self, name: str) -> list[int]:
+        if name == "efSearch":
+            return list(EF_SEARCH_VALUES)
+        ivf = self.index if hasattr(self.index, "nlist") else _faiss().extract_index_ivf(self.index)
+        lists = int(ivf.nlist)
+        return [2**i for i in range(int(math.log2(max(1, lists))) + 1)] + (
+            [lists] if lists & (lists - 1) else []
+        )
+
     def search_rows(
         self, queries: np.ndarray, k: int, nprobe: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Scores [B, k] and row positions [B, k] (int64; -1 where the index found fewer than k)."""
+        """Scores [B, k] and row positions [B, k] (int64; -1 where the index found fewer than k). `nprobe`
+        sets that search parameter first (kept for later searches)."""
         queries = _as_float32(queries, self.dim)
         if nprobe is not None:
-            faiss = _faiss()
-            # A GpuIndexIVF is no IndexIVF: only GpuParameterSpace (GPU builds) reaches its nprobe.
-            space = faiss.GpuParameterSpace() if self.on_gpu else faiss.ParameterSpace()
-            space.set_index_parameter(self.index, "nprobe", nprobe)
-        return self.index.search(queries, min(k, self.ntotal))
+            self.set_search_params({"nprobe": nprobe})
+        if not self.on_gpu:
+            return self.index.search(queries, min(k, self.ntotal))
+        with self._gpu_lock:
+            return self.index.search(queries, min(k, self.ntotal))
 
     def search(
         self, queries: np.ndarray, k: int, nprobe: int | None = None
@@ -218,11 +329,15 @@ class PassageIndex:
             faiss.write_index(index, str(tmp / INDEX_NAME))
             atomic_write_bytes(tmp / IDS_NAME, lines)
             meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
+            meta |= {"search_params": self.search_params, "tuning": self.tuning}
             atomic_write_text(tmp / META_NAME, json.dumps(meta, indent=2))
 
     @classmethod
-    def load(cls, path: str | os.PathLike, use_gpu: bool | None = None) -> PassageIndex:
-        """Read a folder written by `save`."""
+    def load(
+        cls, path: str | os.PathLike, use_gpu: bool | None = None, search_params: dict[str, int] | None = None
+    ) -> PassageIndex:
+        """Read a folder written by `save`, with the search parameters saved there (`tune`'s) and then
+        `search_params` over them."""
         folder = Path(path)
         if not (folder / INDEX_NAME).exists():
             raise FileNotFoundError(
@@ -235,4 +350,8 @@ class PassageIndex:
             ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
         except ValueError as err:
             raise InputError(f"{folder / IDS_NAME} has {err}, index.json says {meta['count']}") from None
-        return cls(index, ids, meta["factory"], on_gpu)
+        loaded = cls(
+            index, ids, meta["factory"], on_gpu, {**meta.get("search_params", {}), **(search_params or {})}
+        )
+        loaded.tuning = meta.get("tuning", {})
+        return loaded

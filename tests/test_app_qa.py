@@ -207,6 +207,14 @@ def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tmp_path
     service.index.save(prebuilt)
     reused = QAService.from_checkpoint(final, index_path=prebuilt)
     assert reused.index.ids == service.index.ids
+    # A compressed index keeps its tuned search parameters; the service's own override wins.
+    embeddings = np.stack([service.index.index.reconstruct(i) for i in range(service.index.ntotal)])
+    ivf = PassageIndex.build(embeddings, service.index.ids, factory="IVF8,Flat")
+    ivf.set_search_params({"nprobe": 4})
+    ivf.save(tmp_path / "ivf")
+    assert QAService.from_checkpoint(final, index_path=tmp_path / "ivf").index.search_params == {"nprobe": 4}
+    wider = QAService.from_checkpoint(final, index_path=tmp_path / "ivf", index_search={"nprobe": 8})
+    assert wider.index.search_params == {"nprobe": 8}
 
     other = PassageIndex.build(np.eye(3, service.index.dim, dtype=np.float32), ["a", "b", "c"])
     other.save(tmp_path / "other")

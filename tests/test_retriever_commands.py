@@ -80,3 +80,26 @@ def test_index_from_npy_and_user_errors(tmp_path, capsys):
         == 2
     )
     assert "packaged default" in capsys.readouterr().err
+
+
+def test_rlm_index_tunes_an_ivf_search_for_the_target_recall_or_takes_the_users(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((3000, 16)).astype(np.float32)
+    np.save(tmp_path / "emb.npy", emb / np.linalg.norm(emb, axis=1, keepdims=True))
+    (tmp_path / "ids.txt").write_text("".join(f"p{i}\n" for i in range(3000)))
+    args = ["index", "--embeddings", str(tmp_path / "emb.npy"), "--ids", str(tmp_path / "ids.txt")]
+    args += ["--factory", "IVF32,Flat", "--tune-k", "10", "--tune-queries", "200"]
+    assert main([*args, "--out", str(tmp_path / "tuned"), "--target-recall", "0.9"]) == 0
+    out = capsys.readouterr().out
+    tuned = PassageIndex.load(tmp_path / "tuned")
+    assert tuned.tuning["recall"] >= 0.9 and tuned.search_params["nprobe"] > 1
+    assert f"nprobe={tuned.search_params['nprobe']} gives recall@10" in out
+    assert main([*args, "--out", str(tmp_path / "fixed"), "--nprobe", "3"]) == 0
+    assert PassageIndex.load(tmp_path / "fixed").search_params == {"nprobe": 3}
+    assert main([*args, "--out", str(tmp_path / "bare"), "--target-recall", "0"]) == 0
+    assert PassageIndex.load(tmp_path / "bare").search_params == {}  # faiss's defaults, as asked
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "bad"), "--nprobe", "0"]) == 2
+    assert "--nprobe must be at least 1" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "bad"), "--ef-search", "64"]) == 2
+    assert "no search parameter 'efSearch'" in capsys.readouterr().err

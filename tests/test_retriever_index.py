@@ -81,3 +81,42 @@ def test_two_stage_auto_index_is_ivf_with_fp16_storage_and_ranks_like_flat():
     np.testing.assert_allclose(sq_scores, flat_scores, atol=5e-4)
     same = np.mean([len(set(a) & set(b)) / 20 for a, b in zip(sq_rows.tolist(), flat_rows.tolist())])
     assert same >= 0.95
+
+
+def recall_at(index, queries, exact, k):
+    _, found = index.search_rows(queries, k)
+    return float((found[:, :, None] == exact[:, None, :]).any(-1).sum(-1).mean() / k)
+
+
+def test_search_parameters_are_tuned_for_a_target_recall_saved_and_applied_on_load(tmp_path):
+    emb = unit_vectors(4000, 32, 5)
+    queries = unit_vectors(200, 32, 6)
+    exact = np.argsort(-(queries @ emb.T), axis=1)[:, :10]
+    index = PassageIndex.build(emb, [f"p{i}" for i in range(4000)], factory="IVF64,Flat")
+    # faiss's default probes one list of 64: most of the true neighbours are missed.
+    assert index.tunable_parameter() == "nprobe" and recall_at(index, queries, exact, 10) < 0.5
+    tuning = index.tune(emb, target_recall=0.9, k=10, queries=300)
+    assert tuning["parameter"] == "nprobe" and tuning["recall"] >= 0.9 and tuning["k"] == 10
+    nprobe = tuning["value"]
+    assert 1 < nprobe < 64 and index.search_params == {"nprobe": nprobe}
+    assert all(r < 0.9 for v, r in tuning["tried"].items() if int(v) < nprobe)  # the smallest that reaches it
+    assert recall_at(index, queries, exact, 10) >= 0.85  # new queries, not the tuning sample
+    index.save(tmp_path / "idx")
+    loaded = PassageIndex.load(tmp_path / "idx")
+    assert loaded.search_params == {"nprobe": nprobe} and loaded.tuning["recall"] == tuning["recall"]
+    assert (loaded.search_rows(queries, 10)[1] == index.search_rows(queries, 10)[1]).all()
+    # A caller's choice wins over the saved one.
+    cheap = PassageIndex.load(tmp_path / "idx", search_params={"nprobe": 1})
+    assert cheap.search_params == {"nprobe": 1} and recall_at(cheap, queries, exact, 10) < 0.5
+    with pytest.raises(ValueError, match="no search parameter 'efSearch'"):
+        PassageIndex.load(tmp_path / "idx", search_params={"efSearch": 64})
+
+
+def test_hnsw_tunes_ef_search_and_exact_indexes_have_nothing_to_tune():
+    emb = unit_vectors(3000, 32, 7)
+    hnsw = PassageIndex.build(emb, [str(i) for i in range(3000)], factory="HNSW8")
+    tuning = hnsw.tune(emb, target_recall=0.99, k=20, queries=200)
+    assert tuning["parameter"] == "efSearch" and hnsw.search_params == {"efSearch": tuning["value"]}
+    assert tuning["recall"] >= 0.99 or tuning["value"] == 2048
+    flat = PassageIndex.build(emb, [str(i) for i in range(3000)])
+    assert flat.tunable_parameter() is None and flat.tune(emb) == {} and flat.search_params == {}

@@ -194,3 +194,31 @@ def test_without_faiss_the_module_imports_and_using_an_index_says_what_to_instal
     spec.loader.exec_module(module)
     with pytest.raises(ImportError, match=r"rlm-corrector\[cpu\].*rlm-corrector\[gpu\]"):
         module.PassageIndex.build(EMB, IDS)
+
+
+def test_searches_of_a_gpu_index_from_two_threads_never_overlap(monkeypatch):
+    """faiss's StandardGpuResources are not thread-safe, and the demo answers two batches at once."""
+    import threading
+    import time
+
+    FakeGpu(monkeypatch, ngpu=1)
+    index = PassageIndex.build(EMB, IDS, use_gpu=True)
+    assert index.on_gpu
+    inside, overlaps, search = [0], [], index.index.search
+
+    def one_at_a_time(queries, k):
+        inside[0] += 1
+        overlaps.append(inside[0] > 1)
+        time.sleep(0.02)
+        inside[0] -= 1
+        return search(queries, k)
+
+    monkeypatch.setattr(index.index, "search", one_at_a_time, raising=False)
+    threads = [
+        threading.Thread(target=lambda: [index.search(QUERIES, 3) for _ in range(5)]) for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(overlaps) == 10 and not any(overlaps)

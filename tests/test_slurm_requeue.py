@@ -24,7 +24,9 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "configs" / "slurm" / "train_multinode.sbatch"
 JOB = "4242"
 SHUTDOWN_S = 0.5  # the stand-in torchrun's grace between forwarding a signal and SIGKILL (torchrun's 30 s)
-CHECKPOINT_S = 2.0  # the stand-in training's last step and checkpoint after a stop signal: longer than the grace
+CHECKPOINT_S = (
+    2.0  # the stand-in training's last step and checkpoint after a stop signal: longer than the grace
+)
 
 SRUN = """#!/bin/bash
 # srun: this node's task (node 0) in a process group of its own; a signal srun gets goes to that group.
@@ -45,7 +47,7 @@ exit "$status"
 
 SCONTROL = """#!/bin/bash
 case "$1 ${2:-}" in
-  "show hostnames") echo node-a; echo node-b ;;
+  "show hostnames") printf 'node-a\nnode-b\n' ;;
   requeue*) echo "requeue $2" >> "$STANDIN/requeued" ;;
   *) echo "scontrol stand-in: unexpected: $*" >&2; exit 1 ;;
 esac

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlm.commands.evaluate import add_device_arguments
+from rlm.commands.index import add_search_arguments, search_params
 from rlm.errors import UserError
 
 
@@ -29,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--buffer", help="with --corrected-buffer: the run's buffer folder (default: its config)"
     )
+    add_search_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=7860, help="port to serve on")
     parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
@@ -55,6 +57,7 @@ def start_demo(
     device: str | None = None,
     bf16: bool = False,
     show_progress: bool = True,
+    index_search: dict[str, int] | None = None,
 ):
     """Load the checkpoint onto `device` (None: the accelerator when there is one) and serve its page without
     blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted."""
@@ -73,6 +76,10 @@ def start_demo(
         raise UserError("--index and --corrected-buffer exclude each other: pick one index")
     if buffer is not None and not corrected_buffer:
         raise UserError("--buffer only goes with --corrected-buffer")
+    if index_search and index is None:
+        raise UserError(
+            "--nprobe and --ef-search go with --index (a prebuilt index; the demo's own is exact)"
+        )
     service = QAService.from_checkpoint(
         checkpoint,
         corpus,
@@ -83,6 +90,7 @@ def start_demo(
         buffer_path=buffer,
         device=device,
         bf16=bf16,
+        index_search=index_search,
     )
     from app.demo import serve  # gradio takes seconds to import: only once loading worked
 
@@ -105,5 +113,6 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         bf16=args.bf16,
         show_progress=not args.no_progress,
+        index_search=search_params(args),
     )
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlm.commands.index import add_search_arguments, search_params
 from rlm.errors import UserError, check_output_folder
 
 
@@ -32,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
     )
+    add_search_arguments(parser)
     parser.add_argument(
         "--save-index",
         help="save the index built here to this folder for reuse (a folder holding other files is refused)",
@@ -163,6 +165,10 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
     use_gpu = evaluation.index_on_gpu(device)
     if args.buffer and args.index != "corrected":
         raise UserError("--buffer only goes with --index corrected")
+    if search_params(args) and args.index in (None, "corrected"):
+        raise UserError(
+            "--nprobe and --ef-search go with --index DIR (a prebuilt index; the others are exact)"
+        )
     if args.index == "corrected" and retriever is not None:
         from rlm.inference.corrected_index import corrected_index
 
@@ -177,7 +183,9 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
         if args.save_index:
             index.save(args.save_index)
     elif args.index and retriever is not None:
-        index = evaluation.load_index_for(args.index, corpus.ids, use_gpu=use_gpu)
+        index = evaluation.load_index_for(
+            args.index, corpus.ids, use_gpu=use_gpu, search_params=search_params(args)
+        )
     elif args.save_index and retriever is not None:
         embeddings = evaluation.embed_corpus(
             retriever.passage_tower, corpus.retrieval_texts(), show_progress=progress

@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from retriever.index import DEFAULT_TARGET_RECALL
 from rlm.errors import UserError, check_output_folder
 
 
@@ -30,6 +31,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--gpu", dest="use_gpu", action="store_const", const=True, help="require a faiss GPU")
     gpu.add_argument("--cpu", dest="use_gpu", action="store_const", const=False, help="stay on CPU")
     parser.add_argument("--train-sample", type=int, default=262_144, help="vectors used to train IVF/PQ")
+    add_search_arguments(parser)
+    parser.add_argument(
+        "--target-recall",
+        type=float,
+        default=DEFAULT_TARGET_RECALL,
+        help="IVF and HNSW types: choose nprobe / efSearch as the smallest whose recall@--tune-k against exact "
+        "search reaches this, on --tune-queries of the indexed rows; saved with the index and applied when it "
+        "is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it",
+    )
+    parser.add_argument("--tune-k", type=int, default=100, help="the k of the recall the search is tuned for")
+    parser.add_argument("--tune-queries", type=int, default=1000, help="indexed rows used as tuning queries")
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """--nprobe / --ef-search: faiss search parameters over the ones saved with an index."""
+    parser.add_argument("--nprobe", type=int, help="IVF index: inverted lists probed per query")
+    parser.add_argument("--ef-search", type=int, help="HNSW index: candidates explored per query")
+
+
+def search_params(args: argparse.Namespace) -> dict[str, int]:
+    """The search parameters named on the command line, as faiss calls them."""
+    named = {"nprobe": args.nprobe, "efSearch": args.ef_search}
+    for name, value in named.items():
+        if value is not None and value < 1:
+            raise UserError(
+                f"--{'ef-search' if name == 'efSearch' else name} must be at least 1, got {value}"
+            )
+    return {name: value for name, value in named.items() if value is not None}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,11 +68,14 @@ def run(args: argparse.Namespace) -> int:
     from retriever.index import INDEX_FILES, PassageIndex
 
     check_output_folder(args.out, INDEX_FILES, "rlm index")  # saving replaces the folder whole
+    if not 0.0 <= args.target_recall <= 1.0:
+        raise UserError(f"--target-recall must be in [0, 1], got {args.target_recall}")
+    fixed = search_params(args)
     started = time.perf_counter()
     if args.buffer:
-        buffer = PassageBuffer.load(args.buffer)
+        rows = PassageBuffer.load(args.buffer)
         index = PassageIndex.from_buffer(
-            buffer, args.factory, use_gpu=args.use_gpu, train_sample=args.train_sample
+            rows, args.factory, use_gpu=args.use_gpu, train_sample=args.train_sample
         )
     else:
         if not args.ids:
@@ -51,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         for path in (args.embeddings, args.ids):
             if not Path(path).exists():
                 raise FileNotFoundError(f"{path} does not exist")
-        embeddings = np.load(args.embeddings, mmap_mode="r")
+        embeddings = rows = np.load(args.embeddings, mmap_mode="r")
         ids = Path(args.ids).read_text(encoding="utf-8").splitlines()
         if len(ids) != embeddings.shape[0]:
             raise UserError(
@@ -60,7 +92,21 @@ def run(args: argparse.Namespace) -> int:
         index = PassageIndex.build(
             embeddings, ids, args.factory, use_gpu=args.use_gpu, train_sample=args.train_sample
         )
+    tunable = index.tunable_parameter()
+    if fixed:
+        index.set_search_params(fixed)
+    elif tunable and args.target_recall > 0:
+        tuning = index.tune(rows, args.target_recall, k=args.tune_k, queries=args.tune_queries)
+        print(
+            f"search tuned: {tuning['parameter']}={tuning['value']} gives recall@{tuning['k']} "
+            f"{tuning['recall']:.3f} against exact search on {tuning['queries']} indexed rows "
+            f"(target {args.target_recall})"
+        )
     index.save(args.out)
     seconds = time.perf_counter() - started
-    print(f"index {args.out}: {index.ntotal} vectors x {index.dim}, {args.factory}, built in {seconds:.1f} s")
+    params = ", ".join(f"{k}={v}" for k, v in index.search_params.items()) or "no search parameters"
+    print(
+        f"index {args.out}: {index.ntotal} vectors x {index.dim}, {args.factory}, {params}, built in "
+        f"{seconds:.1f} s"
+    )
     return 0

@@ -180,16 +180,21 @@ def build_index(
     return PassageIndex.build(embeddings, ids, factory=factory, use_gpu=use_gpu, show_progress=show_progress)
 
 
-def load_index_for(index_dir: str | os.PathLike, corpus_ids: Sequence[str], use_gpu: bool | None = None):
+def load_index_for(
+    index_dir: str | os.PathLike,
+    corpus_ids: Sequence[str],
+    use_gpu: bool | None = None,
+    search_params: dict[str, int] | None = None,
+):
     """Load a saved `PassageIndex` and refuse it when its passage ids are not the corpus's, row for row.
 
     Only ids are compared: an index built over a same-id corpus with different texts is not detected.
-    `use_gpu`: as for `build_index`.
+    `use_gpu`: as for `build_index`; `search_params` (e.g. {"nprobe": 64}) over the ones saved with it.
     """
     from retriever.ids import first_mismatch
     from retriever.index import PassageIndex
 
-    index = PassageIndex.load(index_dir, use_gpu=use_gpu)
+    index = PassageIndex.load(index_dir, use_gpu=use_gpu, search_params=search_params)
     if index.ntotal != len(corpus_ids):
         raise UserError(
             f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
