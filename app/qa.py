@@ -95,7 +95,12 @@ class QAService:
         if index_path is not None:
             use_gpu = evaluation.index_on_gpu(device)
             index = evaluation.load_index_for(
-                index_path, corpus.ids, use_gpu=use_gpu, search_params=index_search
+                index_path,
+                corpus.ids,
+                use_gpu=use_gpu,
+                search_params=index_search,
+                passage_tower=retriever.passage_tower,
+                corpus_fingerprint=corpus.fingerprint,
             )
         elif corrected_buffer:
             index = cached_corrected_index(root, corpus, buffer_path, device, show_progress)

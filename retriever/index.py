@@ -39,6 +39,9 @@ IDS_NAME = "ids.txt"
 META_NAME = "index.json"
 INDEX_FILES = (INDEX_NAME, IDS_NAME, META_NAME)  # all that `save` writes
 ADD_ROWS = 65_536  # rows per `add`, so that building a 21M-passage index reports its progress
+# What an index built from a buffer records of it, so that a consumer can refuse an index of another encoder or
+# corpus (an index of the run's stale buffer is not the trained tower's).
+PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "precision")
 # What `tune` aims for by default: the share of exact search's top-k that the index finds.
 DEFAULT_TARGET_RECALL = 0.95
 EF_SEARCH_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -128,6 +131,7 @@ class PassageIndex:
         self.on_gpu = on_gpu
         self.search_params: dict[str, int] = {}
         self.tuning: dict = {}  # how `tune` chose `search_params` (saved with them)
+        self.provenance: dict = {}  # the buffer's encoder and corpus fingerprints (`from_buffer`), saved
         self._gpu_lock = threading.Lock()
         if search_params:
             self.set_search_params(search_params)
@@ -196,7 +200,9 @@ class PassageIndex:
             for _, chunk in buffer.iter_chunks(chunk_size):
                 index.add(_as_float32(chunk.float().cpu().numpy()))
                 bar.update(chunk.shape[0])
-        return cls(index, buffer.ids, factory, on_gpu)
+        built = cls(index, buffer.ids, factory, on_gpu)
+        built.provenance = {key: buffer.meta[key] for key in PROVENANCE_KEYS if key in buffer.meta}
+        return built
 
     @staticmethod
     def _empty(dim: int, factory: str, use_gpu: bool | None):
@@ -329,7 +335,7 @@ class PassageIndex:
             faiss.write_index(index, str(tmp / INDEX_NAME))
             atomic_write_bytes(tmp / IDS_NAME, lines)
             meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
-            meta |= {"search_params": self.search_params, "tuning": self.tuning}
+            meta |= {"search_params": self.search_params, "tuning": self.tuning, **self.provenance}
             atomic_write_text(tmp / META_NAME, json.dumps(meta, indent=2))
 
     @classmethod
@@ -354,4 +360,5 @@ class PassageIndex:
             index, ids, meta["factory"], on_gpu, {**meta.get("search_params", {}), **(search_params or {})}
         )
         loaded.tuning = meta.get("tuning", {})
+        loaded.provenance = {key: meta[key] for key in PROVENANCE_KEYS if key in meta}
         return loaded

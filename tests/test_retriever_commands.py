@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
+import torch
 
 from retriever.buffer import PassageBuffer
 from retriever.encoder import SentenceEncoder, default_retriever_path
@@ -103,3 +105,37 @@ def test_rlm_index_tunes_an_ivf_search_for_the_target_recall_or_takes_the_users(
     assert "--nprobe must be at least 1" in capsys.readouterr().err
     assert main([*args, "--out", str(tmp_path / "bad"), "--ef-search", "64"]) == 2
     assert "no search parameter 'efSearch'" in capsys.readouterr().err
+
+
+def test_a_trained_tower_is_embedded_at_its_own_length_and_its_index_refuses_another_encoder(
+    tmp_path, capsys
+):
+    from retriever.encoder import DualEncoder
+    from rlm.data.corpus import load_corpus
+    from rlm.errors import UserError
+    from rlm.inference.evaluation import load_index_for
+
+    corpus_file = write_corpus(tmp_path / "corpus.jsonl")
+    trained = DualEncoder.from_pretrained(default_retriever_path(), max_length=24)
+    trained.save_pretrained(tmp_path / "retriever")  # what a run saves: query_tower/ and passage_tower/
+    assert main(["embed", "--corpus", str(corpus_file), "--encoder", str(tmp_path / "retriever"), "--out", str(tmp_path / "b"), "--no-progress"]) == 0  # fmt: skip
+    assert "at max length 24" in capsys.readouterr().out
+    assert PassageBuffer.load(tmp_path / "b").meta["max_length"] == 24
+    assert main(["index", "--buffer", str(tmp_path / "b"), "--out", str(tmp_path / "i")]) == 0
+    corpus = load_corpus(corpus_file)
+    tower = trained.passage_tower
+    index = load_index_for(
+        tmp_path / "i", corpus.ids, passage_tower=tower, corpus_fingerprint=corpus.fingerprint
+    )
+    assert index.provenance["max_length"] == 24
+    # The same weights at another length, other weights (a run's stale buffer), another corpus: refused.
+    tower.max_length = 128
+    with pytest.raises(UserError, match="another encoder .* max length 24"):
+        load_index_for(tmp_path / "i", corpus.ids, passage_tower=tower)
+    tower.max_length = 24
+    with torch.no_grad():
+        next(tower.parameters()).add_(0.01)
+    with pytest.raises(UserError, match="another encoder"):
+        load_index_for(tmp_path / "i", corpus.ids, passage_tower=tower)
+    with pytest.raises(UserError, match="built for corpus jsonl:sha256:"):
+        load_index_for(tmp_path / "i", corpus.ids, corpus_fingerprint="jsonl:sha256:0000")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -34,9 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-length",
         type=int,
-        default=RetrieverConfig.passage_max_length,
+        default=None,
         help="passage token limit; must equal the run's retriever.passage_max_length for rlm train to accept "
-        "the buffer (default: that config default)",
+        "the buffer (default: the length a trained dual encoder's passage tower was saved with, e.g. "
+        "<checkpoint>/retriever; for any other encoder the config default, "
+        f"{RetrieverConfig.passage_max_length})",
     )
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="storage dtype")
     parser.add_argument("--shard-size", type=int, default=100_000, help="rows per .npy shard")
@@ -56,9 +59,16 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"corpus file {args.corpus} does not exist")
     corpus = load_corpus(args.corpus, fmt=args.format)
     encoder_path = args.encoder or default_retriever_path()
+    max_length = args.max_length
     if (Path(encoder_path) / "passage_tower").is_dir():
         encoder_path = str(Path(encoder_path) / "passage_tower")
-    encoder = SentenceEncoder.from_pretrained(encoder_path, max_length=args.max_length)
+        # A trained tower embeds at the length it was trained at (GTR cut at 128 of its 256 would not be it).
+        saved = Path(encoder_path) / "sentence_bert_config.json"
+        if max_length is None and saved.is_file():
+            max_length = int(json.loads(saved.read_text())["max_seq_length"])
+    if max_length is None:
+        max_length = RetrieverConfig.passage_max_length
+    encoder = SentenceEncoder.from_pretrained(encoder_path, max_length=max_length)
     import torch
 
     accelerator = None
@@ -92,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if accelerator is None or accelerator.is_main_process:
         print(
             f"buffer {args.out}: {len(buffer)} passages x {buffer.dim} ({args.dtype}) from {encoder_path} "
-            f"in {seconds:.1f} s; encoder {buffer.meta['encoder_fingerprint']}, "
+            f"at max length {max_length} in {seconds:.1f} s; encoder {buffer.meta['encoder_fingerprint']}, "
             f"corpus {buffer.meta['corpus_fingerprint']}"
         )
     return 0

@@ -184,7 +184,12 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
             index.save(args.save_index)
     elif args.index and retriever is not None:
         index = evaluation.load_index_for(
-            args.index, corpus.ids, use_gpu=use_gpu, search_params=search_params(args)
+            args.index,
+            corpus.ids,
+            use_gpu=use_gpu,
+            search_params=search_params(args),
+            passage_tower=retriever.passage_tower,
+            corpus_fingerprint=getattr(corpus, "fingerprint", None),
         )
     elif args.save_index and retriever is not None:
         embeddings = evaluation.embed_corpus(

@@ -185,16 +185,39 @@ def load_index_for(
     corpus_ids: Sequence[str],
     use_gpu: bool | None = None,
     search_params: dict[str, int] | None = None,
+    passage_tower=None,
+    corpus_fingerprint: str | None = None,
 ):
-    """Load a saved `PassageIndex` and refuse it when its passage ids are not the corpus's, row for row.
-
-    Only ids are compared: an index built over a same-id corpus with different texts is not detected.
+    """Load a saved `PassageIndex` and refuse it when its passage ids are not the corpus's, row for row, or
+    when it records (built from a buffer: `rlm embed` then `rlm index --buffer`) another encoder than
+    `passage_tower` (weights and max length) or another corpus than `corpus_fingerprint`. An index built from
+    bare embeddings records neither, and only its ids are compared.
     `use_gpu`: as for `build_index`; `search_params` (e.g. {"nprobe": 64}) over the ones saved with it.
     """
     from retriever.ids import first_mismatch
     from retriever.index import PassageIndex
 
     index = PassageIndex.load(index_dir, use_gpu=use_gpu, search_params=search_params)
+    recorded = index.provenance
+    if passage_tower is not None and recorded.get("encoder_fingerprint") not in (
+        None,
+        passage_tower.fingerprint(),
+    ):
+        length = recorded.get("max_length")
+        raise UserError(
+            f"index {index_dir} was built from embeddings of another encoder (fingerprint "
+            f"{recorded['encoder_fingerprint']}, max length {length}) than this checkpoint's passage tower "
+            f"({passage_tower.fingerprint()}, max length {passage_tower.max_length}): embed the corpus with "
+            "`rlm embed --encoder <checkpoint>/retriever` and index that"
+        )
+    if corpus_fingerprint is not None and recorded.get("corpus_fingerprint") not in (
+        None,
+        corpus_fingerprint,
+    ):
+        raise UserError(
+            f"index {index_dir} was built for corpus {recorded['corpus_fingerprint']}, not this one "
+            f"({corpus_fingerprint}); rebuild it for this corpus"
+        )
     if index.ntotal != len(corpus_ids):
         raise UserError(
             f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
