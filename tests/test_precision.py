@@ -184,6 +184,24 @@ def test_on_cuda_bf16_is_left_alone_unless_the_run_is_forced_onto_the_cpu(
         assert acc.kwargs["mixed_precision"] == "bf16" and acc.kwargs["cpu"] is False and not bf16_warnings
 
 
+@pytest.mark.parametrize(
+    "cuda, cpu_flag, tf32", [(True, False, True), (True, True, False), (False, False, False)]
+)
+def test_a_gpu_run_takes_tf32_for_its_float32_matmuls_and_a_cpu_run_leaves_the_flags(
+    monkeypatch, tmp_path, cuda, cpu_flag, tf32
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(train, "Accelerator", RecordingAccelerator)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        make(tmp_path, f"cpu={str(cpu_flag).lower()}")
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:  # the flags are process-wide
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def test_force_cpu_bf16_without_bf16_is_refused():
     with pytest.raises(ValueError, match="force_cpu_bf16"):
         load_config(None, ["force_cpu_bf16=true"])
