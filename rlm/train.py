@@ -164,11 +164,13 @@ def accumulation_window(run: TrainRun, reader_only: bool) -> tuple[dict[str, flo
     acc, step, windows = run.accelerator, run.state.step, run.accumulation_steps
     sums: dict[str, float] = {}
     finite = True
-    for micro in range(windows):
+    batches = tuple(run.batch(step, micro) for micro in range(windows))  # the first selects for all
+    for micro, batch in enumerate(batches):
         # Every micro-step of the window goes through accumulate() and backward, a skipped one too: that keeps
         # accelerate's micro-step counter (and DeepSpeed's) on the window and DDP's reducer in step.
         with acc.accumulate(run.model):
-            out = run.model(run.batch(step, micro), run.strategy, run.corpus, reader_only=reader_only)
+            later = batches[micro + 1 :]
+            out = run.model(batch, run.strategy, run.corpus, reader_only=reader_only, later=later)
             finite = finite_on_every_process(acc, out.loss) and finite
             with engine_step_held(acc, run.optimizer, hold=micro == windows - 1 and not finite):
                 acc.backward(out.loss if finite else zero_loss(acc, run.model, out.loss))

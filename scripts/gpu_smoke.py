@@ -338,8 +338,14 @@ class Smoke:
             summary = train.train_loop(run)
         # cache_corrected_mb=0: h ran over every row inside each selection, as it must at 21M rows.
         check(run.strategy.search._h_cache is None, "h(B) was cached despite strategy.cache_corrected_mb=0")
-        check(len(selections) == 4, f"{len(selections)} selections in 2 steps of 2 micro-batches")
+        # One selection per optimizer step, for both micro-batches' questions (h moves only when it steps).
+        check(len(selections) == 2, f"{len(selections)} selections in 2 steps of 2 micro-batches, not 2")
         selected = self.check_selection(selections[-1], run.strategy.k)
+        questions = 2 * run.cfg.optim.batch_size
+        check(
+            len(selections[-1][1]) == questions,
+            f"{len(selections[-1][1])} questions selected for, not {questions}",
+        )
         log = read_log(Path(cfg.output_dir) / "log.jsonl")
         check("dev_exact_match" in log[2], "no validation on the hard subcorpus at step 2")
         saved = sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir())
@@ -347,8 +353,8 @@ class Smoke:
         check("dev_exact_match" in summary, f"no final validation in {summary}")
         details = {"losses": [log[s]["loss"] for s in (1, 2)], "subcorpus": len(subcorpus)}
         return (
-            f"accumulation 2, reader checkpointing on, h over all {len(run.corpus)} rows at each of 4 "
-            f"selections (nothing cached); hard dev subcorpus {len(subcorpus)} of {len(run.corpus)} passages "
+            f"accumulation 2, reader checkpointing on, h over all {len(run.corpus)} rows once per optimizer "
+            f"step for both micro-batches (nothing cached); hard dev subcorpus {len(subcorpus)} of {len(run.corpus)} passages "
             f"validated at step 2; checkpoints {', '.join(saved)}; selected {selected}; {placement}",
             details,
         )

@@ -74,10 +74,14 @@ class RetrievalAugmentedModel(nn.Module):
         self.timer = null_timer  # replaced by a PhaseTimer when profiling (scripts/bench_training.py)
         self.query_cache = QueryEmbeddingCache()  # f(x) at the steps that leave the retriever as it is
 
-    def forward(self, batch: Batch, strategy, corpus, reader_only: bool = False) -> StepOutput:
+    def forward(
+        self, batch: Batch, strategy, corpus, reader_only: bool = False, later: tuple[Batch, ...] = ()
+    ) -> StepOutput:
+        """One micro-step of the algorithm; `later`: the micro-batches after `batch` in its accumulation window
+        (Algorithm 2 selects S_x for them with `batch`'s)."""
         if self.cfg.algorithm == 1:
             return algorithm1_step(self, batch, strategy, corpus, self.cfg)
-        return algorithm2_step(self, batch, strategy, corpus, self.cfg, reader_only=reader_only)
+        return algorithm2_step(self, batch, strategy, corpus, self.cfg, reader_only=reader_only, later=later)
 
     def parameter_groups(self, strategy, optim_cfg) -> list[dict]:
         """One group per component with its own learning rate; components the strategy does not train are frozen."""

@@ -14,7 +14,7 @@ import torch
 
 from reader.scoring import score_passages
 from retriever.corrector import corrector_ce_loss, corrector_mse_loss
-from retriever.search import full_precision
+from retriever.search import TopK, full_precision
 from rlm.training.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
 
 
@@ -29,6 +29,8 @@ class Batch:
     # [B, G] corpus rows of each question's other gold passages, -1 padded (Algorithm 1): relevant passages
     # that are not the label, so they are left out of the softmax rather than pushed down as negatives.
     other_gold_rows: torch.Tensor | None = None
+    # S_x, when an earlier micro-batch of the same accumulation window selected it (`select_for_window`).
+    selected: TopK | None = None
 
 
 @dataclass
@@ -86,11 +88,14 @@ def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fr
     return loss, metrics
 
 
-def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: bool = False) -> StepOutput:
+def algorithm2_step(
+    model, batch: Batch, strategy, corpus, cfg, reader_only: bool = False, later: tuple[Batch, ...] = ()
+) -> StepOutput:
     """Algorithm 2: train reader and retriever jointly; S_x chosen by the strategy (corrector: <q, h(B)>).
 
     `reader_only` (the `schedule.reader_only_steps` warm-up) keeps the selection but trains the reader alone:
-    steps 3-5 and 7 are skipped, so neither the retriever nor the corrector moves.
+    steps 3-5 and 7 are skipped, so neither the retriever nor the corrector moves. `later`: the micro-batches
+    that follow this one in its accumulation window, selected for here too.
     """
     if not strategy.uses_passages or batch.reader_passages is not None:
         return _reader_alone_step(model, batch, strategy)
@@ -106,9 +111,13 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
         else:
             queries = model.query_cache.encode(model.retriever.query_tower, batch.questions)
 
-    # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient.
+    # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient. f and h change only when
+    # the optimizer steps, so the first micro-batch of an accumulation window selects for all of them: one scan
+    # of h(B) per optimizer step, however many micro-batches accumulate.
     with phase("select"):
-        top = strategy.select(queries.detach(), model.corrector)
+        top, batch.selected = batch.selected, None  # used once: a batch met again is selected for again
+        if top is None:
+            top = select_for_window(model, strategy, queries.detach(), batch, later, trains_retriever)
     rows = top.indices
     passages = [[(corpus[r].title, corpus[r].text) for r in row if r >= 0] for row in rows.tolist()]
 
@@ -136,6 +145,29 @@ def algorithm2_step(model, batch: Batch, strategy, corpus, cfg, reader_only: boo
         terms["retriever"] = retriever_loss
         loss = (retriever_loss + reader_loss) / 2
     return with_corrector_term(loss, terms, metrics, corrector_loss, cfg.corrector.weight)
+
+
+def select_for_window(model, strategy, queries, batch: Batch, later, trains_retriever: bool) -> TopK:
+    """Step 2 for `batch` (its queries `queries`) and each of the window's `later` micro-batches that reads the
+    selection: their questions embedded as step 1 embeds them, without gradient, one top-k over the buffer for
+    all; returns `batch`'s S_x and keeps each later batch's in its `selected`. Collective when the buffer is
+    sharded: every process has windows of the same shape."""
+    rest = [b for b in later if b.reader_passages is None and b.selected is None]
+    if rest:
+        questions = [q for b in rest for q in b.questions]
+        with torch.no_grad():
+            if trains_retriever:
+                more = model.retriever.encode_queries(questions)
+            else:
+                more = model.query_cache.encode(model.retriever.query_tower, questions)
+        queries = torch.cat([queries, more.to(device=queries.device, dtype=queries.dtype)])
+    top = strategy.select(queries, model.corrector)
+    start = len(batch.questions)
+    for each in rest:
+        stop = start + len(each.questions)
+        each.selected = TopK(top.scores[start:stop], top.indices[start:stop])
+        start = stop
+    return TopK(top.scores[: len(batch.questions)], top.indices[: len(batch.questions)])
 
 
 def _reader_alone_step(model, batch: Batch, strategy) -> StepOutput:
