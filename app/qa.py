@@ -66,22 +66,19 @@ class QAService:
     ) -> QAService:
         """Load reader + retriever from `checkpoint` onto `device` (None: the accelerator when there is one),
         the corpus from `corpus_path` or the run's config. `bf16`: answer (and embed the corpus) under bf16
-        autocast where it pays (`rlm.inference.evaluation.inference_bf16`: on a CPU without native bf16, a warning and
-        float32).
+        autocast where it pays (`rlm.inference.evaluation.inference_bf16`).
 
-        The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved
-        there atomically; the key hashes the passage tower's and the corpus's fingerprints, so a changed
-        tower or corpus never reuses a stale index. The corpus fingerprint is remembered in
-        `<checkpoint>/demo_corpus_fingerprint.json` by the corpus file's path, size and mtime, so a restart
-        with an unchanged file does not hash it again. `index_path` uses a prebuilt index instead (`rlm embed
-        --encoder <checkpoint>/retriever` then `rlm index`: the way for a corpus too large to embed here);
-        its passage ids must be the corpus's, row for row. `corrected_buffer` retrieves over h(B) instead, the
-        run's fixed buffer (`buffer_path`, default from its config) through its trained corrector: nothing is
-        re-embedded (`rlm.inference.corrected_index`); that index is cached in `demo_index/` too, keyed by the
-        corrector's weights and the buffer's fingerprints. `load_policy=False` ignores the checkpoint's answer
-        policy (what `rlm calibrate` does before it fits a new one, which may replace an unreadable one). The
-        index is on the GPU when the models are and faiss sees one (`rlm.inference.evaluation.index_on_gpu`).
-        `index_search`: faiss search parameters (e.g. {"nprobe": 64}) over those saved with a prebuilt index.
+        The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved there
+        atomically; the key hashes the passage tower's and the corpus's fingerprints (the corpus's remembered in
+        `<checkpoint>/demo_corpus_fingerprint.json` by the file's path, size and mtime, so a restart does not hash
+        it again). `index_path` uses a prebuilt index instead (`rlm embed --encoder <checkpoint>/retriever` then
+        `rlm index`: the way for a corpus too large to embed here), refused unless built for this corpus under
+        this passage tower; `index_search` overrides its search parameters (e.g. {"nprobe": 64}).
+        `corrected_buffer` retrieves over h(B) instead, the run's fixed buffer (`buffer_path`, default from its
+        config) through its trained corrector: nothing is re-embedded (`rlm.inference.corrected_index`); that
+        index is cached in `demo_index/` too. `load_policy=False` ignores the checkpoint's answer policy (what
+        `rlm calibrate` does before it fits a new one). The index is on the GPU when the models are and faiss
+        sees one (`rlm.inference.evaluation.index_on_gpu`).
         """
         from rlm.inference import evaluation
 
@@ -94,14 +91,7 @@ class QAService:
         reader.eval()
         if index_path is not None:
             use_gpu = evaluation.index_on_gpu(device)
-            index = evaluation.load_index_for(
-                index_path,
-                corpus.ids,
-                use_gpu=use_gpu,
-                search_params=index_search,
-                passage_tower=retriever.passage_tower,
-                corpus_fingerprint=corpus.fingerprint,
-            )
+            index = evaluation.prebuilt_index(index_path, retriever, corpus, use_gpu, index_search)
         elif corrected_buffer:
             index = cached_corrected_index(root, corpus, buffer_path, device, show_progress)
         else:

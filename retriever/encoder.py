@@ -112,9 +112,17 @@ class SentenceEncoder(nn.Module):
         self.max_length = max_length
 
     @classmethod
-    def from_pretrained(cls, path_or_name: str, max_length: int = 256) -> SentenceEncoder:
-        """Load a sentence-transformers folder (or a plain HF encoder folder: mean pooling, no Dense) or hub name."""
+    def from_pretrained(cls, path_or_name: str, max_length: int | None = None) -> SentenceEncoder:
+        """Load a sentence-transformers folder (or a plain HF encoder folder: mean pooling, no Dense) or hub name.
+
+        `max_length`: the token limit; None takes the one saved with it (`sentence_bert_config.json`'s
+        `max_seq_length`: a trained tower's training length), else 256."""
         folder = resolve_model_folder(str(path_or_name))
+        if max_length is None:
+            saved = folder / "sentence_bert_config.json"
+            max_length = (
+                int(json.loads(saved.read_text()).get("max_seq_length") or 256) if saved.is_file() else 256
+            )
         modules_file = folder / "modules.json"
         modules = json.loads(modules_file.read_text()) if modules_file.exists() else []
         transformer_path, dense_path = "", None
@@ -385,8 +393,9 @@ class DualEncoder(nn.Module):
         return self.query_tower is self.passage_tower
 
     @classmethod
-    def from_pretrained(cls, path: str, shared: bool = False, max_length: int = 256) -> DualEncoder:
-        """Both towers from one sentence-transformers folder or hub name, or from a saved dual encoder folder."""
+    def from_pretrained(cls, path: str, shared: bool = False, max_length: int | None = None) -> DualEncoder:
+        """Both towers from one sentence-transformers folder or hub name, or from a saved dual encoder folder;
+        `max_length` None: each tower's saved token limit (`SentenceEncoder.from_pretrained`)."""
         folder = Path(path)
         if (folder / "query_tower").is_dir() and (folder / "passage_tower").is_dir():
             config_file = folder / "dual_encoder.json"
@@ -406,7 +415,7 @@ class DualEncoder(nn.Module):
 
     @classmethod
     def from_towers(
-        cls, path: str, query_path: str | None = None, shared: bool = False, max_length: int = 256
+        cls, path: str, query_path: str | None = None, shared: bool = False, max_length: int | None = None
     ) -> DualEncoder:
         """Towers from `path` (as `from_pretrained`), the query tower replaced when `query_path` is given: a
         sentence-transformers folder (any model with the passage tower's output size) or `layers:N`, the

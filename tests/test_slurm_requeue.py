@@ -99,17 +99,22 @@ if what == "runs out of memory":
     print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", file=sys.stderr, flush=True)
     sys.exit(1)
 received = []  # rlm.training.preemption.StopSignals: SIGTERM and SIGUSR1 recorded, acted on after the step
-for sig in (signal.SIGTERM, signal.SIGUSR1):
-    signal.signal(sig, lambda signum, frame: received.append(signum))
+previous = {{sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+            for sig in (signal.SIGTERM, signal.SIGUSR1)}}
+def give_back():  # StopSignals.installed() restores the inherited handlers as the run ends
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 open(os.path.join(standin, "training.started"), "w").close()
 deadline = time.monotonic() + 60
 while not received and time.monotonic() < deadline:
     time.sleep(0.02)
 if what == "finishes after a stop signal":  # the signal came during the final validation: rlm finishes
+    give_back()  # a second stop signal (the node's task passes it on) must not kill the exiting process
     print('{{"steps": 20000}}', flush=True)
     sys.exit(0)
 time.sleep({checkpoint_s})  # the step, then a checkpoint
 open(os.path.join(standin, "checkpoint.written"), "w").close()
+give_back()
 name = signal.Signals(received[0]).name if received else "nothing"
 print(f"rlm train: stopped by {{name}} at step 7: saved /shared/runs/nq/checkpoints/step_0000007; "
       "rerun the command with --resume", file=sys.stderr, flush=True)

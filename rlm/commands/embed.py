@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -61,14 +60,12 @@ def run(args: argparse.Namespace) -> int:
     encoder_path = args.encoder or default_retriever_path()
     max_length = args.max_length
     if (Path(encoder_path) / "passage_tower").is_dir():
+        # A trained tower embeds at the length it was trained at, saved with it (None: read from there).
         encoder_path = str(Path(encoder_path) / "passage_tower")
-        # A trained tower embeds at the length it was trained at (GTR cut at 128 of its 256 would not be it).
-        saved = Path(encoder_path) / "sentence_bert_config.json"
-        if max_length is None and saved.is_file():
-            max_length = int(json.loads(saved.read_text())["max_seq_length"])
-    if max_length is None:
-        max_length = RetrieverConfig.passage_max_length
+    elif max_length is None:
+        max_length = RetrieverConfig.passage_max_length  # what `rlm train` takes a buffer of this encoder at
     encoder = SentenceEncoder.from_pretrained(encoder_path, max_length=max_length)
+    max_length = encoder.max_length
     import torch
 
     accelerator = None

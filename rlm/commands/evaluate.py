@@ -96,27 +96,39 @@ def _default_corpus(args) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load, evaluate, print the table."""
+def _check_arguments(args: argparse.Namespace) -> None:
+    """The options' combinations, before anything loads: --out would overwrite a run's own metrics.json,
+    --save-index replaces its folder."""
     from retriever.index import INDEX_FILES
-    from rlm.data.corpus import load_corpus
-    from rlm.data.qa import load_qa_dataset
-    from rlm.inference import evaluation
 
-    # Before anything loads: --out would overwrite a run's own metrics.json, --save-index replaces its folder.
     if args.out:
         check_output_folder(args.out, ("predictions.jsonl", "metrics.json"), "rlm evaluate")
     if args.save_index:
         check_output_folder(args.save_index, INDEX_FILES, "rlm evaluate", option="--save-index")
+    if search_params(args) and args.index in (None, "corrected"):
+        raise UserError(
+            "--nprobe and --ef-search go with --index DIR (a prebuilt index; the others are exact)"
+        )
     if not args.checkpoint and not args.retriever:
         raise UserError(
             "pass --checkpoint DIR (retriever/ + reader/) or --retriever PATH with --retrieval-only"
         )
     if args.closed_book and args.retriever:
         raise UserError("--closed-book uses no retriever; drop --retriever")
-    need_reader = not args.retrieval_only
-    if need_reader and not args.checkpoint:
+    if not args.retrieval_only and not args.checkpoint:
         raise UserError("reading needs --checkpoint with a reader/ folder; or pass --retrieval-only")
+    if args.no_retriever and not args.gold_passages:
+        raise UserError("--no-retriever only goes with --gold-passages")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, evaluate, print the table."""
+    from rlm.data.corpus import load_corpus
+    from rlm.data.qa import load_qa_dataset
+    from rlm.inference import evaluation
+
+    _check_arguments(args)
+    need_reader = not args.retrieval_only
     examples = load_qa_dataset(args.dataset, args.split, args.data_path)
     if args.max_examples is not None:
         examples = examples[: args.max_examples]
@@ -130,8 +142,6 @@ def run(args: argparse.Namespace) -> int:
             from rlm.training.hard_subcorpus import load_subcorpus
 
             corpus = load_subcorpus(corpus, args.subcorpus)
-    if args.no_retriever and not args.gold_passages:
-        raise UserError("--no-retriever only goes with --gold-passages")
     without_retriever = args.closed_book or args.no_retriever
     device = evaluation.inference_device(args.device)
     bf16 = evaluation.inference_bf16(device, args.bf16)
@@ -165,10 +175,6 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
     use_gpu = evaluation.index_on_gpu(device)
     if args.buffer and args.index != "corrected":
         raise UserError("--buffer only goes with --index corrected")
-    if search_params(args) and args.index in (None, "corrected"):
-        raise UserError(
-            "--nprobe and --ef-search go with --index DIR (a prebuilt index; the others are exact)"
-        )
     if args.index == "corrected" and retriever is not None:
         from rlm.inference.corrected_index import corrected_index
 
@@ -183,14 +189,7 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
         if args.save_index:
             index.save(args.save_index)
     elif args.index and retriever is not None:
-        index = evaluation.load_index_for(
-            args.index,
-            corpus.ids,
-            use_gpu=use_gpu,
-            search_params=search_params(args),
-            passage_tower=retriever.passage_tower,
-            corpus_fingerprint=getattr(corpus, "fingerprint", None),
-        )
+        index = evaluation.prebuilt_index(args.index, retriever, corpus, use_gpu, search_params(args))
     elif args.save_index and retriever is not None:
         embeddings = evaluation.embed_corpus(
             retriever.passage_tower, corpus.retrieval_texts(), show_progress=progress
