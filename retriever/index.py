@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import threading
 import warnings
@@ -293,8 +294,8 @@ class PassageIndex:
     def _values(self, name: str) -> list[int]:
         if name == "efSearch":
             return list(EF_SEARCH_VALUES)
-        ivf = self.index if hasattr(self.index, "nlist") else _faiss().extract_index_ivf(self.index)
-        lists = int(ivf.nlist)
+        # From the factory string: a GPU clone (one GPU, replicas, shards) does not answer like an IndexIVF.
+        lists = int(re.search(r"IVF(\d+)", self.factory).group(1))
         return [2**i for i in range(int(math.log2(max(1, lists))) + 1)] + (
             [lists] if lists & (lists - 1) else []
         )

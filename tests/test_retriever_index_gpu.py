@@ -222,3 +222,13 @@ def test_searches_of_a_gpu_index_from_two_threads_never_overlap(monkeypatch):
     for t in threads:
         t.join()
     assert len(overlaps) == 10 and not any(overlaps)
+
+
+def test_an_ivf_index_on_a_gpu_is_tuned_through_the_gpu_parameter_space(monkeypatch):
+    FakeGpu(monkeypatch, ngpu=2)
+    emb = unit_vectors(2000, 16, 3)
+    index = PassageIndex.build(emb, [str(i) for i in range(2000)], factory="IVF16,Flat", use_gpu=True)
+    assert index.on_gpu
+    tuning = index.tune(emb, target_recall=0.9, k=10, queries=100)
+    assert tuning["recall"] >= 0.9 and index.search_params == {"nprobe": tuning["value"]}
+    assert list(tuning["tried"]) == [str(2**i) for i in range(len(tuning["tried"]))]
