@@ -95,12 +95,9 @@ def kind_probe_questions(test, count: int = 100, seed: int = 0):
     import random
 
     from rlm.data.qa import QAExample
+    from rlm.data.unanswerable import asked_subjects
 
-    subjects = {"person": [], "org": []}
-    for q in test:
-        kind = "org" if q.meta.get("type") in ("located_in", "founded_by") else "person"
-        if q.meta.get("subject") not in subjects[kind]:
-            subjects[kind].append(q.meta["subject"])
+    subjects = asked_subjects(test)
     rng, out = random.Random(seed), []
     for n in range(count):
         kind = "org" if subjects["org"] and (not subjects["person"] or n % 3 == 0) else "person"

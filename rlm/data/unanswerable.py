@@ -91,11 +91,7 @@ def write_unanswerable_questions(
     with open(root / "corpus.jsonl", encoding="utf-8") as f:
         for line in f:
             titles.add(json.loads(line)["title"])
-    subjects = {"person": [], "org": []}
-    for q in questions:
-        kind = "person" if q.meta.get("type") in _PERSON_TYPES else "org"
-        if q.meta.get("subject") not in subjects[kind]:
-            subjects[kind].append(q.meta["subject"])
+    subjects = asked_subjects(questions)
     asked = {"person": [], "org": []}
     for qtype in world["config"]["question_types"]:
         asked["person" if qtype in _PERSON_TYPES else "org"].append(qtype)
@@ -117,6 +113,16 @@ def write_unanswerable_questions(
         for i, record in enumerate(records):
             f.write(json.dumps({"id": f"{split}-unanswerable-{i:05d}", **record}, ensure_ascii=False) + "\n")
     return out
+
+
+def asked_subjects(questions) -> dict[str, list[str]]:
+    """The people and the organisations a toy world's questions (`QAExample`s) ask about, each once, in order."""
+    subjects = {"person": [], "org": []}
+    for q in questions:
+        kind = "person" if q.meta.get("type") in _PERSON_TYPES else "org"
+        if q.meta.get("subject") not in subjects[kind]:
+            subjects[kind].append(q.meta["subject"])
+    return subjects
 
 
 def _record(question: str, kind: str, subject: str) -> dict:
