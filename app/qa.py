@@ -78,9 +78,9 @@ class QAService:
         config) through its trained corrector: nothing is re-embedded (`rlm.inference.corrected_index`); that
         index is cached in `demo_index/` too. `load_policy=False` ignores the checkpoint's answer policy (what
         `rlm calibrate` does before it fits a new one). The index is on the GPU when the models are and faiss
-        sees one (`rlm.inference.evaluation.index_on_gpu`).
+        sees one (`rlm.inference.indexing.index_on_gpu`).
         """
-        from rlm.inference import evaluation
+        from rlm.inference import evaluation, indexing
 
         root = _checkpoint_folder(checkpoint)
         device = evaluation.inference_device(device)
@@ -90,8 +90,8 @@ class QAService:
         retriever.eval()
         reader.eval()
         if index_path is not None:
-            use_gpu = evaluation.index_on_gpu(device)
-            index = evaluation.prebuilt_index(index_path, retriever, corpus, use_gpu, index_search)
+            use_gpu = indexing.index_on_gpu(device)
+            index = indexing.prebuilt_index(index_path, retriever, corpus, use_gpu, index_search)
         elif corrected_buffer:
             index = cached_corrected_index(root, corpus, buffer_path, device, show_progress)
         else:
@@ -260,19 +260,22 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False,
     """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save), on
     the GPU when the tower is on one and faiss sees one.
 
-    The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its scan); an index of
-    passages embedded under bf16 autocast (`bf16`) has a key of its own, since its rows differ."""
-    from rlm.inference import evaluation
+    Built by `rlm.inference.indexing.index_corpus`: the corpus embedded into float16 shards in a temporary
+    folder, then an exact index built from them a chunk at a time, so no float32 copy of the corpus is held
+    beside the index. The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its
+    scan); an index of passages embedded under bf16 (`bf16`) has a key of its own, since its rows differ. A
+    corpus too large to embed at start-up gets a prebuilt index instead (`--index`)."""
+    from rlm.inference import indexing
 
-    texts = corpus.retrieval_texts()
     key = _index_key(passage_tower.fingerprint(), corpus.fingerprint) + ("-bf16" if bf16 else "")
     folder = root / INDEX_CACHE / key
-    use_gpu = evaluation.index_on_gpu(passage_tower.device)
+    use_gpu = indexing.index_on_gpu(passage_tower.device)
     if (folder / "index.faiss").is_file():
-        return evaluation.load_index_for(folder, corpus.ids, use_gpu=use_gpu)
-    with evaluation.autocast(passage_tower.device, bf16):
-        embeddings = evaluation.embed_corpus(passage_tower, texts, show_progress=show_progress)
-    index = evaluation.build_index(embeddings, corpus.ids, use_gpu=use_gpu, show_progress=show_progress)
+        return indexing.load_index_for(folder, corpus.ids, use_gpu=use_gpu)
+    precision = "bf16" if bf16 else "float32"
+    index = indexing.index_corpus(
+        passage_tower, corpus, use_gpu=use_gpu, precision=precision, show_progress=show_progress
+    )
     try:
         index.save(folder)
     except OSError as err:  # a read-only checkpoint still serves; it just embeds again next time
@@ -285,7 +288,7 @@ def cached_corrected_index(root: Path, corpus, buffer_path=None, device=None, sh
     `device` and the index goes to the GPU with it (`rlm.inference.corrected_index.corrected_index`)."""
     import json
 
-    from rlm.inference import evaluation
+    from rlm.inference import indexing
     from rlm.inference.corrected_index import corrected_index, corrected_index_key, run_buffer_dir
 
     meta_file = run_buffer_dir(root, buffer_path) / "meta.json"
@@ -294,7 +297,7 @@ def cached_corrected_index(root: Path, corpus, buffer_path=None, device=None, sh
             root / INDEX_CACHE / f"corrected-{corrected_index_key(root, json.loads(meta_file.read_text()))}"
         )
         if (folder / "index.faiss").is_file():
-            return evaluation.load_index_for(folder, corpus.ids, use_gpu=evaluation.index_on_gpu(device))
+            return indexing.load_index_for(folder, corpus.ids, use_gpu=indexing.index_on_gpu(device))
     else:
         folder = None
     # Verifies the buffer (and says what is missing).

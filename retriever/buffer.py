@@ -375,17 +375,15 @@ def _incomplete_shards(folder: Path, settings: dict[str, Any], shard_indices: Se
     ]
 
 
-def _tokenize_shard(
-    encoder, texts: Sequence[str], s: int, settings: dict[str, Any], stopping: threading.Event
+def _tokenize_rows(
+    encoder, texts: Sequence[str], start: int, stop: int, stopping: threading.Event
 ) -> list[np.ndarray]:
-    """Shard `s`'s texts tokenized unpadded, in corpus order; cut short once `stopping` is set."""
+    """Rows [start, stop)'s texts tokenized unpadded, in corpus order; cut short once `stopping` is set."""
     tokens: list[np.ndarray] = []
-    shard_size = settings["shard_size"]
-    stop = min((s + 1) * shard_size, settings["count"])
-    for start in range(s * shard_size, stop, TOKENIZE_CHUNK):
-        if stopping.is_set():  # the build stopped: no one will read this shard
+    for first in range(start, stop, TOKENIZE_CHUNK):
+        if stopping.is_set():  # the build stopped: no one will read these rows
             break
-        chunk = [str(texts[i]) for i in range(start, min(start + TOKENIZE_CHUNK, stop))]
+        chunk = [str(texts[i]) for i in range(first, min(first + TOKENIZE_CHUNK, stop))]
         tokens.extend(encoder.tokenize_unpadded(chunk))
     return tokens
 
@@ -393,16 +391,15 @@ def _tokenize_shard(
 def _embed_tokens(
     encoder,
     tokens: list[np.ndarray],
-    settings: dict[str, Any],
+    out: np.ndarray,
     device: torch.device,
+    precision: str,
     step: int,
     bar,
     check: Callable[[], None] | None,
 ) -> np.ndarray:
-    """One shard's rows, in corpus order: forwards of `step` rows of similar length, longest first."""
-    precision = settings["precision"]
+    """Fill `out` [len(tokens), D] in corpus order: forwards of `step` rows of similar length, longest first."""
     order = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
-    out = np.empty((len(tokens), settings["dim"]), dtype=DTYPES[settings["dtype"]])
     for b in range(0, len(order), step):
         if check is not None:
             check()
@@ -412,6 +409,88 @@ def _embed_tokens(
             vectors = encoder(**{k: v.to(device) for k, v in batch.items()})
         out[rows] = vectors.float().cpu().numpy().astype(out.dtype)
         bar.update(len(rows))
+    return out
+
+
+def forward_rows(device: torch.device, batch_size: int) -> int:
+    """Rows per forward on `device`: the whole batch on an accelerator; on a CPU at most `CPU_FORWARD_ROWS`,
+    which runs fastest there (docs/retriever.md, AVX2 EPYC: 34.7 passages/s at 16, 29.8 at 64, 18.3 at 512)."""
+    return batch_size if torch.device(device).type != "cpu" else min(batch_size, CPU_FORWARD_ROWS)
+
+
+def embedded_blocks(
+    encoder,
+    texts: Sequence[str],
+    blocks: Sequence[tuple[int, int]],
+    dtype: str = "float16",
+    precision: str = "float32",
+    batch_size: int = 64,
+    bar=None,
+    check: Callable[[], None] | None = None,
+) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(start, stop, rows [stop - start, D] in `dtype`) for each block of corpus rows [start, stop), in order:
+    the one embedding path of the buffer build, `rlm embed`, evaluation and validation.
+
+    A block is tokenized whole and sorted by token length, longest first (a batch that does not fit in memory
+    fails at once), and every `batch_size` rows are one forward padded to their own longest row, which the sort
+    makes barely longer than their shortest: forwards of a few rows leave a GPU idle (issue 29 estimated 40-50
+    minutes for 21M passages on 8 H100s with forwards of 16). Rows come back in corpus order. The tower runs in
+    `precision` ("float32" or "bf16" autocast). The next block is read and tokenized in a background thread
+    meanwhile: a GPU embeds passages about as fast as several CPU cores tokenize them (MiniLM's tokenizer:
+    about 1,000-1,500 passages/s a core on an EPYC). `check` is called before every forward and may raise to
+    stop (a stop signal). Only one block's tokens and rows are held at a time, never the corpus's.
+    """
+    if dtype not in DTYPES:
+        raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    device = encoder.device
+    step = forward_rows(device, batch_size)
+    stopping = threading.Event()
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed-tokenize")
+    own_bar = bar is None
+    bar = bar if bar is not None else tqdm(disable=True)
+    try:
+        with eval_mode(encoder):
+            pending = reader.submit(_tokenize_rows, encoder, texts, *blocks[0], stopping) if blocks else None
+            for n, (start, stop) in enumerate(blocks):
+                tokens = pending.result()
+                if n + 1 < len(blocks):
+                    pending = reader.submit(_tokenize_rows, encoder, texts, *blocks[n + 1], stopping)
+                out = np.empty((stop - start, encoder.dim), dtype=DTYPES[dtype])
+                yield start, stop, _embed_tokens(encoder, tokens, out, device, precision, step, bar, check)
+    finally:
+        # A stopped build must not wait for the next block's tokens (a stop signal has a grace period).
+        stopping.set()
+        reader.shutdown(wait=False, cancel_futures=True)
+        if own_bar:
+            bar.close()
+
+
+EMBED_BLOCK_ROWS = 100_000  # rows tokenized and sorted together by `embed_passages` (as a buffer shard)
+
+
+def embed_passages(
+    encoder,
+    texts: Sequence[str],
+    start: int = 0,
+    stop: int | None = None,
+    batch_size: int = 64,
+    dtype: str = "float16",
+    precision: str = "auto",
+    block_rows: int = EMBED_BLOCK_ROWS,
+    show_progress: bool = False,
+) -> np.ndarray:
+    """Rows [start, stop) of `texts` embedded by `encoder` into one [n, D] array of `dtype` (float16 by
+    default: half the memory of float32, and what a buffer stores), through `embedded_blocks`. `precision`:
+    "float32", "bf16" or "auto" (`resolve_precision`: bf16 on a CUDA GPU)."""
+    stop = len(texts) if stop is None else stop
+    precision = resolve_precision(precision, encoder.device)
+    out = np.empty((stop - start, encoder.dim), dtype=DTYPES.get(dtype, np.float16))
+    blocks = [(b, min(b + block_rows, stop)) for b in range(start, stop, block_rows)]
+    with tqdm(total=stop - start, unit="psg", desc="embed", disable=not show_progress) as bar:
+        embedded = embedded_blocks(encoder, texts, blocks, dtype, precision, batch_size, bar)
+        with contextlib.closing(embedded):
+            for first, last, rows in embedded:
+                out[first - start : last - start] = rows
     return out
 
 
@@ -439,47 +518,24 @@ def embed_shards(
     show_progress: bool = True,
     check: Callable[[], None] | None = None,
 ) -> list[int]:
-    """Embed the given shards that are not already complete; returns the indices it (re)embedded.
-
-    A shard is tokenized whole and sorted by token length, longest first (a batch that does not fit in
-    memory fails at once), and every `batch_size` rows are one forward padded to their own longest row,
-    which the sort makes barely longer than their shortest: forwards of a few rows leave a GPU idle
-    (issue 29 estimated 40-50 minutes for 21M passages on 8 H100s with forwards of 16). Rows are written
-    back in corpus order. The tower runs in `settings["precision"]`. The next shard is read and tokenized
-    in a background thread meanwhile: a GPU embeds passages about as fast as several CPU cores tokenize
-    them (MiniLM's tokenizer: about 1,000-1,500 passages/s a core on an EPYC). `check` is called before
-    every batch and may raise to stop the build (a stop signal: the shards already written stay, and a
-    rerun resumes).
-    """
+    """Embed the given shards that are not already complete (`embedded_blocks`, one block a shard); returns
+    the indices it (re)embedded. Each shard is checked for non-finite rows and written atomically as soon as
+    it is embedded. `check` is called before every batch and may raise to stop the build (a stop signal: the
+    shards already written stay, and a rerun resumes)."""
     folder = Path(out_dir)
     todo = _incomplete_shards(folder, settings, shard_indices)
     total = sum(_shard_rows(settings, s) for s in todo)
-    stopping = threading.Event()
-
-    def read_tokens(s: int) -> list[np.ndarray]:
-        return _tokenize_shard(encoder, texts, s, settings, stopping)
-
-    device = encoder.device
-    # A CPU runs forwards of about 16 rows fastest (docs/retriever.md, AVX2 EPYC: 34.7
-    # passages/s at 16, 29.8 at 64, 18.3 at 512); a GPU wants the whole batch in one forward.
-    step = batch_size if device.type != "cpu" else min(batch_size, CPU_FORWARD_ROWS)
-    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-tokenize")
-    try:
-        with (
-            eval_mode(encoder),
-            tqdm(total=total, unit="psg", desc="embed", disable=not show_progress) as bar,
-        ):
-            pending = reader.submit(read_tokens, todo[0]) if todo else None
-            for n, s in enumerate(todo):
-                tokens = pending.result()
-                pending = reader.submit(read_tokens, todo[n + 1]) if n + 1 < len(todo) else None
-                out = _embed_tokens(encoder, tokens, settings, device, step, bar, check)
-                _refuse_nonfinite_shard(folder, s, settings["shard_size"], out, ids)
+    shard_size = settings["shard_size"]
+    blocks = [(s * shard_size, s * shard_size + _shard_rows(settings, s)) for s in todo]
+    with tqdm(total=total, unit="psg", desc="embed", disable=not show_progress) as bar:
+        embedded = embedded_blocks(
+            encoder, texts, blocks, settings["dtype"], settings["precision"], batch_size, bar, check
+        )
+        # closing: a refused shard stops the background tokenizer at once, not when the generator is collected
+        with contextlib.closing(embedded):
+            for s, (_, _, out) in zip(todo, embedded):
+                _refuse_nonfinite_shard(folder, s, shard_size, out, ids)
                 write_shard(folder, s, out)
-    finally:
-        # A stopped build must not wait for the next shard's tokens (a stop signal has a grace period).
-        stopping.set()
-        reader.shutdown(wait=False, cancel_futures=True)
     return todo
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.experiments import reporting
-from rlm.inference import evaluation
+from rlm.inference import evaluation, indexing
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir
 
 METRICS = ("exact_match", "f1", "recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@5")
@@ -33,8 +33,8 @@ def indexes(args, corpus, retriever):
     from retriever.buffer import PassageBuffer
 
     start = time.perf_counter()
-    fresh = evaluation.build_index(
-        evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids
+    fresh = indexing.build_index(
+        indexing.embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids
     )
     yield "fresh (re-embedded)", fresh, time.perf_counter() - start, f"{len(corpus):,} passages re-embedded"
     built = corrected_index(args.checkpoint, corpus, args.buffer)
@@ -43,7 +43,7 @@ def indexes(args, corpus, retriever):
     buffer = PassageBuffer.load(
         run_buffer_dir(args.checkpoint, args.buffer), corpus_fingerprint=corpus.fingerprint
     )
-    stale = evaluation.build_index(buffer.embeddings.float().numpy(), corpus.ids)
+    stale = indexing.build_index(buffer.embeddings.float().numpy(), corpus.ids)
     yield "B (stale)", stale, time.perf_counter() - start, "0 re-embedded"
 
 

@@ -29,12 +29,12 @@ def reader_rows(checkpoint: Path, world: Path, k: int) -> dict:
     passage alone."""
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
-    from rlm.inference import evaluation
+    from rlm.inference import evaluation, indexing
 
     retriever, reader, _ = evaluation.load_checkpoint(checkpoint)
     corpus, dev = load_corpus(world / "corpus.jsonl"), load_qa_dataset("toy", "dev", str(world))
-    embeddings = evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
-    index = evaluation.build_index(embeddings, corpus.ids)
+    embeddings = indexing.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
+    index = indexing.build_index(embeddings, corpus.ids)
     common = {"corpus": corpus, "reader": reader, "index": index, "k": 20, "num_passages": k}
     top = evaluation.run_evaluation(dev, retriever=retriever, **common)
     swapped = evaluation.run_evaluation(dev, retriever=retriever, gold_passages=True, **common)

@@ -4,12 +4,13 @@ import json
 
 import pytest
 import torch
+from tiny_run import tiny_retriever
 
 from rlm.cli import main
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
-from rlm.inference import evaluation
+from rlm.inference import evaluation, indexing
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +79,17 @@ def test_retrieval_only_and_closed_book_modes(setup):
 
 def test_saved_index_is_reused_and_checked(setup, tmp_path):
     world, corpus, dev, ckpt, retriever, reader = setup
-    embeddings = evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
-    index = evaluation.build_index(embeddings, corpus.ids)
+    embeddings = indexing.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
+    index = indexing.build_index(embeddings, corpus.ids)
     index.save(tmp_path / "index")
-    loaded = evaluation.load_index_for(tmp_path / "index", corpus.ids)
+    loaded = indexing.load_index_for(tmp_path / "index", corpus.ids)
     a = evaluation.retrieve(retriever.query_tower, index, [q.question for q in dev], k=5)
     b = evaluation.retrieve(retriever.query_tower, loaded, [q.question for q in dev], k=5)
     assert a.ids == b.ids
     with pytest.raises(ValueError, match="row 3 is passage 'tw0000003' but the corpus has 'x'"):
-        evaluation.load_index_for(tmp_path / "index", [*corpus.ids[:3], "x", *corpus.ids[4:]])
+        indexing.load_index_for(tmp_path / "index", [*corpus.ids[:3], "x", *corpus.ids[4:]])
     with pytest.raises(ValueError, match="holds 120 passages but the corpus has 119"):
-        evaluation.load_index_for(tmp_path / "index", corpus.ids[:119])
+        indexing.load_index_for(tmp_path / "index", corpus.ids[:119])
 
 
 def test_cli_evaluate_and_errors(setup, tmp_path, capsys):
@@ -143,3 +144,120 @@ def test_gold_passage_mode_reads_gold(setup, tmp_path, capsys):
     assert json.loads((tmp_path / "g" / "metrics.json").read_text())["mode"] == "gold_passages"
     assert main([*argv, "--no-retriever"]) == 2
     assert "--no-retriever only goes with --gold-passages" in capsys.readouterr().err
+
+
+def _count_encoded_rows(monkeypatch) -> list[int]:
+    """How many texts each call of `SentenceEncoder.encode` (the in-memory float32 path) was handed."""
+    from retriever.encoder import SentenceEncoder
+
+    calls: list[int] = []
+    encode = SentenceEncoder.encode
+
+    def counting(self, texts, *args, **kwargs):
+        calls.append(len(texts))
+        return encode(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(SentenceEncoder, "encode", counting)
+    return calls
+
+
+def test_evaluation_embeds_the_corpus_as_float16_shards_never_one_float32_array(setup, monkeypatch):
+    """Without an index the corpus goes through the buffer's path (a block at a time into float16 shards on
+    disk, then indexed chunk by chunk), not through `encode` into one float32 array of every passage: only the
+    questions are `encode`d."""
+    world, corpus, dev, ckpt, retriever, reader = setup
+    calls = _count_encoded_rows(monkeypatch)
+    result = evaluation.run_evaluation(dev, corpus, retriever, None, k=5)
+    assert calls and max(calls) <= len(dev) < len(corpus)
+    assert result.metrics["gold_recall@5"] >= 0.6  # the MiniLM retriever still finds the gold passages
+
+
+def test_rlm_evaluate_keeps_its_embeddings_in_a_buffer_folder_and_reuses_them(
+    setup, tmp_path, monkeypatch, capsys
+):
+    """`--embeddings DIR` holds the corpus embedded by the checkpoint's passage tower at its own max length, in
+    float16, with the encoder's and corpus's fingerprints; a second evaluation reuses it and embeds nothing,
+    and gives the same figures. A stale buffer (another encoder) in that folder is refused, not used."""
+    import retriever.buffer
+
+    world, corpus, dev, ckpt, retriever_model, reader = setup
+    embeddings = tmp_path / "emb"
+    args = ["evaluate", "--checkpoint", str(ckpt), "--dataset", "toy", "--data-path", str(world.root)]
+    args += ["--k", "5", "--no-progress", "--retrieval-only", "--embeddings", str(embeddings)]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    meta = json.loads((embeddings / "meta.json").read_text())
+    tower = retriever_model.passage_tower
+    assert meta["dtype"] == "float16" and meta["count"] == len(corpus)
+    assert meta["encoder_fingerprint"] == tower.fingerprint() and meta["max_length"] == tower.max_length
+    assert meta["corpus_fingerprint"] == corpus.fingerprint
+
+    def no_embedding(*a, **k):
+        raise AssertionError("the kept embeddings must be reused")
+
+    monkeypatch.setattr(retriever.buffer, "embed_shards", no_embedding)
+    assert main([*args, "--out", str(tmp_path / "two")]) == 0
+    first, second = (json.loads((tmp_path / o / "metrics.json").read_text()) for o in ("one", "two"))
+    timing = {"embed_seconds", "retrieve_seconds", "read_seconds"}
+    assert {k: v for k, v in first.items() if k not in timing} == {
+        k: v for k, v in second.items() if k not in timing
+    }
+
+    other = tiny_retriever(tmp_path / "other")  # a buffer of another tower in that folder: refused
+    capsys.readouterr()
+    assert main([*args, "--retriever", str(other), "--out", str(tmp_path / "three")]) != 0
+    assert (
+        "already holds a complete buffer with other settings (encoder_fingerprint" in capsys.readouterr().err
+    )
+
+
+def test_rlm_evaluate_under_accelerate_launch_shares_the_questions_and_writes_once(setup, tmp_path):
+    """Two processes (`accelerate launch`, the README's CPU config) evaluate their halves of the questions and
+    gather the results once: the predictions and metrics equal one process's, written by the main process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from local_port import accelerate_launch
+
+    world, corpus, dev, ckpt, retriever_model, reader = setup
+    repo = Path(__file__).resolve().parents[1]
+    embeddings = tmp_path / "emb"
+    args = ["evaluate", "--checkpoint", str(ckpt), "--dataset", "toy", "--data-path", str(world.root)]
+    args += ["--k", "5", "--batch-size", "4", "--no-progress", "--embeddings", str(embeddings)]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    launch = accelerate_launch(repo / "configs" / "accelerate" / "cpu_2proc.yaml", "-m", "rlm", *args)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    done = subprocess.run(
+        [*launch, "--out", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("x 2 processes") == 1 and done.stdout.count("| exact_match |") == 1
+    one, two = (
+        [json.loads(line) for line in (tmp_path / o / "predictions.jsonl").read_text().splitlines()]
+        for o in ("one", "two")
+    )
+    assert [r["retrieved_ids"] for r in one] == [r["retrieved_ids"] for r in two]
+    assert [r["prediction"] for r in one] == [r["prediction"] for r in two]
+    metrics = [json.loads((tmp_path / o / "metrics.json").read_text()) for o in ("one", "two")]
+    for key in ("num_questions", "exact_match", "recall@5", "gold_recall@5"):
+        assert metrics[0][key] == metrics[1][key], key
+    assert sys.executable  # the launch used this interpreter (local_port.accelerate_launch)
+
+
+def test_the_demos_own_index_is_built_from_float16_shards_and_records_its_tower(setup, tmp_path, monkeypatch):
+    """The demo's index of a corpus it was given no index for is built through `index_corpus` (no float32
+    array of every passage beside the index), records the tower and corpus it came from, and leaves only the
+    index in its cache folder (the shards were temporary)."""
+    from app.qa import INDEX_CACHE, cached_index
+    from retriever.index import INDEX_FILES
+
+    world, corpus, dev, ckpt, retriever_model, reader = setup
+    calls = _count_encoded_rows(monkeypatch)
+    tower = retriever_model.passage_tower
+    index = cached_index(tmp_path / "ckpt", tower, corpus)
+    assert calls == [] and index.ntotal == len(corpus)
+    assert index.provenance["encoder_fingerprint"] == tower.fingerprint()
+    assert index.provenance["corpus_fingerprint"] == corpus.fingerprint
+    (cached,) = (tmp_path / "ckpt" / INDEX_CACHE).iterdir()
+    assert sorted(p.name for p in cached.iterdir()) == sorted(INDEX_FILES)

@@ -10,7 +10,7 @@ from script_loader import load_script
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
-from rlm.inference import evaluation
+from rlm.inference import evaluation, indexing
 from rlm.training.hard_subcorpus import (
     build_hard_subcorpus,
     load_subcorpus,
@@ -32,8 +32,8 @@ def world(tmp_path_factory, minilm_path):
 
 def test_hard_subcorpus_keeps_gold_and_initial_top_k(world, tmp_path):
     paths, corpus, dev, retriever, _ = world
-    index = evaluation.build_index(
-        evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids
+    index = indexing.build_index(
+        indexing.embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids
     )
     ids = build_hard_subcorpus(corpus, dev, retriever, k=5, index=index)
     gold = {pid for q in dev for pid in q.gold_passage_ids}

@@ -15,7 +15,7 @@ from device_check import ACCELERATOR, simulated_accelerator
 from test_retriever_index_gpu import FakeGpu
 
 from rlm.cli import main
-from rlm.inference import evaluation
+from rlm.inference import evaluation, indexing
 from rlm.precision import Bf16Support, CpuBf16Warning
 
 META = torch.device("meta")
@@ -57,7 +57,7 @@ def run(tmp_path_factory):
         seed=0,
     ).save_pretrained(ckpt / "reader")
     (ckpt / "config.yaml").write_text(f"reader:\n  num_passages: 2\ndata:\n  corpus: {world.corpus}\n")
-    embeddings = evaluation.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
+    embeddings = indexing.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
     PassageIndex.build(embeddings, corpus.ids, use_gpu=False).save(root / "index")
     return SimpleNamespace(world=world, corpus=corpus, dev=dev, ckpt=ckpt, index=root / "index")
 
@@ -197,14 +197,12 @@ def test_the_index_goes_to_the_gpu_only_with_models_on_one(run, monkeypatch):
     fake = FakeGpu(monkeypatch, ngpu=1)
     ref = evaluation.run_evaluation(run.dev, run.corpus, retriever, None, k=5)
     assert fake.all_gpus_calls == 0
-    assert (
-        evaluation.load_index_for(run.index, run.corpus.ids, evaluation.index_on_gpu("cpu")).on_gpu is False
-    )
+    assert indexing.load_index_for(run.index, run.corpus.ids, indexing.index_on_gpu("cpu")).on_gpu is False
     with simulated_accelerator(retriever):
         got = evaluation.run_evaluation(run.dev, run.corpus, retriever, None, k=5)
     assert fake.all_gpus_calls == 1
     assert [r["retrieved_ids"] for r in got.records] == [r["retrieved_ids"] for r in ref.records]
-    assert evaluation.load_index_for(run.index, run.corpus.ids, evaluation.index_on_gpu(ACCELERATOR)).on_gpu
+    assert indexing.load_index_for(run.index, run.corpus.ids, indexing.index_on_gpu(ACCELERATOR)).on_gpu
 
 
 # ---- the commands -------------------------------------------------------------------------------------

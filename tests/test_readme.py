@@ -61,8 +61,11 @@ def test_every_command_shown_runs_something_that_exists(doc):
             launcher = args[args.index("--config_file") + 1]
             assert (ROOT / launcher).is_file(), launcher
             module = args.index("-m")
-            assert args[module + 1] == "rlm.train"
-            parses("train", args[module + 2 :])
+            if args[module + 1] == "rlm":  # `-m rlm evaluate ...`: any command, data-parallel
+                parses(args[module + 2], args[module + 3 :])
+            else:
+                assert args[module + 1] == "rlm.train"
+                parses("train", args[module + 2 :])
         elif program == "pip":
             for extra in re.findall(r"\.\[([\w,]+)\]", " ".join(args)):
                 assert set(extra.split(",")) <= set(extras), f"pip extra [{extra}] is not in pyproject.toml"

@@ -113,7 +113,7 @@ def test_a_trained_tower_is_embedded_at_its_own_length_and_its_index_refuses_ano
     from retriever.encoder import DualEncoder
     from rlm.data.corpus import load_corpus
     from rlm.errors import UserError
-    from rlm.inference.evaluation import load_index_for
+    from rlm.inference.indexing import load_index_for
 
     corpus_file = write_corpus(tmp_path / "corpus.jsonl")
     trained = DualEncoder.from_pretrained(default_retriever_path(), max_length=24)

@@ -81,7 +81,7 @@ def test_training_start_reads_no_passage_for_the_fingerprint(tower, corpus_file,
 
 def test_demo_index_key_uses_the_file_fingerprint(tower, corpus_file, tmp_path, monkeypatch):
     from app.qa import INDEX_CACHE, _index_key, cached_index
-    from rlm.inference import evaluation
+    from rlm.inference import indexing
 
     corpus = load_corpus(corpus_file)
     root = tmp_path / "ckpt"
@@ -92,7 +92,7 @@ def test_demo_index_key_uses_the_file_fingerprint(tower, corpus_file, tmp_path, 
     def no_embedding(*args, **kwargs):
         raise AssertionError("the cached index must be reused, not rebuilt")
 
-    monkeypatch.setattr(evaluation, "embed_corpus", no_embedding)
+    monkeypatch.setattr(indexing, "index_corpus", no_embedding)
     index = cached_index(root, tower, load_corpus(corpus_file))
     assert index.ids == corpus.ids and isinstance(index.ids, IdSequence) and index.ntotal == N
     np.testing.assert_allclose(index.index.reconstruct(3), built.index.reconstruct(3))

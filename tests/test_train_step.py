@@ -303,26 +303,31 @@ def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(
 
 
 def test_validation_embeds_the_corpus_again_only_when_the_passage_tower_moved(world, monkeypatch):
+    """Validation embeds its share of the corpus through the buffer's path (`embed_passages`: sorted batches,
+    float16 rows, half of float32's memory for the rows the cache keeps) and again only when the tower moved."""
+    from rlm.training import validation
     from rlm.training.hard_subcorpus import save_subcorpus_ids
     from rlm.training.validation import PassageEmbeddingCache, validate
 
     cfg, parts, model, strategy = make_parts(world)
     dev = parts.dev_examples[:6]
     tower = model.retriever.passage_tower
-    embedded = []  # passages the tower embedded, per call (validation's alignment watch embeds the questions)
-    encode = tower.encode
-    questions = {ex.question for ex in dev}
+    embedded = []  # passages the tower embedded, per call
+    embed_passages = validation.embed_passages
 
-    def counted(texts, **kw):
-        if not set(texts) <= questions:
-            embedded.append(len(texts))
-        return encode(texts, **kw)
+    def counted(encoder, texts, start, stop, *args, **kw):
+        embedded.append(stop - start)
+        return embed_passages(encoder, texts, start, stop, *args, **kw)
 
-    monkeypatch.setattr(tower, "encode", counted)
+    monkeypatch.setattr(validation, "embed_passages", counted)
     cache = PassageEmbeddingCache()
     first = validate(model, parts.corpus, dev, cfg, cache=cache)
     again = validate(model, parts.corpus, dev, cfg, cache=cache)  # the reader may have moved, the tower not
     assert again == first and embedded == [len(parts.corpus)] and (cache.hits, cache.misses) == (1, 1)
+    assert cache.vectors.dtype == torch.float16 and cache.vectors.shape == (
+        len(parts.corpus),
+        parts.buffer.dim,
+    )
     # Another corpus (the hard subcorpus) is embedded, not served from the whole corpus's rows.
     ids = sorted({pid for ex in dev for pid in ex.gold_passage_ids})
     save_subcorpus_ids(ids, world / "hard_cache.txt")

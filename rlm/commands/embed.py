@@ -68,19 +68,8 @@ def run(args: argparse.Namespace) -> int:
     max_length = encoder.max_length
     import torch
 
-    accelerator = None
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:  # launched by `accelerate launch` or torchrun
-        from accelerate import PartialState
-
-        # Without cpu=True accelerate treats a CPU-only torchrun as one process per rank, each doing it all.
-        accelerator = PartialState(cpu=not torch.cuda.is_available())
-        if accelerator.num_processes != world_size:
-            raise UserError(
-                f"WORLD_SIZE={world_size} but accelerate set up {accelerator.num_processes} process(es); "
-                "launch with `accelerate launch` or `torchrun --nproc_per_node N`"
-            )
-    else:
+    accelerator = launched_processes()
+    if accelerator is None:
         encoder.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     started = time.perf_counter()
     buffer = build_passage_buffer(
@@ -103,3 +92,21 @@ def run(args: argparse.Namespace) -> int:
             f"corpus {buffer.meta['corpus_fingerprint']}"
         )
     return 0
+
+
+def launched_processes():
+    """The accelerate state of an `accelerate launch` (or torchrun) with several processes, else None."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return None
+    import torch
+    from accelerate import PartialState
+
+    # Without cpu=True accelerate treats a CPU-only torchrun as one process per rank, each doing it all.
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if state.num_processes != world_size:
+        raise UserError(
+            f"WORLD_SIZE={world_size} but accelerate set up {state.num_processes} process(es); "
+            "launch with `accelerate launch` or `torchrun --nproc_per_node N`"
+        )
+    return state

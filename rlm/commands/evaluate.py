@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rlm.commands.embed import launched_processes
 from rlm.commands.index import add_search_arguments, search_params
 from rlm.errors import UserError, check_output_folder
 
@@ -34,10 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
     )
     add_search_arguments(parser)
-    parser.add_argument(
-        "--save-index",
-        help="save the index built here to this folder for reuse (a folder holding other files is refused)",
-    )
+    add_index_building_arguments(parser)
     parser.add_argument(
         "--k", type=int, default=100, help="passages retrieved per question (recall@k up to k)"
     )
@@ -69,6 +67,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for predictions.jsonl and metrics.json (a folder holding other files is refused)",
     )
     add_device_arguments(parser)
+
+
+def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
+    """How `rlm evaluate` embeds and indexes a corpus it is given no index for."""
+    parser.add_argument(
+        "--save-index",
+        help="save the index built here to this folder for reuse (a folder holding other files is refused)",
+    )
+    parser.add_argument(
+        "--embeddings",
+        help="without --index: keep the corpus's float16 embeddings (a buffer folder, as `rlm embed` writes) "
+        "here instead of a temporary folder: an interrupted run resumes, a second run reuses them; needed "
+        "under `accelerate launch`, whose processes each embed their share into it",
+    )
+    parser.add_argument(
+        "--factory",
+        default="Flat",
+        help="without --index: the faiss index_factory string of the index built here (default Flat, exact; "
+        "IVF and HNSW types get their search parameter tuned for 0.95 recall@100 against exact search)",
+    )
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +123,13 @@ def _check_arguments(args: argparse.Namespace) -> None:
         check_output_folder(args.out, ("predictions.jsonl", "metrics.json"), "rlm evaluate")
     if args.save_index:
         check_output_folder(args.save_index, INDEX_FILES, "rlm evaluate", option="--save-index")
+    if args.index and (args.embeddings or args.factory != "Flat"):
+        raise UserError("--embeddings and --factory build an index; with --index nothing is embedded")
+    if args.embeddings:
+        from retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME
+
+        own = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json", "index")
+        check_output_folder(args.embeddings, own, "rlm evaluate", option="--embeddings")
     if search_params(args) and args.index in (None, "corrected"):
         raise UserError(
             "--nprobe and --ef-search go with --index DIR (a prebuilt index; the others are exact)"
@@ -143,7 +168,9 @@ def run(args: argparse.Namespace) -> int:
 
             corpus = load_subcorpus(corpus, args.subcorpus)
     without_retriever = args.closed_book or args.no_retriever
-    device = evaluation.inference_device(args.device)
+    state = launched_processes()  # several under `accelerate launch`: each evaluates its share
+    device = evaluation.inference_device(args.device if state is None else state.device)
+    is_main = state is None or state.is_main_process
     bf16 = evaluation.inference_bf16(device, args.bf16)
     progress = not args.no_progress
     retriever, reader, config = evaluation.load_checkpoint(
@@ -153,9 +180,18 @@ def run(args: argparse.Namespace) -> int:
         need_retriever=not without_retriever,
         device=device,
     )
-    print(f"running on {device}" + (" under bf16 autocast" if bf16 else " in float32"))
+    if is_main:
+        processes = "" if state is None else f" x {state.num_processes} processes"
+        print(f"running on {device}{processes}" + (" under bf16 autocast" if bf16 else " in float32"))
+    options = evaluation.IndexOptions(
+        args.embeddings, args.factory, precision="bf16" if bf16 else "auto", accelerator=state
+    )
     with evaluation.autocast(device, bf16):
-        result, policy = _evaluate(args, examples, corpus, retriever, reader, config, device, progress)
+        result, policy = _evaluate(
+            args, examples, corpus, retriever, reader, config, device, progress and is_main, options
+        )
+    if not is_main:
+        return 0
     mode = (
         "closed book" if args.closed_book else "retrieval only" if args.retrieval_only else "retrieve + read"
     )
@@ -167,12 +203,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool):
+def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool, options):
     """The index (built, loaded or over h(B)), then `run_evaluation`: (its result, the answer policy used)."""
-    from rlm.inference import evaluation
+    from rlm.inference import evaluation, indexing
 
     index = None
-    use_gpu = evaluation.index_on_gpu(device)
+    use_gpu = indexing.index_on_gpu(device)
     if args.buffer and args.index != "corrected":
         raise UserError("--buffer only goes with --index corrected")
     if args.index == "corrected" and retriever is not None:
@@ -189,13 +225,20 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
         if args.save_index:
             index.save(args.save_index)
     elif args.index and retriever is not None:
-        index = evaluation.prebuilt_index(args.index, retriever, corpus, use_gpu, search_params(args))
+        index = indexing.prebuilt_index(args.index, retriever, corpus, use_gpu, search_params(args))
     elif args.save_index and retriever is not None:
-        embeddings = evaluation.embed_corpus(
-            retriever.passage_tower, corpus.retrieval_texts(), show_progress=progress
+        index = indexing.index_corpus(
+            retriever.passage_tower,
+            corpus,
+            options.embeddings_dir,
+            options.factory,
+            use_gpu=use_gpu,
+            precision=options.precision,
+            accelerator=options.accelerator,
+            show_progress=progress,
         )
-        index = evaluation.build_index(embeddings, corpus.ids, use_gpu=use_gpu, show_progress=progress)
-        index.save(args.save_index)
+        if options.accelerator is None or options.accelerator.is_main_process:
+            index.save(args.save_index)
     num_passages = args.num_passages or evaluation.reader_passages_from_config(config)
     policy = None
     if reader is not None and args.checkpoint and not args.no_policy:
@@ -217,5 +260,6 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
         out_dir=args.out,
         show_progress=progress,
         policy=policy,
+        index_options=options,
     )
     return result, policy

@@ -75,12 +75,13 @@ def corrected_index(
 
     `verify_encoder` rebuilds the run's starting retriever from its config to check B's encoder fingerprint
     (a few seconds for a base-size tower); the corpus fingerprint is always checked. h runs on `device` (None:
-    the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.evaluation.index_on_gpu`).
+    the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.indexing.index_on_gpu`).
     """
     from retriever.buffer import PassageBuffer
     from retriever.corrector import CorrectorNetwork
     from retriever.index import PassageIndex
-    from rlm.inference.evaluation import index_on_gpu, inference_device
+    from rlm.inference.evaluation import inference_device
+    from rlm.inference.indexing import index_on_gpu
 
     root = Path(checkpoint)
     if not (root / "corrector").is_dir():

@@ -1,14 +1,17 @@
-"""Evaluation of a trained checkpoint: embed the corpus with the passage tower, retrieve with a faiss index,
-read with the FiD reader, score EM/F1 and recall@k, and write predictions and metrics.
+"""Evaluation of a trained checkpoint: retrieve with the query tower from an index of the corpus, read with
+the FiD reader, score EM/F1 and recall@k, and write predictions and metrics.
 
 The pieces are separate functions so that the trainer's validation, the hard-subcorpus tracker and the
-`rlm evaluate` command share them: `load_checkpoint`, `embed_corpus`, `build_index`, `retrieve`,
-`retrieval_metrics`, `read`, `evaluate_reader`, `run_evaluation` (all of it) and `format_table`.
+`rlm evaluate` command share them: `load_checkpoint`, `retrieve`, `retrieval_metrics`, `read`,
+`evaluate_reader`, `run_evaluation` (all of it) and `format_table`. Embedding the corpus and its index are
+`rlm.inference.indexing`'s.
 
 Where it runs: `load_checkpoint` puts the towers and the reader on a device (`inference_device`: the
 accelerator when there is one), every entry point after it follows their device, and a faiss index built for
-models on a GPU goes to the GPU when faiss sees one (`index_on_gpu`). `inference_bf16` and `autocast` turn on
-bfloat16 autocast for the towers and the reader where it pays (an accelerator, or a CPU with native bf16).
+models on a GPU goes to the GPU when faiss sees one (`rlm.inference.indexing.index_on_gpu`). `inference_bf16`
+and `autocast` turn on bfloat16 autocast for the towers and the reader where it pays (an accelerator, or a CPU
+with native bf16). Under `accelerate launch` every process evaluates its share of the questions
+(`run_evaluation`'s `IndexOptions.accelerator`).
 
 A checkpoint is a folder with `retriever/` (`DualEncoder.save_pretrained`) and `reader/`
 (`FiDReader.save_pretrained`); `config.yaml` next to them (written by `rlm train`) supplies how many
@@ -26,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from tqdm.auto import tqdm
 
 from atomicio import atomic_write_text
@@ -43,6 +45,14 @@ class Retrieved:
 
     ids: list[list[str]]
     scores: list[list[float]]
+
+    def part(self, start: int, stop: int) -> Retrieved:
+        """Questions [start, stop)."""
+        return Retrieved(self.ids[start:stop], self.scores[start:stop])
+
+    def gathered(self, procs) -> Retrieved:
+        """Every process's questions, in process order (`retriever.distributed.Processes.gather_object`)."""
+        return Retrieved(procs.gather_object(self.ids), procs.gather_object(self.scores))
 
 
 @dataclass
@@ -94,12 +104,6 @@ def autocast(device, enabled: bool) -> contextlib.AbstractContextManager:
     import torch
 
     return torch.autocast(device_type=inference_device(device).type, dtype=torch.bfloat16)
-
-
-def index_on_gpu(device) -> bool | None:
-    """`use_gpu` of a faiss index serving models on `device`: on a GPU when they are on one and faiss sees one
-    (None: faiss-cpu keeps it on the host), on the host otherwise (`--device cpu` keeps faiss off the GPU)."""
-    return None if inference_device(device).type == "cuda" else False
 
 
 def load_checkpoint(
@@ -157,85 +161,6 @@ def reader_passages_from_config(config: dict, default: int = 10) -> int:
     reader_cfg = config.get("reader") or {}
     strategy_cfg = config.get("strategy") or {}
     return int(reader_cfg.get("num_passages") or strategy_cfg.get("k") or default)
-
-
-def embed_corpus(
-    passage_tower, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False
-) -> np.ndarray:
-    """Passage embeddings [N, D] float32 with the (trained) passage tower."""
-    return passage_tower.encode(texts, batch_size=batch_size, show_progress=show_progress).numpy()
-
-
-def build_index(
-    embeddings: np.ndarray,
-    ids: Sequence[str],
-    factory: str = "Flat",
-    use_gpu: bool | None = None,
-    show_progress: bool = False,
-):
-    """A `retriever.index.PassageIndex` over the embeddings (inner product); `use_gpu`: `index_on_gpu`."""
-    from retriever.index import PassageIndex
-
-    # The ids as they are (a corpus's IdSequence stays one blob): no list of every id string.
-    return PassageIndex.build(embeddings, ids, factory=factory, use_gpu=use_gpu, show_progress=show_progress)
-
-
-def load_index_for(
-    index_dir: str | os.PathLike,
-    corpus_ids: Sequence[str],
-    use_gpu: bool | None = None,
-    search_params: dict[str, int] | None = None,
-    passage_tower=None,
-    corpus_fingerprint: str | None = None,
-):
-    """Load a saved `PassageIndex` and refuse it when its passage ids are not the corpus's, row for row, or
-    when it records (built from a buffer: `rlm embed` then `rlm index --buffer`) another encoder than
-    `passage_tower` (weights and max length) or another corpus than `corpus_fingerprint`. An index built from
-    bare embeddings records neither, and only its ids are compared.
-    `use_gpu`: as for `build_index`; `search_params` (e.g. {"nprobe": 64}) over the ones saved with it.
-    """
-    from retriever.ids import first_mismatch
-    from retriever.index import PassageIndex
-
-    index = PassageIndex.load(index_dir, use_gpu=use_gpu, search_params=search_params)
-    recorded = index.provenance
-    # A tower on the meta device (the device-placement tests load one there) has no weights to hash.
-    weighed = passage_tower is not None and not any(p.is_meta for p in passage_tower.parameters())
-    tower = passage_tower.fingerprint() if weighed else None
-    if tower is not None and recorded.get("encoder_fingerprint") not in (None, tower):
-        raise UserError(
-            f"index {index_dir} was built from embeddings of another encoder (fingerprint "
-            f"{recorded['encoder_fingerprint']}, max length {recorded.get('max_length')}) than this "
-            f"checkpoint's passage tower ({tower}, max length {passage_tower.max_length}): embed the corpus "
-            "with `rlm embed --encoder <checkpoint>/retriever` and index that"
-        )
-    if corpus_fingerprint is not None and recorded.get("corpus_fingerprint") not in (
-        None,
-        corpus_fingerprint,
-    ):
-        raise UserError(
-            f"index {index_dir} was built for corpus {recorded['corpus_fingerprint']}, not this one "
-            f"({corpus_fingerprint}); rebuild it for this corpus"
-        )
-    if index.ntotal != len(corpus_ids):
-        raise UserError(
-            f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
-            "rebuild it for this corpus (omit --index)"
-        )
-    # One bytes comparison when both are IdSequences (a loaded index and a Corpus), not a 21M-string loop.
-    mismatch = first_mismatch(index.ids, corpus_ids)
-    if mismatch is not None:
-        raise UserError(
-            f"index {index_dir} row {mismatch} is passage {index.ids[mismatch]!r} but the corpus has "
-            f"{corpus_ids[mismatch]!r}; it was built for another corpus"
-        )
-    return index
-
-
-def prebuilt_index(index_dir, retriever, corpus, use_gpu: bool | None, search_params: dict[str, int] | None):
-    """`load_index_for` a checkpoint's `retriever` and `corpus`: its ids, passage tower and corpus checked."""
-    fingerprint = getattr(corpus, "fingerprint", None)  # a subcorpus has none of its own
-    return load_index_for(index_dir, corpus.ids, use_gpu, search_params, retriever.passage_tower, fingerprint)
 
 
 def retrieve(
@@ -418,24 +343,46 @@ def _retrieve_for_evaluation(
     retriever,
     index,
     k: int,
-    embed_batch_size: int,
+    options: IndexOptions,
     show_progress: bool,
     timings,
 ) -> Retrieved:
-    """The top `k` for every question, embedding the corpus first when no `index` is given; the seconds
-    each stage took go into `timings`."""
+    """The top `k` for every question, embedding and indexing the corpus first when no `index` is given
+    (`rlm.inference.indexing.index_corpus` with `options`); the seconds each stage took go into `timings`."""
     start = time.perf_counter()
     if index is None:
+        from rlm.inference.indexing import index_corpus, index_on_gpu
+
         tower = retriever.passage_tower
-        embeddings = embed_corpus(tower, corpus.retrieval_texts(), embed_batch_size, show_progress)
-        index = build_index(
-            embeddings, corpus.ids, use_gpu=index_on_gpu(tower.device), show_progress=show_progress
+        index = index_corpus(
+            tower,
+            corpus,
+            options.embeddings_dir,
+            options.factory,
+            use_gpu=index_on_gpu(tower.device),
+            batch_size=options.batch_size,
+            precision=options.precision,
+            accelerator=options.accelerator,
+            show_progress=show_progress,
         )
         timings["embed_seconds"] = time.perf_counter() - start
     start = time.perf_counter()
-    retrieved = retrieve(retriever.query_tower, index, questions, k, embed_batch_size, show_progress)
+    retrieved = retrieve(retriever.query_tower, index, questions, k, options.batch_size, show_progress)
     timings["retrieve_seconds"] = time.perf_counter() - start
     return retrieved
+
+
+@dataclass
+class IndexOptions:
+    """How `run_evaluation` embeds and indexes a corpus it is given no index for (`index_corpus`): the folder
+    of the float16 shards (None: a temporary one), the faiss factory, passages per forward, the precision of
+    the passage tower ("auto": bf16 on a CUDA GPU) and the accelerate state whose processes share the work."""
+
+    embeddings_dir: str | os.PathLike | None = None
+    factory: str = "Flat"
+    batch_size: int = 64
+    precision: str = "auto"
+    accelerator: object | None = None
 
 
 @dataclass
@@ -450,6 +397,11 @@ class _Reading:
     @property
     def predictions(self) -> list[str]:
         return [answer for answer, _ in self.answered]
+
+    def gathered(self, procs) -> _Reading:
+        """Every process's readings, in process order."""
+        read_ids = None if self.read_ids is None else procs.gather_object(self.read_ids)
+        return _Reading(procs.gather_object(self.answered), read_ids, procs.gather_object(self.decisions))
 
 
 def _read_for_evaluation(
@@ -551,53 +503,72 @@ def run_evaluation(
     closed_book: bool = False,
     gold_passages: bool = False,
     batch_size: int = 16,
-    embed_batch_size: int = 64,
     num_beams: int = 1,
     out_dir: str | os.PathLike | None = None,
     show_progress: bool = False,
     policy=None,
+    index_options: IndexOptions | None = None,
 ) -> EvaluationResult:
     """Retrieve (unless closed book), read (when a reader is given), score, and write the results.
 
-    Modes: full (retriever + reader), retrieval-only (reader None: recall only), closed book (reader only,
-    no passages), gold passages (the reader reads the top `num_passages` with the gold passages swapped in,
-    `with_gold_passages`; or the gold passages alone when no retriever is given). `index` is reused when
-    given, else the corpus is embedded with the passage tower (into a faiss index on the GPU when the tower is
-    on one, `index_on_gpu`). The models run where they are (`load_checkpoint(device=...)`); `show_progress`:
-    progress bars over the corpus, the index, the questions and the reading.
-    With `out_dir`, writes `predictions.jsonl` (question, gold answers, prediction, retrieved ids and
-    scores) and `metrics.json`, atomically.
+    Modes: full (retriever + reader), retrieval-only (no reader), closed book (no passages), gold passages (the
+    gold passages swapped into the top `num_passages`, `with_gold_passages`, or alone without a retriever).
+    `index` is reused when given, else the corpus is embedded and indexed as `index_options` says. With
+    `out_dir`: `predictions.jsonl` and `metrics.json`, atomically. Data-parallel when
+    `index_options.accelerator` has several processes: each retrieves and reads its share of the questions, the
+    results are gathered once, every process returns the same metrics and only the main one writes.
 
-    Every reading records each prediction's `confidence` and whether it was `abstained`: with `policy` (the
-    checkpoint's `rlm.inference.answer_policy.AnswerPolicy`, applied when retrieving and reading) the calibrated
-    P(correct) and the policy's verdict and reason, else the reader's own probability and never abstained.
-    `exact_match` is EM at full coverage (every best guess counted); `coverage` is the share answered and
-    `answered_exact_match` the EM over the answered questions.
+    Each prediction records its `confidence` and whether it was `abstained`: with `policy` (the checkpoint's
+    `AnswerPolicy`) the calibrated P(correct) and the policy's verdict, else the reader's own probability.
+    `exact_match` is EM at full coverage; `coverage` the share answered, `answered_exact_match` their EM.
     """
     _check_evaluation_mode(reader, retriever, corpus, closed_book, gold_passages)
+    options = index_options or IndexOptions()
+    procs = _processes(options.accelerator)
+    mine = list(examples[slice(*procs.part(len(examples)))])
     timings: dict[str, float] = {}
     metrics: dict[str, float] = {"num_questions": len(examples)}
     retrieved = reading = None
     if not closed_book and retriever is not None:
-        questions = [ex.question for ex in examples]
+        questions = [ex.question for ex in mine]
         retrieved = _retrieve_for_evaluation(
-            questions, corpus, retriever, index, k, embed_batch_size, show_progress, timings
-        )
+            questions, corpus, retriever, index, k, options, show_progress, timings
+        ).gathered(procs)
         metrics.update(retrieval_metrics(corpus, examples, retrieved, [kk for kk in RECALL_KS if kk <= k]))
     if reader is not None:
-        options = {"batch_size": batch_size, "num_beams": num_beams, "show_progress": show_progress}
+        read_options = {"batch_size": batch_size, "num_beams": num_beams, "show_progress": show_progress}
+        mine_retrieved = None if retrieved is None else retrieved.part(*procs.part(len(examples)))
         reading = _read_for_evaluation(
-            reader, examples, corpus, retrieved, num_passages, gold_passages, policy, timings, **options
-        )
+            reader, mine, corpus, mine_retrieved, num_passages, gold_passages, policy, timings, **read_options
+        ).gathered(procs)
         metrics.update(_reading_scores(reading, examples, 0 if closed_book else num_passages))
-    # Timings last: metrics.json and the printed table list the scores first.
-    metrics.update({key: round(value, 2) for key, value in timings.items()})
+    # Timings last: metrics.json and the printed table list the scores first. Each the slowest process's.
+    for key, value in timings.items():
+        metrics[key] = round(max(procs.gather_object([value])), 2)
     records = [_evaluation_record(ex, i, reading, retrieved) for i, ex in enumerate(examples)]
     mode = _evaluation_mode(closed_book, gold_passages, retriever, reader)
     result = EvaluationResult(metrics=metrics, mode=mode, records=records)
-    if out_dir is not None:
+    if out_dir is not None and procs.rank == 0:
         _write_evaluation(result, out_dir)
+    procs.barrier()  # the files are written before any process goes on
     return result
+
+
+def _processes(accelerator):
+    """The data-parallel processes of an accelerate state (gathers of Python lists, a barrier), or one."""
+    from retriever.distributed import Processes
+
+    if accelerator is None or accelerator.num_processes == 1:
+        return Processes()
+    from accelerate.utils import gather_object
+
+    return Processes(
+        accelerator.process_index,
+        accelerator.num_processes,
+        barrier=accelerator.wait_for_everyone,
+        gather_object=gather_object,
+        device=accelerator.device,
+    )
 
 
 def format_table(metrics: dict[str, float], title: str | None = None) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from retriever.alignment import alignment_metrics
+from retriever.buffer import embed_passages
 from retriever.distributed import Processes, ShardedRows
 from retriever.search import TopK
 from rlm.inference.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
@@ -83,7 +84,11 @@ def sharded_retrieve(
     tower = retriever.passage_tower
 
     def embed() -> torch.Tensor:
-        return tower.encode([texts[i] for i in range(start, stop)], batch_size=batch_size)
+        # The buffer's path: sorted full batches, a block of texts at a time, float16 rows (half of float32's
+        # memory for this process's share, which the cache keeps), bf16 on an accelerator or under autocast.
+        precision = "bf16" if torch.is_autocast_enabled(tower.device.type) else "auto"
+        rows = embed_passages(tower, texts, start, stop, batch_size, precision=precision)
+        return torch.from_numpy(rows)
 
     passages = embed() if cache is None else cache.get(tower, corpus_key, start, stop, embed)
     if queries is None:
