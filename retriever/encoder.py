@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -32,6 +33,19 @@ _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 _ST_POOLING = "sentence_transformers.models.Pooling"
 _ST_DENSE = "sentence_transformers.models.Dense"
 _ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+# Rows per forward of `SentenceEncoder.embed_texts` on a CPU. There a training step's S_x, short and long
+# passages mixed, padded to its longest row cost about a fifth of the passage tower's time on multihop200, and
+# a CPU gains nothing from wider matmuls. An accelerator runs the k passages of a step in one forward and one
+# backward: 16-row pieces would be 8 launches of every kernel at a fraction of the GPU's width, for padding
+# that max_length bounds anyway (DPR's passages are all about 100 words).
+CPU_BUCKET_SIZE = 16
+
+
+def bucket_size_for(device: torch.device) -> int | None:
+    """`embed_texts`' rows per forward on `device`: `CPU_BUCKET_SIZE` on a CPU, all at once (None) elsewhere."""
+    return CPU_BUCKET_SIZE if torch.device(device).type == "cpu" else None
 
 
 def default_retriever_path() -> str:
@@ -283,13 +297,35 @@ class SentenceEncoder(nn.Module):
             elif isinstance(getattr(module, "dropout", None), float):
                 module.dropout = p
 
-    def embed_texts(self, texts: Sequence[str], bucket_size: int | None = 16) -> Tensor:
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each layer's activations in the backward pass (HF activation checkpointing, non-reentrant):
+        the tower keeps only each layer's input for backward, for about one more forward of compute. Acts in
+        train mode with gradient only; the weights, the config and so the fingerprint stay as they are."""
+        # transformers 5 renamed the method (and its keyword); 4.x only has the old name.
+        if hasattr(self.model, "activation_checkpointing_enable"):
+            self.model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether the tower recomputes activations in the backward pass."""
+        flag = (
+            getattr(type(self.model), "is_activation_checkpointing", None)
+            or type(self.model).is_gradient_checkpointing
+        )
+        return bool(flag.fget(self.model))
+
+    def embed_texts(self, texts: Sequence[str], bucket_size: int | None | Literal["auto"] = "auto") -> Tensor:
         """Tokenize and forward on the tower's device, keeping grad and train/eval mode as they are.
 
         Rows run in buckets of `bucket_size` by token length, each padded to its own longest row, then go back
-        to input order: a training step's S_x mixes short and long passages, and padding them all to the
-        longest cost about a fifth of the passage tower's time on multihop200 (`bucket_size=None`: one pass).
+        to input order (`None`: one pass; "auto": `bucket_size_for(self.device)`, buckets of 16 on a CPU only).
         """
+        if bucket_size == "auto":
+            bucket_size = bucket_size_for(self.device)
         batch = self.tokenize(texts)
         lengths = batch["attention_mask"].sum(dim=1)
         if bucket_size is None or len(lengths) <= bucket_size or self.tokenizer.padding_side != "right":
@@ -447,6 +483,11 @@ class DualEncoder(nn.Module):
             self.query_tower.save_pretrained(tmp / "query_tower")
             self.passage_tower.save_pretrained(tmp / "passage_tower")
             atomic_write_text(tmp / "dual_encoder.json", json.dumps({"shared": self.shared}, indent=2))
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Activation checkpointing in both towers (Atlas' `--use_gradient_checkpoint_retriever`)."""
+        for tower in {id(t): t for t in (self.query_tower, self.passage_tower)}.values():
+            tower.gradient_checkpointing_enable()
 
     def encode_queries(self, texts: Sequence[str]) -> Tensor:
         """f(x) [B, D], with grad when enabled, in the tower's current train/eval mode."""

@@ -6,8 +6,11 @@ checkpoint is loaded, so a resumed run checks its buffer against the same encode
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from accelerate.utils import gather_object
 
 from reader.fid import FiDConfig, FiDReader
 from reader.formatting import FiDCollator
@@ -15,6 +18,7 @@ from reader.small_t5 import SmallT5Config
 from reader.tokenizer import load_tokenizer, train_tokenizer
 from retriever.buffer import PassageBuffer, build_passage_buffer
 from retriever.corrector import CorrectorNetwork
+from retriever.distributed import Processes
 from retriever.encoder import DualEncoder, default_retriever_path
 from rlm.config import USES_CORRECTOR, ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
@@ -77,14 +81,16 @@ def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample], ac
     fid_config = FiDConfig(**lengths, **template)
     if rc.path:
         try:
-            return FiDReader.from_pretrained(rc.path, **lengths, **template)
+            with main_process_first(accelerator):
+                return FiDReader.from_pretrained(rc.path, **lengths, **template)
         except OSError as err:  # transformers' "can't reach the hub / not a folder"
             raise FileNotFoundError(
                 f"reader.path={rc.path!r} could not be loaded ({str(err).splitlines()[0]}); offline, point "
                 "reader.path at a local model folder, or unset it to train the small T5 built from reader.*"
             ) from err
     if rc.arch == "warm_start":
-        return build_warm_started_reader(rc, fid_config, seed=cfg.seed)
+        with main_process_first(accelerator):
+            return build_warm_started_reader(rc, fid_config, seed=cfg.seed)
     tokenizer = reader_tokenizer(cfg, corpus, examples, accelerator)
     model_config = SmallT5Config(
         d_model=rc.d_model,
@@ -183,6 +189,9 @@ def build_retriever(cfg: TrainConfig) -> DualEncoder:
     if cfg.retriever.dropout is not None:
         for tower in {id(t): t for t in (retriever.query_tower, retriever.passage_tower)}.values():
             tower.set_dropout(cfg.retriever.dropout)
+    if cfg.retriever.gradient_checkpointing:
+        # Only train mode with gradient recomputes: building B (eval, no gradient) runs as before.
+        retriever.gradient_checkpointing_enable()
     return retriever
 
 
@@ -205,7 +214,9 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
     if accelerator is not None:
         with accelerator.main_process_first():  # a toy world is generated once, then read by the others
             resolve_data(cfg)
-    corpus = load_corpus(resolve_data(cfg)[0])
+    # Every process scans the corpus; the main one alone hashes it (`load_corpus`).
+    procs = None if accelerator is None else processes_of(accelerator)
+    corpus = load_corpus(resolve_data(cfg)[0], procs=procs)
     train_examples = load_train_examples(cfg)
     dev_examples = load_dev_examples(cfg)
     if cfg.algorithm == 1:
@@ -223,7 +234,8 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
                 "algorithm 1 needs training questions with gold passage ids that are in the corpus"
             )
 
-    retriever = build_retriever(cfg)
+    with main_process_first(accelerator):
+        retriever = build_retriever(cfg)
     buffer = load_or_build_buffer(cfg, retriever, corpus, accelerator, check)
 
     reader = collator = None
@@ -240,6 +252,17 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
             linear=cfg.corrector.linear,
         )
     return Components(corpus, train_examples, dev_examples, retriever, reader, collator, corrector, buffer)
+
+
+def main_process_first(accelerator):
+    """The main process runs the block before the others: a model it downloads from the hub lands in the cache
+    the others then read, instead of every process downloading into it at once. No accelerator: the block."""
+    return contextlib.nullcontext() if accelerator is None else accelerator.main_process_first()
+
+
+def processes_of(accelerator) -> Processes:
+    """The run's processes for `load_corpus`: their ranks and an object gather."""
+    return Processes(accelerator.process_index, accelerator.num_processes, gather_object=gather_object)
 
 
 def _in_corpus(corpus: Corpus, passage_id: str) -> bool:

@@ -23,6 +23,7 @@ if __name__ == "__main__":
 
     sys.exit(cli_main(["train", *sys.argv[1:]]))
 
+import torch
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
@@ -40,10 +41,12 @@ from rlm.training.accelerator import (
     zero_loss,
 )
 from rlm.training.alignment import check_collapse
+from rlm.training.model_card import write_model_card
 from rlm.training.preemption import Preempted, StopSignals
 from rlm.training.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps
 from rlm.training.run import NonFiniteLossError, TrainRun, build_run
 from rlm.training.schedule import reader_only_step
+from rlm.training.throughput import Throughput
 
 
 def train(
@@ -74,12 +77,13 @@ def train(
 def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
     """The steps from where `run` stands to the end, then the final validation and `final/`."""
     cfg, acc, state = run.cfg, run.accelerator, run.state
-    log = RunLog(run, prefix)
     stop = shared_steps(cfg) if prefix_out is not None else cfg.optim.max_steps
+    log = RunLog(run, stop, prefix)
     run.model.train()
     while state.step < stop:
         try:
-            record = train_step(run)
+            with log.throughput.step():
+                record = train_step(run)
         except Preempted as err:  # mid-refresh; one process is at a point a checkpoint can be made from
             if acc.num_processes > 1:
                 raise
@@ -194,10 +198,10 @@ def skipped_step(run: TrainRun) -> None:
 
 
 class RunLog:
-    """`log.jsonl`, the trackers (TensorBoard / W&B) and the progress bar of a run."""
+    """`log.jsonl`, the trackers (TensorBoard / W&B) and the progress bar of a run that trains to step `stop`."""
 
-    def __init__(self, run: TrainRun, prefix=None):
-        self.run, cfg, acc, state = run, run.cfg, run.accelerator, run.state
+    def __init__(self, run: TrainRun, stop: int, prefix=None):
+        self.run, self.stop, cfg, acc, state = run, stop, run.cfg, run.accelerator, run.state
         self.path = Path(cfg.output_dir) / "log.jsonl"
         self.prefix_log = load_prefix(run, prefix) if prefix is not None and state.step == 0 else None
         if state.tracker_run_id is None or self.prefix_log is not None:  # a resumed run keeps its W&B run
@@ -220,20 +224,29 @@ class RunLog:
             desc=f"train[{cfg.strategy.name}]",
             disable=not acc.is_local_main_process,
         )
-        self.t_last, self.steps_since_log = time.time(), 0
+        self.throughput = Throughput(run.raw, acc.device)
+        self.t_start = self.t_last = time.time()
+        self.step_start, self.steps_since_log = state.step, 0
 
     def step(self, record: dict) -> None:
-        """Count a step taken; every `log_every` steps add its speed to `record` and show its losses."""
-        cfg, state = self.run.cfg, self.run.state
+        """Count a step taken; every `log_every` steps add its speed to `record` and show its losses and speed
+        (collective: every process calls it at every step)."""
+        cfg, acc, state = self.run.cfg, self.run.accelerator, self.run.state
         self.steps_since_log += 1
         self.progress.update(1)
         if state.step % cfg.log_every == 0 or state.step == cfg.optim.max_steps:
+            if acc.device.type == "cuda":
+                torch.cuda.synchronize(acc.device)  # the host clock at a point the GPU has reached
             now = time.time()
             record["steps_per_s"] = round(self.steps_since_log / max(now - self.t_last, 1e-9), 4)
+            record.update(self.throughput.interval(acc, self.steps_since_log, now - self.t_last))
+            # At the pace of this session's steps so far, validations and checkpoints included.
+            per_step = (now - self.t_start) / max(state.step - self.step_start, 1)
+            record["eta_s"] = round(max(self.stop - state.step, 0) * per_step, 2)
             state.wall_time += now - self.t_last
             self.t_last, self.steps_since_log = now, 0
-            losses = ("loss", "reader_loss", "retriever_loss")
-            self.progress.set_postfix({k: f"{record[k]:.3f}" for k in losses if k in record})
+            if acc.is_local_main_process:
+                self.progress.set_postfix(progress_postfix(record))
 
     def write(self, record: dict) -> None:
         acc = self.run.accelerator
@@ -244,6 +257,17 @@ class RunLog:
 
     def close(self) -> None:
         self.progress.close()
+        self.throughput.close()
+
+
+def progress_postfix(record: dict) -> dict[str, str]:
+    """The progress bar's postfix: the step's losses and the interval's speed and memory (tqdm shows the ETA)."""
+    shown = {k: f"{record[k]:.3f}" for k in ("loss", "reader_loss", "retriever_loss") if k in record}
+    shown["q/s"] = f"{record['questions_per_s']:.3g}"
+    shown["tok/s"] = f"{record['tokens_per_s']:.3g}"
+    memory = record.get("peak_cuda_memory_gib", record.get("peak_rss_gib"))
+    shown["mem"] = f"{memory:.1f}G"
+    return shown
 
 
 def finish(run: TrainRun, prefix) -> dict:
@@ -269,6 +293,7 @@ def finish(run: TrainRun, prefix) -> dict:
         with atomic_directory(output_dir / "final") as tmp:
             run.raw.save_pretrained(tmp)
             atomic_write_text(tmp / "config.yaml", dump_config(cfg))
+            write_model_card(tmp, cfg, summary, run.corpus, run.raw.retriever, run.strategy.buffer)
         atomic_write_json(output_dir / "summary.json", summary)
     # Every process ends together: one that tears down its process group while another is still at work (the
     # main process writing final/) can leave that one waiting on a rendezvous store that is gone.

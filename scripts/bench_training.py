@@ -21,11 +21,10 @@ import contextlib
 import functools
 import statistics
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 
 from rlm.config import load_config
-from rlm.experiments.benchmarking import median_of
+from rlm.experiments.benchmarking import PhaseTimer, median_of
 from rlm.experiments.reporting import ROOT, arguments, int_list, results_path, table, write_report
 
 # torch and the training code are imported where they run: `--help` needs neither (~8 CPU-s).
@@ -33,23 +32,11 @@ from rlm.experiments.reporting import ROOT, arguments, int_list, results_path, t
 PHASES = ["select", "retriever", "reader_scoring", "reader", "corrector", "backward+optimizer", "reembed"]
 
 
-class PhaseTimer(defaultdict):
-    """`with timer("name"):` adds the block's wall time to timer["name"]."""
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self[name] += time.perf_counter() - start
-
-
 def step_phases(run, args) -> dict:
     """Median seconds per phase of the measured steps; the time no phase timed is `backward+optimizer`."""
     from rlm.train import train_step
 
-    run.raw.timer = timer = PhaseTimer(float)
+    run.raw.timer = timer = PhaseTimer()
     run.strategy.before_step = timer("reembed")(run.strategy.before_step)  # refreshes timed as "reembed"
     run.model.train()
     steps = []

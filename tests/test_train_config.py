@@ -361,6 +361,7 @@ PAPER_RLM = {
     "data.dev_subcorpus": "build",
     "retriever.path": "sentence-transformers/gtr-t5-base",
     "retriever.passage_max_length": 256,
+    "retriever.gradient_checkpointing": True,
     "reader.path": "t5-base",
     "reader.max_passage_length": 256,
     "reader.max_answer_length": 32,

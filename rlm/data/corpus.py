@@ -21,12 +21,16 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from atomicio import atomic_write_json
 from retriever.ids import IdSequence
 from rlm.errors import UnknownPassageError, UserError, not_utf8
+
+if TYPE_CHECKING:  # torch: a corpus is read without it
+    from retriever.distributed import Processes
 
 FORMATS = ("jsonl", "dpr_tsv", "pyserini")
 _DPR_HEADER = b"id\ttext\ttitle"
@@ -322,15 +326,34 @@ class Corpus(Sequence[Passage]):
         return f"Corpus({str(self.path)!r}, fmt={self.fmt!r}, passages={len(self)})"
 
 
+# What a corpus opened by another process than the first holds as its fingerprint until the first one's arrives.
+_FIRST_PROCESS = "pending: the first process's"
+
+
 def load_corpus(
-    path: str | os.PathLike, fmt: str | None = None, fingerprint_cache: str | os.PathLike | None = None
+    path: str | os.PathLike,
+    fmt: str | None = None,
+    fingerprint_cache: str | os.PathLike | None = None,
+    procs: Processes | None = None,
 ) -> Corpus:
     """Open a passage corpus (fmt in {"jsonl", "dpr_tsv", "pyserini"}; auto-detected when None).
 
     `fingerprint_cache`: a small JSON file that remembers the corpus fingerprint per corpus file, keyed by
     the file's resolved path, size and modification time (ns) and the format; on a hit the scan skips
     hashing. A changed size or mtime is a miss: the file is hashed again and the entry replaced.
+
+    `procs`: the data-parallel processes that all open this corpus (`retriever.distributed.Processes`; every
+    one must call). Each scans the file for the offsets it reads passages by, all at once, but only the first
+    hashes it (or finds it in the cache): the others take its fingerprint, one sha256 of the 13 GB DPR file
+    per run instead of one per process.
     """
+    if procs is not None and procs.world > 1:
+        if procs.rank == 0:
+            corpus = load_corpus(path, fmt, fingerprint_cache)
+        else:
+            corpus = Corpus(path, fmt, fingerprint=_FIRST_PROCESS)  # the scan skips hashing
+        corpus.fingerprint = procs.gather_object([corpus.fingerprint])[0]
+        return corpus
     if fingerprint_cache is None:
         return Corpus(path, fmt)
     path, cache = Path(path), Path(fingerprint_cache)

@@ -1,6 +1,8 @@
-"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: best-of timing, peak RSS, top-k
-overlap, a corrector that moves vectors by a stated amount, and synthetic buffers (in memory, or written the way
-`rlm embed` writes them).
+"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: best-of timing, a training step's
+phase timer, a time limit per case, peak RSS, top-k overlap, a corrector that moves vectors by a stated amount,
+synthetic buffers (in memory, or written the way `rlm embed` writes them), the ring all-reduce's time, and for
+steps at the paper's shapes a synthetic corpus and questions of fixed token lengths and random-init models of
+T5-base's and GTR-base's shapes (no download).
 
 The scripts import these from the installed package instead of from each other: a script folder put on
 `sys.path` would shadow installed packages by its file names (`scripts/evaluate.py` hides the `evaluate`
@@ -9,12 +11,16 @@ library from every later import in that process).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +174,197 @@ def clustered_buffer(n: int, dim: int, queries: int, cluster: int = 200, noise: 
     for s, lo in enumerate(range(0, n, 100_000)):
         buffer[lo : lo + 100_000] = torch.from_numpy(shard(s, min(100_000, n - lo)))
     return buffer, draw(queries)
+
+
+class PhaseTimer(defaultdict):
+    """`with timer("name"):` adds the block's wall time to timer["name"] (it is the training step's `model.timer`).
+
+    `synchronize` (e.g. `torch.cuda.synchronize`) runs at both ends of a block: a GPU queues its work and
+    returns, so without it a phase's kernels would be counted in whichever later phase waits for them."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None):
+        super().__init__(float)
+        self.synchronize = synchronize or (lambda: None)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        self.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            self[name] += time.perf_counter() - start
+
+
+class TimeLimitExceeded(BaseException):
+    """A block ran past its `time_limit`. A BaseException, as KeyboardInterrupt is: library code that catches
+    Exception (or OSError, which TimeoutError is) to carry on must not swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise `TimeLimitExceeded` in the block when it runs longer than `seconds` (None or 0: no limit), so that
+    one slow case of a benchmark leaves time for the others. SIGALRM: the main thread of a POSIX process only;
+    the alarm is seen when control is back in Python (not inside one long native call)."""
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeLimitExceeded(f"ran past its limit of {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def ring_allreduce_seconds(nbytes: float, devices: int, bus_bandwidth: float) -> float:
+    """Seconds of a ring all-reduce of `nbytes` over `devices` at `bus_bandwidth` bytes/s, in NCCL's convention
+    (nccl-tests' busbw = algorithm bandwidth x 2(p-1)/p: each byte crosses 2(p-1)/p links)."""
+    return 0.0 if devices <= 1 else nbytes * 2 * (devices - 1) / devices / bus_bandwidth
+
+
+# ---- synthetic text and models of the paper's shapes (scripts/bench_paper_step.py) -------------------------
+
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def synthetic_words(count: int = 1000) -> list[str]:
+    """`count` made-up two-syllable words ("bada", "bade", ...): `synthetic_tokenizer` reads each as one token."""
+    syllables = [c + v for c in _CONSONANTS for v in _VOWELS]
+    words = [a + b for a in syllables for b in syllables]
+    if count > len(words):
+        raise ValueError(f"at most {len(words)} synthetic words, asked for {count}")
+    return words[:count]
+
+
+def synthetic_tokenizer(words: Sequence[str]):
+    """The project's offline reader tokenizer (`reader.tokenizer.train_tokenizer`: byte-level BPE) fitted to
+    `words`, so that each of them is one token and a text of n of them is n tokens plus `</s>`: token counts, and
+    so the shapes of a benchmark's batches, are set by word counts."""
+    from reader.tokenizer import train_tokenizer
+
+    lines = [" ".join(words[i : i + 50]) for i in range(0, len(words), 50)]
+    return train_tokenizer(lines * 3, vocab_size=len(words) + 2000)
+
+
+class SyntheticCorpus(Sequence):
+    """`n` passages of `words` made-up words each, made from the row number when read (nothing is held, so
+    21M rows cost nothing): a stand-in for `rlm.data.corpus.Corpus` in a training step (`corpus[i]`,
+    `retrieval_texts()`)."""
+
+    def __init__(self, n: int, words: int, vocabulary: Sequence[str], title_words: int = 2, seed: int = 0):
+        self.n, self.words, self.vocabulary = n, words, list(vocabulary)
+        self.title_words, self.seed = title_words, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        from rlm.data.corpus import Passage
+
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if not 0 <= i < self.n:
+            raise IndexError(f"passage {i} out of range for {self.n} passages")
+        picked = np.random.default_rng((self.seed, i)).integers(
+            len(self.vocabulary), size=self.title_words + self.words
+        )
+        text = [self.vocabulary[w] for w in picked]
+        return Passage(str(i), " ".join(text[: self.title_words]), " ".join(text[self.title_words :]))
+
+    def retrieval_texts(self) -> Sequence[str]:
+        return _RetrievalTexts(self)
+
+
+class _RetrievalTexts(Sequence):
+    def __init__(self, corpus: SyntheticCorpus):
+        self.corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def __getitem__(self, i):
+        from rlm.data.corpus import retrieval_text
+
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        passage = self.corpus[i]
+        return retrieval_text(passage.title, passage.text)
+
+
+def synthetic_examples(
+    count: int, question_words: int, answer_words: int, vocabulary: Sequence[str], seed: int = 0
+):
+    """`count` QAExamples whose questions are `question_words` made-up words and answers `answer_words`."""
+    from rlm.data.qa import QAExample
+
+    rng = np.random.default_rng((seed, 1))
+    words = list(vocabulary)
+
+    def sentence(n: int) -> str:
+        return " ".join(words[w] for w in rng.integers(len(words), size=n))
+
+    return [QAExample(f"q{i}", sentence(question_words), [sentence(answer_words)]) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class T5Shape:
+    """The sizes of a T5 (t5-base by default: `T5_BASE`); the vocabulary is t5-base's 32128 rows whatever the
+    tokenizer, so the embedding and LM-head costs are the paper's."""
+
+    d_model: int = 768
+    d_ff: int = 3072
+    num_layers: int = 12
+    num_heads: int = 12
+    vocab_size: int = 32128
+
+    def t5_config(self, tokenizer):
+        from transformers import T5Config
+
+        if self.vocab_size < len(tokenizer):
+            raise ValueError(f"vocab_size {self.vocab_size} < the tokenizer's {len(tokenizer)} tokens")
+        return T5Config(
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            d_kv=self.d_model // self.num_heads,
+            d_ff=self.d_ff,
+            num_layers=self.num_layers,
+            num_decoder_layers=self.num_layers,
+            num_heads=self.num_heads,
+            feed_forward_proj="relu",  # t5-base and GTR-base (T5 v1.0)
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            decoder_start_token_id=tokenizer.pad_token_id,
+        )
+
+
+T5_BASE = T5Shape()
+TINY_T5 = T5Shape(d_model=64, d_ff=256, num_layers=2, num_heads=4)
+
+
+def t5_reader(shape: T5Shape, tokenizer, fid_config=None):
+    """A FiD reader over a random-init T5 of `shape` (`T5_BASE`: the paper's T5-base reader), no download."""
+    from transformers import T5ForConditionalGeneration
+
+    from reader.fid import FiDReader
+
+    return FiDReader(T5ForConditionalGeneration(shape.t5_config(tokenizer)), tokenizer, fid_config)
+
+
+def gtr_tower(shape: T5Shape, tokenizer, max_length: int):
+    """A GTR-shaped tower with random weights (`T5_BASE`: GTR-base): the T5 encoder, mean pooling, a d -> d
+    Dense without bias or activation and L2 normalisation, as `sentence-transformers/gtr-t5-base` is built."""
+    import torch
+    from transformers import T5EncoderModel
+
+    from retriever.encoder import SentenceEncoder
+
+    dense = torch.nn.Linear(shape.d_model, shape.d_model, bias=False)
+    model = T5EncoderModel(shape.t5_config(tokenizer))
+    return SentenceEncoder(model, tokenizer, dense, "Identity", max_length=max_length)

@@ -22,11 +22,13 @@ from accelerate.utils import (
     gather_object,
 )
 
+from evalmode import eval_mode
 from retriever.distributed import Processes
 from rlm.config import TrainConfig, dump_config
 from rlm.errors import UserError
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
 from rlm.training import checkpointing
+from rlm.training.schedule import retriever_start, retriever_stop
 from rlm.training.selection import SelectionStrategy
 
 
@@ -89,10 +91,8 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         # DeepSpeed's CPU accelerator talks gloo; unless accelerate is told so, every rank sees one process.
         backend = {"backend": "gloo"}
         skip_deepspeed_cpu_inference_kernel()
-    handlers = [
-        DistributedDataParallelKwargs(find_unused_parameters=True),
-        InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout_s), **backend),
-    ]
+    # DDP's own settings wait for the model: `configure_ddp`, before `prepare`.
+    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout_s), **backend)]
     # Training runs on CPU without CUDA, or with cfg.cpu (which DeepSpeed ignores: it finds the GPU itself).
     on_cpu = not cuda or (cfg.cpu and not deepspeed)
     mixed_precision, message = cfg.mixed_precision, None
@@ -169,6 +169,72 @@ def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps:
                 "optim.questions_per_step / gradient_accumulation_steps and the process count); set it to "
                 "'auto' in the accelerate config"
             )
+    if accelerator.mixed_precision == "bf16":
+        # The module's parameters, and so each micro-step's gradients, are bf16 under DeepSpeed; without this
+        # ZeRO-2 also sums the window's micro-steps in bf16 (8 mantissa bits: with 4 micro-steps a small
+        # gradient added to a large one loses its last bits). fp32 accumulation is what DDP does. A DeepSpeed
+        # config of one's own that sets data_types.grad_accum_dtype keeps its choice.
+        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+
+
+def reader_alone_steps(cfg: TrainConfig) -> bool:
+    """Whether some optimizer steps train the reader alone (Algorithm 2's gold-passage curriculum and its
+    reader-only phases): at those, the retriever and the corrector are trainable but take no part in the loss."""
+    return cfg.algorithm == 2 and (
+        cfg.schedule.gold_passage_steps > 0
+        or retriever_start(cfg) > 0
+        or retriever_stop(cfg) < cfg.optim.max_steps
+    )
+
+
+def unreached_parameters(model: torch.nn.Module) -> list[str]:
+    """Trainable parameters of the towers and the reader that their forward never reaches: a BERT-family
+    model's pooler (the towers mean-pool its last hidden states; a warm-started reader's encoder has one too).
+    Found by one short input through each, in eval mode, with `autograd.grad` (no `.grad` is written)."""
+    towers = {id(t): t for t in (model.retriever.query_tower, model.retriever.passage_tower)}.values()
+    probes = [
+        (f"retriever.{name}", tower, lambda t=tower: t.embed_texts(["probe"]).sum())
+        for name, tower in zip(("query_tower", "passage_tower"), towers)
+    ]
+    if model.reader is not None:
+        inputs = model.collator(["probe"], [[("probe", "probe")]], ["probe"])
+        inputs = {k: inputs[k].to(model.reader.device) for k in ("input_ids", "attention_mask", "labels")}
+        probes.append(("reader", model.reader, lambda: model.reader(**inputs).loss))
+    unreached = []
+    for prefix, module, forward in probes:
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            continue
+        with eval_mode(module), torch.enable_grad():
+            grads = torch.autograd.grad(forward(), [p for _, p in named], allow_unused=True)
+        unreached += [f"{prefix}.{name}" for (name, _), grad in zip(named, grads) if grad is None]
+    return unreached
+
+
+def find_unused_parameters(cfg: TrainConfig, model: torch.nn.Module) -> bool:
+    """DDP's `find_unused_parameters` for this run: whether some step leaves a trainable parameter without a
+    gradient. DDP then walks the autograd graph after every forward to find them (its reduction would
+    otherwise wait for their gradients forever, and fail at the next step); it is set only where needed.
+    Parameters a strategy does not train (`frozen`, `closed_book`: the retriever) have requires_grad off and
+    are no part of DDP; call this after `RetrievalAugmentedModel.parameter_groups` has set them."""
+    trained_besides_reader = any(
+        p.requires_grad
+        for part in (model.retriever, model.corrector)
+        if part is not None
+        for p in part.parameters()
+    )
+    if trained_besides_reader and reader_alone_steps(cfg):
+        return True
+    return bool(unreached_parameters(model))
+
+
+def configure_ddp(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.Module) -> None:
+    """DDP's settings for `accelerator.prepare(model)` (nothing to set for one process or under DeepSpeed)."""
+    if accelerator.num_processes == 1 or accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return
+    find = find_unused_parameters(cfg, model)
+    accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=find)
+    accelerator.print(f"DDP: find_unused_parameters={find}")
 
 
 def processes(accelerator: Accelerator) -> Processes:

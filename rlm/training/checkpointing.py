@@ -54,6 +54,7 @@ OPERATIONAL_KEYS = frozenset(
         "max_nonfinite_in_a_row",
         "dist_timeout_s",
         "gradient_checkpointing",
+        "retriever.gradient_checkpointing",
         "buffer.batch_size",
         "buffer.placement",
         "buffer.chunk_size",

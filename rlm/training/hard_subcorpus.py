@@ -28,7 +28,8 @@ def build_hard_subcorpus(
     `retriever` is a DualEncoder (the initial one); `index` reuses an index of the corpus built with it.
     Gold ids absent from the corpus raise a ValueError naming the question.
     """
-    from rlm.inference.evaluation import build_index, embed_corpus, retrieve
+    from rlm.inference.evaluation import retrieve
+    from rlm.inference.indexing import build_index, embed_corpus
 
     rows = gold_rows(corpus, examples)
     if index is None:
@@ -56,21 +57,31 @@ def hard_subcorpus_from_buffer(
     corpus, examples: Sequence[QAExample], query_tower, buffer, k: int, procs=None, device=None
 ) -> list[str]:
     """H_k from the fixed buffer B, which already holds the initial passage tower's embeddings: the dev
-    questions' gold passages + their top-k rows of B by <f_0(x), B_y>, with no corpus pass of its own. With
-    several processes each scans its share of B (`retriever.distributed.Processes`); all return the same ids."""
+    questions' gold passages + their top-k rows of B by <f_0(x), B_y>, with no corpus pass of its own.
+
+    With several processes (`retriever.distributed.Processes`) each embeds its share of the questions and scans
+    its share of B; a question's top-k is merged on the process that asked it, which then shares only the rows
+    found. Every question is embedded once and gathered once (when every process asked every question, each
+    was embedded W times and every process received W x W top-k lists of it). All return the same ids.
+    """
     import torch
 
     from retriever.distributed import Processes, ShardedRows, slice_rows
 
     procs = procs or Processes()
     rows = gold_rows(corpus, examples)
-    queries = query_tower.encode([ex.question for ex in examples])
+    questions = [ex.question for ex in examples]
+    per = -(-len(questions) // procs.world)  # the same on every process: the merge gathers equal shapes
+    mine = questions[procs.rank * per : (procs.rank + 1) * per]
+    queries = query_tower.encode(mine) if mine else torch.zeros(0, query_tower.dim)
+    queries = torch.cat([queries, queries.new_zeros(per - len(mine), queries.shape[1])])  # padding: ignored
     if device is not None:
         queries = queries.to(device)
     start, stop = procs.part(len(buffer))
     shard = ShardedRows(slice_rows(buffer, start, stop), torch.arange(start, stop), procs)
     top = shard.topk(queries, None, min(k, len(buffer)), chunk_size=65536)
-    rows.update(r for r in top.indices.reshape(-1).tolist() if r >= 0)
+    found = sorted({r for r in top.indices[: len(mine)].reshape(-1).tolist() if r >= 0})
+    rows.update(r for part in procs.gather_object([found]) for r in part)
     return [corpus.ids[r] for r in sorted(rows)]
 
 

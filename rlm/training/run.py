@@ -5,6 +5,8 @@ checkpoint it resumes from. `rlm.train` advances it one optimizer step at a time
 
 from __future__ import annotations
 
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +20,13 @@ from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
 from rlm.errors import UserError
 from rlm.training import checkpointing
-from rlm.training.accelerator import configure_deepspeed, distribute_strategy, make_accelerator, processes
+from rlm.training.accelerator import (
+    configure_ddp,
+    configure_deepspeed,
+    distribute_strategy,
+    make_accelerator,
+    processes,
+)
 from rlm.training.alignment import AlignmentStage
 from rlm.training.checkpointing import checkpoints
 from rlm.training.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
@@ -241,6 +249,38 @@ def claim_run_folder(
     return None if verdict[0] is None else Path(verdict[0])
 
 
+def check_shared_folder(folder: Path, procs, key: str) -> None:
+    """Refuse, on every process, a folder that not every process sees: the main process writes a file there and
+    the others look for it (`procs`: `retriever.distributed.Processes`; every one must call).
+
+    Every process writes its part of the buffer, its checkpoint files and its refreshed rows there, which the
+    main one reads: on a machine's own disk (a relative path is taken from each machine's working directory)
+    the main process fails when it finalizes the buffer and the others wait at a collective for
+    `dist_timeout_s`; this says so at the start instead. Creates `folder` when it is missing."""
+    if procs.world == 1:
+        return
+    name = f".shared-probe-{uuid.uuid4().hex}" if procs.rank == 0 else None
+    probe = folder / procs.gather_object([name])[0]  # the main process's name, on every process
+    if procs.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    procs.barrier()
+    for _ in range(5):  # a network file system may show another machine's new file a moment later
+        if probe.exists():
+            break
+        time.sleep(1)
+    seen = procs.gather_object([probe.exists()])
+    if procs.rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [rank for rank, found in enumerate(seen) if not found]
+    if blind:
+        where = "" if folder.is_absolute() else " (relative: from each machine's working directory)"
+        raise UserError(
+            f"{key}={folder}{where} is not on storage every process sees: process(es) {blind} cannot see the "
+            "file the main process wrote there; give a folder on a file system every machine mounts at that path"
+        )
+
+
 def build_run(
     cfg: TrainConfig,
     accelerator: Accelerator | None = None,
@@ -258,6 +298,9 @@ def build_run(
     configure_deepspeed(accelerator, cfg.optim, accum)
     set_seed(cfg.seed)
     resume_from = claim_run_folder(accelerator, cfg, resume, overwrite, allow_changed)
+    buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
+    for key, folder in (("output_dir", Path(cfg.output_dir)), ("buffer.dir", buffer_dir)):
+        check_shared_folder(folder, processes(accelerator), key)
 
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
     parts = build_components(cfg, accelerator, check=lambda: stops.check(0))
@@ -275,6 +318,7 @@ def build_run(
         optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.optim.max_steps)
     )
     # The scheduler is not handed to accelerate: `train_step` steps it exactly once per optimizer step taken.
+    configure_ddp(accelerator, cfg, model)  # after the optimizer's groups froze what is not trained
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
     data = (parts.corpus, parts.train_examples, parts.dev_examples)

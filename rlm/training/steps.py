@@ -173,8 +173,9 @@ def select_for_window(model, strategy, queries, batch: Batch, later, trains_retr
 def _reader_alone_step(model, batch: Batch, strategy) -> StepOutput:
     """Closed book (no passages), or the curriculum's given passages: the reader alone, answer NLL only."""
     given = batch.reader_passages if strategy.uses_passages else None
-    inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
-    reader_loss = model.reader(**_reader_inputs(inputs)).loss
+    with model.timer("reader"):
+        inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
+        reader_loss = model.reader(**_reader_inputs(inputs)).loss
     return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
 
 

@@ -1,0 +1,173 @@
+"""How fast a run trains, where people look: questions, passages and tokens per second, seconds per phase of the
+optimizer step, peak memory and an ETA, per optimizer step over each logging interval (`rlm.train.RunLog`
+writes them to `log.jsonl`, the trackers and the progress bar; docs/training.md lists the keys).
+
+The phases are the training step's own `model.timer` hooks (`rlm.training.steps`: select, retriever,
+reader_scoring, reader, corrector), timed flat by `PhaseTimer`; the time of the step that no phase holds is
+`backward_optimizer` (backward, clipping, the optimizer step, and a refresh at the steps a re-embedding
+strategy refreshes). What the step read is counted where it enters the modules, by forward pre-hooks: the
+questions of each micro-batch (the model's forward), the passages and tokens the passage tower embedded with
+gradient (g over S_x, step 3) and the tokens the reader read with gradient (FiD, step 6). Scoring, refreshes and
+validation run without gradient and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from accelerate.utils import gather_object
+
+from rlm.training.model import null_timer
+
+COUNTS = ("questions", "passages", "reader_tokens", "passage_tokens")
+GIB = 2**30
+
+
+class PhaseTimer:
+    """`with timer("select"):` adds the block's seconds to phase "select": the training step's `model.timer` hook.
+
+    Flat: each block is timed on its own (no phase inside another). On CUDA a block records two events on the
+    current stream instead of reading the host clock: the host runs ahead of the GPU, so its clock would charge a
+    phase with the kernels queued before it and miss its own. The events are read by `take`, one wait for the GPU
+    per logging interval, never one per phase: timing adds no synchronisation to the step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def mark(self):
+        """A point in time on the step's clock: a recorded CUDA event, or the host's clock."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, name: str, start, end) -> None:
+        """Add the time from mark `start` to mark `end` to `name`."""
+        if self.cuda:
+            self.pending.append((name, start, end))
+        else:
+            self.seconds[name] += end - start
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = self.mark()
+        try:
+            yield
+        finally:
+            self.add(name, start, self.mark())
+
+    def take(self) -> dict[str, float]:
+        """Seconds per name since the last `take` (on CUDA, after waiting for the GPU to reach the last mark)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()  # one stream: every earlier event has completed too
+            for name, start, end in self.pending:
+                self.seconds[name] += start.elapsed_time(end) / 1000
+            self.pending.clear()
+        taken, self.seconds = dict(self.seconds), defaultdict(float)
+        return taken
+
+
+class Throughput:
+    """The counts and clocks of a run's training steps, read once per logging interval (`interval`).
+
+    Installs its `PhaseTimer` as the model's `timer` and counting hooks on the model, its reader and its passage
+    tower; `close` takes them off. With `retriever.shared_towers` the one tower is also the query tower: its
+    questions' tokens (f(x) with gradient, step 1) count as passage-tower tokens too."""
+
+    def __init__(self, model, device: torch.device):
+        self.model, self.device = model, device
+        self.timer = PhaseTimer(device)
+        # Running totals; a token count stays a tensor on its module's device until `interval` reads it.
+        self.counts: dict[str, int | torch.Tensor] = dict.fromkeys(COUNTS, 0)
+        model.timer = self.timer
+        self.hooks = [model.register_forward_pre_hook(self._count_questions, with_kwargs=True)]
+        if model.reader is not None:
+            hook = self._counter(None, "reader_tokens")
+            self.hooks.append(model.reader.register_forward_pre_hook(hook, with_kwargs=True))
+        hook = self._counter("passages", "passage_tokens")
+        self.hooks.append(model.retriever.passage_tower.register_forward_pre_hook(hook, with_kwargs=True))
+        if self.timer.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _count_questions(self, module, args, kwargs) -> None:
+        batch = args[0] if args else kwargs["batch"]
+        self.counts["questions"] += len(batch.questions)
+
+    def _counter(self, rows_key: str | None, tokens_key: str):
+        """A forward pre-hook counting the tokens (and rows) of a module's input when it runs with gradient."""
+
+        def count(module, args, kwargs) -> None:
+            if not torch.is_grad_enabled():
+                return
+            mask = args[1] if len(args) > 1 else kwargs["attention_mask"]
+            # Summed on the mask's device and read at `interval`: an int here would wait for the GPU.
+            self.counts[tokens_key] = self.counts[tokens_key] + mask.sum()
+            if rows_key is not None:
+                self.counts[rows_key] += mask.shape[0]
+
+        return count
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Time one optimizer step (its phases are timed inside it by the step itself)."""
+        start = self.timer.mark()
+        try:
+            yield
+        finally:
+            self.timer.add("step", start, self.timer.mark())
+
+    def interval(self, accelerator, steps: int, seconds: float) -> dict[str, float]:
+        """This interval's figures: `steps` optimizer steps in `seconds` of wall time. Collective: every process
+        calls it at the same step. Counts are summed over the processes; seconds (each phase's and the
+        interval's) and peak memory are the largest process's: the slowest process sets the pace of a step
+        whose gradients every process waits for."""
+        phases = self.timer.take()
+        step_s = phases.pop("step", 0.0)
+        phases["backward_optimizer"] = max(step_s - sum(phases.values()), 0.0)
+        phases["step"] = step_s
+        local = {
+            "counts": {key: float(total) for key, total in self.counts.items()},
+            "seconds": {"interval": seconds, **{k: v / max(steps, 1) for k, v in phases.items()}},
+            "memory": self.peak_memory(),
+        }
+        self.counts = dict.fromkeys(COUNTS, 0)
+        every = gather_object([local]) if accelerator.num_processes > 1 else [local]
+        counts = {key: sum(p["counts"][key] for p in every) for key in COUNTS}
+        names = sorted({name for p in every for name in p["seconds"]})
+        seconds = {name: max(p["seconds"].get(name, 0.0) for p in every) for name in names}
+        interval_s = max(seconds.pop("interval"), 1e-9)
+        memory_key = "peak_cuda_memory_gib" if self.timer.cuda else "peak_rss_gib"
+        return {
+            "interval_s": round(interval_s, 4),
+            **{f"{key}_per_step": round(counts[key] / max(steps, 1), 4) for key in COUNTS},
+            "questions_per_s": round(counts["questions"] / interval_s, 4),
+            "passages_per_s": round(counts["passages"] / interval_s, 4),
+            "tokens_per_s": round((counts["reader_tokens"] + counts["passage_tokens"]) / interval_s, 2),
+            **{f"seconds_{name}": round(value, 5) for name, value in seconds.items()},
+            memory_key: round(max(p["memory"] for p in every) / GIB, 4),
+        }
+
+    def peak_memory(self) -> int:
+        """Bytes: on CUDA the most allocated by tensors since the last call (the peak is reset); elsewhere the
+        process's peak resident set since it started (`ru_maxrss`, which cannot be reset)."""
+        if self.timer.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return peak
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+    def close(self) -> None:
+        """Take the hooks off; the model's timer does nothing again."""
+        for hook in self.hooks:
+            hook.remove()
+        self.model.timer = null_timer
