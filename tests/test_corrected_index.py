@@ -52,6 +52,37 @@ def test_retrieval_over_h_of_b_is_trainings_corrected_top_k(run, tmp_path):
     assert not torch.equal(stale.indices, want.indices)
 
 
+def test_a_compressed_index_over_h_of_b_is_streamed_through_h_and_tuned(run, tmp_path, monkeypatch):
+    """`--index corrected` takes any factory: an IVF index over h(B) is trained on a sample and filled chunk by
+    chunk through h (h(B) is never one array: `CorrectedRows` refuses to be held whole), and its nprobe is
+    tuned so that it finds what exact search over h(B) finds."""
+    from rlm.inference.corrected_index import CorrectedRows
+
+    final = tmp_path / "final"
+    shutil.copytree(run / "final", final, ignore=shutil.ignore_patterns("demo_index"))
+    moved = CorrectorNetwork.from_pretrained(final / "corrector")
+    with torch.no_grad():
+        moved.output.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
+    moved.save_pretrained(final / "corrector")
+    corpus = load_corpus(run / "toy_world" / "corpus.jsonl")
+    with pytest.raises(TypeError, match="never held whole"):
+        _ = CorrectedRows(PassageBuffer.load(run_buffer_dir(final)), moved).embeddings
+    built = corrected_index(final, corpus, factory="IVF8,Flat", target_recall=0.99)
+    assert built.index.factory == "IVF8,Flat" and built.index.search_params["nprobe"] > 1
+    assert built.index.tuning["recall"] >= 0.99 and built.correct_s > 0
+    assert "encoder_fingerprint" not in built.index.provenance  # h(B) is not the stale encoder's rows
+    buffer = PassageBuffer.load(built.buffer_dir)
+    corrector = CorrectorNetwork.from_pretrained(final / "corrector").eval()
+    retriever, _, _ = load_checkpoint(final, need_reader=False)
+    questions = [json.loads(line)["question"] for line in (run / "toy_world" / "dev.jsonl").open()][:8]
+    with torch.no_grad():
+        queries = retriever.query_tower.encode(questions)
+    want = corrected_topk(queries, buffer, corrector, 5)
+    _, ids = built.index.search(queries.numpy(), 5)
+    found = [len(set(row) & {corpus.ids[r] for r in exact}) for row, exact in zip(ids, want.indices.tolist())]
+    assert sum(found) >= 0.9 * 5 * len(questions)
+
+
 def test_a_buffer_of_another_corpus_or_a_run_without_corrector_is_refused(run, tmp_path):
     final = run / "final"
     corpus = load_corpus(run / "toy_world" / "corpus.jsonl")

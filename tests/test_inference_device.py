@@ -128,7 +128,7 @@ def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(
 def test_h_of_b_runs_on_the_correctors_device_and_lands_on_the_host():
     from retriever.buffer import PassageBuffer
     from retriever.corrector import CorrectorNetwork
-    from rlm.inference.corrected_index import corrected_rows
+    from rlm.inference.corrected_index import CorrectedRows
 
     g = torch.Generator().manual_seed(0)
     rows = torch.nn.functional.normalize(torch.randn(50, 8, generator=g), dim=-1).half()
@@ -137,10 +137,12 @@ def test_h_of_b_runs_on_the_correctors_device_and_lands_on_the_host():
     corrector = CorrectorNetwork(8, 16, linear=True)
     with torch.no_grad():
         corrector.output.weight.normal_(std=0.3)
-    ref = corrected_rows(corrector, buffer, chunk_size=16)
+    ref = torch.cat([rows for _, rows in CorrectedRows(buffer, corrector).iter_chunks(16)])
     with simulated_accelerator(corrector):
-        got = corrected_rows(corrector, buffer, chunk_size=16)
-    assert got.dtype == ref.dtype and (got == ref).all()
+        got = torch.cat([rows for _, rows in CorrectedRows(buffer, corrector).iter_chunks(16)])
+        gathered = CorrectedRows(buffer, corrector).rows(torch.tensor([3, 41, 20]))
+    assert got.dtype == ref.dtype == torch.float32 and got.device.type == "cpu" and (got == ref).all()
+    assert (gathered == ref[[3, 41, 20]]).all()
 
 
 # ---- bf16 --------------------------------------------------------------------------------------------

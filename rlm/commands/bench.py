@@ -1,4 +1,4 @@
-"""`rlm bench retrieval|reader|training|two-stage|strategies|synthetic`: run a benchmark
+"""`rlm bench retrieval|reader|training|paper-step|index|demo-scale|two-stage|strategies|synthetic`: run a benchmark
 script in scripts/ with its own options."""
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ BENCHMARKS = {
     "retrieval": "bench_retrieval.py",
     "reader": "bench_reader.py",
     "training": "bench_training.py",
+    "paper-step": "bench_paper_step.py",
+    "index": "bench_index.py",
+    "demo-scale": "bench_demo_scale.py",
     "two-stage": "bench_two_stage.py",
     "strategies": "compare_strategies.py",
     "synthetic": "synthetic_corrector.py",
@@ -26,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(BENCHMARKS),
         metavar="benchmark",
         help="retrieval (corrected top-k, two-stage search), reader (FiD train step and scoring), training "
-        "(per-strategy step time), two-stage (faiss candidates re-scored with h against the exact top-k at "
+        "(per-strategy step time), paper-step (one Algorithm 2 step per strategy at the paper's shapes, random "
+        "T5-base/GTR-base weights, and the 8-GPU projection), index (faiss factories: bytes, recall, latency, "
+        "projected to 21M passages), demo-scale (the demo's service over 1M passages), two-stage (faiss candidates re-scored with h against the exact top-k at "
         "1M-4M rows), strategies (the paper's Tables 1 and 3 at CPU scale), synthetic (its Section 5.3 study)",
     )
     parser.add_argument(

@@ -84,8 +84,9 @@ def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--factory",
         default="Flat",
-        help="without --index: the faiss index_factory string of the index built here (default Flat, exact; "
-        "IVF and HNSW types get their search parameter tuned for 0.95 recall@100 against exact search)",
+        help="without --index, or with --index corrected: the faiss index_factory string of the index built "
+        "here (default Flat, exact; IVF and HNSW types get their search parameter tuned for 0.95 recall@100 "
+        "against exact search)",
     )
 
 
@@ -123,8 +124,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         check_output_folder(args.out, ("predictions.jsonl", "metrics.json"), "rlm evaluate")
     if args.save_index:
         check_output_folder(args.save_index, INDEX_FILES, "rlm evaluate", option="--save-index")
-    if args.index and (args.embeddings or args.factory != "Flat"):
-        raise UserError("--embeddings and --factory build an index; with --index nothing is embedded")
+    if args.index and args.embeddings:
+        raise UserError("--embeddings keeps the corpus embedded here; with --index nothing is embedded")
+    if args.index not in (None, "corrected") and args.factory != "Flat":
+        raise UserError("--factory builds an index: it goes without --index, or with --index corrected")
     if args.embeddings:
         from retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME
 
@@ -216,7 +219,9 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
 
         if not args.checkpoint:
             raise UserError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
-        built = corrected_index(args.checkpoint, corpus, args.buffer, device=device, show_progress=progress)
+        built = corrected_index(
+            args.checkpoint, corpus, args.buffer, args.factory, device=device, show_progress=progress
+        )
         index = built.index
         print(
             f"index over h(B): {built.rows:,} rows of {built.buffer_dir} through the corrector in "

@@ -18,10 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from retriever.buffer import PassageBuffer
 from rlm.errors import UserError
 
 CORRECTED_INDEX_CACHE = "corrected_index"
@@ -49,17 +48,47 @@ def run_buffer_dir(checkpoint: str | Path, buffer_dir: str | Path | None = None)
     return Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
 
 
-def corrected_rows(corrector, buffer, chunk_size: int = 65536, show_progress: bool = False) -> np.ndarray:
-    """h(B) [N, D] float32 on the host, chunk by chunk on the corrector's device (the buffer stays
-    memory-mapped; extra memory O(chunk x hidden))."""
-    out = np.empty((len(buffer), buffer.dim), dtype=np.float32)
-    weight = next(corrector.parameters())
-    with torch.no_grad(), tqdm(total=len(buffer), desc="h(B)", unit="psg", disable=not show_progress) as bar:
-        for offset, block in buffer.iter_chunks(chunk_size):
-            rows = corrector(block.to(weight.device, weight.dtype))
-            out[offset : offset + block.shape[0]] = rows.float().cpu().numpy()
-            bar.update(block.shape[0])
-    return out
+class CorrectedRows(PassageBuffer):
+    """h(B) read like a buffer and never held whole: every block `iter_chunks` yields and every row `rows`
+    gathers goes through the corrector on its device when read, and lands on the host as float32. An index is
+    built (`PassageIndex.from_buffer`: trained on a sample, added chunk by chunk) and tuned (`tune`: exact top-k
+    by streaming) from it with the extra memory of one chunk, not 21M x D float32.
+
+    Its `meta` keeps the buffer's corpus fingerprint only: the rows are not the stale encoder's, and an index of
+    them must not claim to be. `correct_seconds` adds up the time spent in h."""
+
+    def __init__(self, buffer: PassageBuffer, corrector):
+        blocks = [block for _, block in buffer.iter_chunks(max(len(buffer), 1))]  # one view per shard
+        meta = {key: buffer.meta[key] for key in ("count", "dim", "corpus_fingerprint") if key in buffer.meta}
+        super().__init__(buffer.ids, blocks, meta)
+        self.corrector = corrector
+        self.correct_seconds = 0.0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def _corrected(self, block: torch.Tensor) -> torch.Tensor:
+        weight = next(self.corrector.parameters())
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.corrector(block.to(weight.device, weight.dtype)).float().cpu()
+        self.correct_seconds += time.perf_counter() - start
+        return out
+
+    @property
+    def embeddings(self) -> torch.Tensor:
+        raise TypeError("h(B) is never held whole: read it with iter_chunks or rows")
+
+    def to(self, device, dtype=None) -> PassageBuffer:
+        raise TypeError("h(B) runs on the corrector's device: move the corrector, not the rows")
+
+    def iter_chunks(self, chunk_size: int):
+        for offset, block in super().iter_chunks(chunk_size):
+            yield offset, self._corrected(block)
+
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        return self._corrected(super().rows(indices))
 
 
 def corrected_index(
@@ -70,16 +99,18 @@ def corrected_index(
     verify_encoder: bool = True,
     device=None,
     show_progress: bool = False,
+    target_recall: float | None = None,
 ) -> CorrectedIndex:
     """A faiss index over h(B) for `corpus`, from the run of `checkpoint` (its `corrector/` and its buffer).
 
     `verify_encoder` rebuilds the run's starting retriever from its config to check B's encoder fingerprint
     (a few seconds for a base-size tower); the corpus fingerprint is always checked. h runs on `device` (None:
     the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.indexing.index_on_gpu`).
+    `factory`: any faiss factory, built from h(B) a chunk at a time (`CorrectedRows`); IVF and HNSW types get their
+    search parameter tuned for `target_recall` (None: the index's default) against the exact top-k over h(B).
     """
-    from retriever.buffer import PassageBuffer
     from retriever.corrector import CorrectorNetwork
-    from retriever.index import PassageIndex
+    from retriever.index import DEFAULT_TARGET_RECALL, PassageIndex
     from rlm.inference.evaluation import inference_device
     from rlm.inference.indexing import index_on_gpu
 
@@ -111,13 +142,12 @@ def corrected_index(
     if corrector.dim != buffer.dim:
         raise UserError(f"corrector of dimension {corrector.dim} does not fit buffer rows of {buffer.dim}")
     start = time.perf_counter()
-    vectors = corrected_rows(corrector, buffer, show_progress=show_progress)
-    correct_s = time.perf_counter() - start
-    start = time.perf_counter()
-    index = PassageIndex.build(
-        vectors, corpus.ids, factory=factory, use_gpu=index_on_gpu(device), show_progress=show_progress
-    )
-    return CorrectedIndex(index, folder, len(buffer), correct_s, time.perf_counter() - start)
+    rows = CorrectedRows(buffer, corrector)
+    index = PassageIndex.from_buffer(rows, factory, use_gpu=index_on_gpu(device), show_progress=show_progress)
+    if index.tunable_parameter() is not None:
+        index.tune(rows, target_recall or DEFAULT_TARGET_RECALL)
+    seconds = time.perf_counter() - start
+    return CorrectedIndex(index, folder, len(buffer), rows.correct_seconds, seconds - rows.correct_seconds)
 
 
 def corrected_index_key(checkpoint: str | Path, buffer_meta: dict) -> str:
