@@ -142,7 +142,7 @@ def test_h_of_b_runs_on_the_correctors_device_and_lands_on_the_host():
         got = torch.cat([rows for _, rows in CorrectedRows(buffer, corrector).iter_chunks(16)])
         gathered = CorrectedRows(buffer, corrector).rows(torch.tensor([3, 41, 20]))
     assert got.dtype == ref.dtype == torch.float32 and got.device.type == "cpu" and (got == ref).all()
-    assert (gathered == ref[[3, 41, 20]]).all()
+    torch.testing.assert_close(gathered, ref[[3, 41, 20]])  # the same rows through h, in other batches
 
 
 # ---- bf16 --------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class CorrectedRows(PassageBuffer):
         blocks = [block for _, block in buffer.iter_chunks(max(len(buffer), 1))]  # one view per shard
         meta = {key: buffer.meta[key] for key in ("count", "dim", "corpus_fingerprint") if key in buffer.meta}
         super().__init__(buffer.ids, blocks, meta)
-        self.corrector = corrector
+        self.stale, self.corrector = buffer, corrector
         self.correct_seconds = 0.0
 
     @property
@@ -84,11 +84,11 @@ class CorrectedRows(PassageBuffer):
         raise TypeError("h(B) runs on the corrector's device: move the corrector, not the rows")
 
     def iter_chunks(self, chunk_size: int):
-        for offset, block in super().iter_chunks(chunk_size):
+        for offset, block in self.stale.iter_chunks(chunk_size):
             yield offset, self._corrected(block)
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:
-        return self._corrected(super().rows(indices))
+        return self._corrected(self.stale.rows(indices))
 
 
 def corrected_index(
