@@ -158,8 +158,9 @@ class QAService:
         with torch.inference_mode(), autocast(self.reader.device, self.bf16):
             # `encode` hands back host float32 whatever the tower's device: what faiss takes.
             queries = self.retriever.query_tower.encode(texts).numpy()
-            scores, ids = self.index.search(queries, k)
-            passages = [[self.corpus[self.corpus.index_of(pid)] for pid in row] for row in ids]
+            # Index row r is corpus row r (checked when the index was loaded): no id lookups.
+            scores, rows = self.index.search_rows(queries, k)
+            passages = [[self.corpus[int(r)] for r in row if r >= 0] for row in rows]
             answers = self.reader.answer_with_confidence(
                 texts, [[(p.title, p.text) for p in row] for row in passages]
             )

@@ -118,6 +118,7 @@ def load_index_for(
             f"index {index_dir} row {mismatch} is passage {index.ids[mismatch]!r} but the corpus has "
             f"{corpus_ids[mismatch]!r}; it was built for another corpus"
         )
+    index.ids = corpus_ids  # the same ids row for row: hold them once (21M ids: ~0.35 GB)
     return index
 
 
