@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from atomicio import atomic_file, atomic_write_bytes, atomic_write_text
 from evalmode import eval_mode
+from retriever.encoder import bucket_size_for
 from retriever.errors import InputError
 from retriever.ids import IdSequence, id_lines
 
@@ -359,9 +360,6 @@ def _check_or_write_build(folder: Path, settings: dict[str, Any], write: bool) -
         atomic_write_text(build_file, json.dumps(settings, indent=2))
 
 
-CPU_FORWARD_ROWS = 16
-
-
 def _shard_rows(settings: dict[str, Any], s: int) -> int:
     return min(settings["shard_size"], settings["count"] - s * settings["shard_size"])
 
@@ -413,9 +411,10 @@ def _embed_tokens(
 
 
 def forward_rows(device: torch.device, batch_size: int) -> int:
-    """Rows per forward on `device`: the whole batch on an accelerator; on a CPU at most `CPU_FORWARD_ROWS`,
-    which runs fastest there (docs/retriever.md, AVX2 EPYC: 34.7 passages/s at 16, 29.8 at 64, 18.3 at 512)."""
-    return batch_size if torch.device(device).type != "cpu" else min(batch_size, CPU_FORWARD_ROWS)
+    """Rows per forward on `device`: the whole batch on an accelerator, at most
+    `retriever.encoder.CPU_BUCKET_SIZE` on a CPU, which runs forwards of about 16 rows fastest (docs/retriever.md,
+    AVX2 EPYC: 34.7 passages/s at 16, 29.8 at 64, 18.3 at 512)."""
+    return min(batch_size, bucket_size_for(device) or batch_size)
 
 
 def embedded_blocks(

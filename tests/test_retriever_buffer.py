@@ -339,7 +339,7 @@ def test_each_batch_is_one_forward_of_the_shard_sorted_by_token_length(encoder, 
     """A shard is sorted by token length as a whole and each batch is one forward padded to its own longest
     row: not split into forwards of 16 (which left a GPU idle), and padded little. A CPU, fastest at forwards
     of 16 rows, splits a batch into those."""
-    import retriever.buffer
+    import retriever.encoder
 
     forward = encoder.forward
     calls = []
@@ -354,7 +354,7 @@ def test_each_batch_is_one_forward_of_the_shard_sorted_by_token_length(encoder, 
     )
     assert [len(lengths) for _, lengths in calls] == [16, 7]
     calls.clear()
-    monkeypatch.setattr(retriever.buffer, "CPU_FORWARD_ROWS", 10**6)  # as on an accelerator: whole batches
+    monkeypatch.setattr(retriever.encoder, "CPU_BUCKET_SIZE", 10**6)  # as on an accelerator: whole batches
     buffer = build_passage_buffer(
         IDS, TEXTS, encoder, tmp_path / "b", batch_size=20, shard_size=23, show_progress=False
     )
