@@ -1,9 +1,12 @@
 """Inference index: faiss inner-product search over freshly embedded passages, saved with the passage ids.
 
 The index type is a faiss `index_factory` string ("Flat" exact by default; e.g. "IVF1024,Flat", "HNSW32",
-"IVF4096,PQ64"); trainable types are trained on a random sample. On a machine where faiss sees a GPU the
-index is moved there: a lone process replicates it on every GPU, one rank of a multi-process (DDP) job only on
-its own; types faiss has no GPU version of (HNSW, bare PQ) stay on CPU with a warning. Saving writes a CPU copy.
+"IVF4096,PQ64"); trainable types are trained on a random sample. An index is always built (trained and filled)
+on the host. On a machine where faiss sees a GPU the complete index is then cloned there once: a lone process
+shards its rows over every GPU (each holds 1/G of them, in float16), one rank of a multi-process (DDP) job
+copies it whole onto its own; types faiss has no GPU version of (HNSW, bare PQ) stay on CPU with a warning.
+Filling an index already on a GPU would grow its array a chunk at a time, old and new copies alive at each
+step: a Flat index of 768-d rows ran out of memory near 12-13M rows on an 80 GB GPU. Saving writes a CPU copy.
 
 Approximate types are only as good as their search parameters, and faiss's defaults are the cheapest ones
 (IVF probes 1 list, HNSW explores 16 candidates: an IVF256 index over the quickstart's corpus found the answering
@@ -46,6 +49,17 @@ PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "p
 # What `tune` aims for by default: the share of exact search's top-k that the index finds.
 DEFAULT_TARGET_RECALL = 0.95
 EF_SEARCH_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+# `tune` stops where doubling the search parameter gains less recall than this: the codes' limit, not the search's.
+RECALL_PLATEAU = 0.002
+TRAIN_SAMPLE = 262_144  # rows an IVF or PQ index is trained on, at least
+TRAIN_ROWS_PER_LIST = 40  # and this many per IVF list (faiss warns below 39: k-means needs them)
+
+
+def training_rows(factory: str) -> int:
+    """Rows to train an index of `factory` on: `TRAIN_SAMPLE`, or `TRAIN_ROWS_PER_LIST` per IVF list when more
+    (IVF65536 at 21M passages: 2.6M rows)."""
+    lists = re.search(r"IVF(\d+)", factory)
+    return max(TRAIN_SAMPLE, TRAIN_ROWS_PER_LIST * int(lists.group(1))) if lists else TRAIN_SAMPLE
 
 
 def _faiss():
@@ -81,8 +95,34 @@ def _rank_device(ngpu: int) -> int | None:
     return None
 
 
+def _stores_flat_vectors(index) -> bool:
+    """Whether `index` keeps its rows as plain vectors (IndexFlat, possibly behind a transform such as PCA)."""
+    faiss = _faiss()
+    while isinstance(index, faiss.IndexPreTransform):
+        index = faiss.downcast_index(index.index)
+    return isinstance(index, faiss.IndexFlat)
+
+
+def _clone_options(options, index, gpus: int):
+    """`options` (faiss's GpuClonerOptions, or GpuMultipleClonerOptions for several GPUs) set for copying the
+    complete host `index` onto `gpus` GPUs, each GPU allocating its share at once.
+
+    Several GPUs: the rows are sharded (each GPU holds 1/G of them; replicas would need the whole index on
+    every GPU) and kept in float16 (Flat: half the bytes; IVF-PQ: float16 lookup tables, which faiss needs for
+    long codes). One GPU: IVF types get the same float16 lookup tables, but a Flat index is copied in float32,
+    because faiss converts float32 rows to float16 on the device itself: a one-GPU float16 clone of a Flat
+    index briefly holds the float32 rows, their float16 copy and the result (twice the float32 size), where a
+    float32 clone is one copy into an array of the final size. `reserveVecs` (room for rows added later) stays
+    0: nothing is added to a clone."""
+    options.useFloat16 = gpus > 1 or not _stores_flat_vectors(index)
+    if gpus > 1:
+        options.shard = True
+    return options
+
+
 def _to_gpu(index, use_gpu: bool | None):
-    """`(index, on_gpu)`: a GPU clone of `index` when wanted and possible, else `index` itself."""
+    """`(index, on_gpu)`: a GPU clone of the complete host `index` when wanted and possible, else `index`
+    itself. Each GPU allocates the clone's final size at once (`_clone_options`)."""
     faiss = _faiss()
     ngpu = _gpu_count()
     if not (ngpu > 0 if use_gpu is None else use_gpu):
@@ -92,8 +132,10 @@ def _to_gpu(index, use_gpu: bool | None):
     device = _rank_device(ngpu)
     try:
         if device is None:
-            return faiss.index_cpu_to_all_gpus(index), True
-        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), device, index), True
+            options = _clone_options(faiss.GpuMultipleClonerOptions(), index, ngpu)
+            return faiss.index_cpu_to_all_gpus(index, co=options), True
+        options = _clone_options(faiss.GpuClonerOptions(), index, 1)
+        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), device, index, options), True
     except RuntimeError as err:
         # faiss throws for types without a GPU version (HNSW, bare PQ): they still work, on CPU.
         reason = " ".join(str(err).split())
@@ -111,7 +153,7 @@ def _as_float32(array, dim: int | None = None) -> np.ndarray:
 class PassageIndex:
     """A faiss index (inner product) and the passage id of each of its rows.
 
-    `on_gpu` says `index` is a GPU clone (one GPU, or `IndexReplicas`/`IndexShards` over several).
+    `on_gpu` says `index` is a GPU clone (one GPU, or an `IndexShards` over several).
     """
 
     def __init__(
@@ -152,21 +194,23 @@ class PassageIndex:
         ids: Sequence[str],
         factory: str = "Flat",
         use_gpu: bool | None = None,
-        train_sample: int = 262_144,
+        train_sample: int | None = None,
         seed: int = 0,
         show_progress: bool = False,
     ) -> PassageIndex:
-        """Index `embeddings` [N, D] (float32) with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`.
+        """Index `embeddings` [N, D] (float32) with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`,
+        built on the host.
 
-        `use_gpu`: None puts it on the GPU(s) when faiss sees any (faiss-gpu), True insists, False keeps it on
-        the host."""
+        `use_gpu`: None clones the built index to the GPU(s) when faiss sees any (faiss-gpu), True insists,
+        False keeps it on the host."""
         embeddings = _as_float32(embeddings)
         if len(ids) != embeddings.shape[0]:
             raise ValueError(f"{embeddings.shape[0]} embeddings but {len(ids)} ids")
-        index, on_gpu = cls._empty(embeddings.shape[1], factory, use_gpu)
+        index = cls._empty(embeddings.shape[1], factory)
         if not index.is_trained:
             rng = np.random.default_rng(seed)
             sample = embeddings
+            train_sample = train_sample or training_rows(factory)
             if embeddings.shape[0] > train_sample:
                 sample = embeddings[np.sort(rng.choice(embeddings.shape[0], train_sample, replace=False))]
             index.train(sample)
@@ -175,6 +219,7 @@ class PassageIndex:
             for start in range(0, n, ADD_ROWS):
                 index.add(embeddings[start : start + ADD_ROWS])
                 bar.update(min(ADD_ROWS, n - start))
+        index, on_gpu = _to_gpu(index, use_gpu)
         return cls(index, ids, factory, on_gpu)
 
     @classmethod
@@ -184,16 +229,17 @@ class PassageIndex:
         factory: str = "Flat",
         use_gpu: bool | None = None,
         chunk_size: int = ADD_ROWS,
-        train_sample: int = 262_144,
+        train_sample: int | None = None,
         seed: int = 0,
         show_progress: bool = False,
     ) -> PassageIndex:
-        """Index a `PassageBuffer`, streaming its shards (row i of the buffer is row i of the index)."""
-        index, on_gpu = cls._empty(buffer.dim, factory, use_gpu)
+        """Index a `PassageBuffer`, streaming its shards into a host index (row i of the buffer is row i of the
+        index), then cloned to the GPU(s) as in `build`."""
+        index = cls._empty(buffer.dim, factory)
         if not index.is_trained:
             rng = np.random.default_rng(seed)
             n = len(buffer)
-            rows = np.sort(rng.choice(n, min(n, train_sample), replace=False))
+            rows = np.sort(rng.choice(n, min(n, train_sample or training_rows(factory)), replace=False))
             import torch
 
             index.train(_as_float32(buffer.rows(torch.from_numpy(rows)).float().cpu().numpy()))
@@ -201,18 +247,19 @@ class PassageIndex:
             for _, chunk in buffer.iter_chunks(chunk_size):
                 index.add(_as_float32(chunk.float().cpu().numpy()))
                 bar.update(chunk.shape[0])
+        index, on_gpu = _to_gpu(index, use_gpu)
         built = cls(index, buffer.ids, factory, on_gpu)
         built.provenance = {key: buffer.meta[key] for key in PROVENANCE_KEYS if key in buffer.meta}
         return built
 
     @staticmethod
-    def _empty(dim: int, factory: str, use_gpu: bool | None):
+    def _empty(dim: int, factory: str):
+        """An empty host index of type `factory`."""
         faiss = _faiss()
         try:
-            index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+            return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
         except RuntimeError as err:
             raise InputError(f"faiss cannot build index type {factory!r} for dim {dim}: {err}") from err
-        return _to_gpu(index, use_gpu)
 
     def tunable_parameter(self) -> str | None:
         """The search parameter that trades speed for recall in this index type: `nprobe` (IVF: lists
@@ -245,7 +292,8 @@ class PassageIndex:
     ) -> dict:
         """Choose the smallest value of `tunable_parameter` whose recall@k against exact search reaches
         `target_recall`, on `queries` of the indexed `rows` (a `PassageBuffer` or an [N, D] array, the
-        vectors this index holds) used as queries; the largest value tried when none does (with a warning).
+        vectors this index holds) used as queries. When none does, the value where recall stops growing (less
+        than `RECALL_PLATEAU` for a doubling: compressed codes cap it), else the largest tried, with a warning.
         Applies it and returns what was measured (also kept in `tuning`, saved with the index)."""
         import torch
 
@@ -265,19 +313,11 @@ class PassageIndex:
         k = min(k, self.ntotal)
         exact = corrected_topk(sample, rows, None, k).indices.numpy()
         sample = sample.numpy()
-        measured = {}
-        for value in self._values(name):
-            self.set_search_params({name: value})
-            _, found = self.search_rows(sample, k)
-            hits = (found[:, :, None] == exact[:, None, :]).any(-1) & (found >= 0)
-            measured[value] = float(hits.sum(-1).mean() / k)
-            if measured[value] >= target_recall:
-                break
-        chosen = value
+        chosen, measured = self._smallest_reaching(name, sample, exact, target_recall)
         if measured[chosen] < target_recall:
             warnings.warn(
-                f"{self.factory}: recall@{k} {measured[chosen]:.3f} at {name}={chosen}, the most tried, is "
-                f"below the target {target_recall}",
+                f"{self.factory}: recall@{k} {measured[chosen]:.3f} at {name}={chosen} (searching more gained "
+                f"less than {RECALL_PLATEAU}, or nothing more was tried) is below the target {target_recall}",
                 stacklevel=2,
             )
         self.tuning = {
@@ -290,6 +330,26 @@ class PassageIndex:
             "tried": {str(v): r for v, r in measured.items()},
         }
         return self.tuning
+
+    def _smallest_reaching(self, name: str, sample: np.ndarray, exact: np.ndarray, target: float):
+        """(the chosen value of search parameter `name`, {value: recall@k of `sample` against `exact`}), the
+        values tried in increasing order until recall reaches `target` or stops growing; the chosen one applied."""
+        measured, previous = {}, None
+        for value in self._values(name):
+            self.set_search_params({name: value})
+            _, found = self.search_rows(sample, exact.shape[1])
+            hits = (found[:, :, None] == exact[:, None, :]).any(-1) & (found >= 0)
+            measured[value] = float(hits.sum(-1).mean() / exact.shape[1])
+            if measured[value] >= target:
+                break
+            if previous is not None and measured[value] - measured[previous] < RECALL_PLATEAU:
+                # Compressed codes (PQ, SQ) cap recall below what probing more can reach: scanning every list
+                # for the last few hundredths would cost a 21M-passage index seconds a query.
+                value = previous
+                break
+            previous = value
+        self.set_search_params({name: value})
+        return value, measured
 
     def _values(self, name: str) -> list[int]:
         if name == "efSearch":

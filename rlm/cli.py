@@ -51,7 +51,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "rlm.commands.bench",
-        "Run a benchmark: retrieval, reader, training, two-stage, strategies, synthetic.",
+        "Run a benchmark: retrieval, reader, training, paper-step, index, demo-scale, two-stage, strategies, "
+        "synthetic.",
     ),
 }
 

@@ -120,3 +120,31 @@ def test_hnsw_tunes_ef_search_and_exact_indexes_have_nothing_to_tune():
     assert tuning["recall"] >= 0.99 or tuning["value"] == 2048
     flat = PassageIndex.build(emb, [str(i) for i in range(3000)])
     assert flat.tunable_parameter() is None and flat.tune(emb) == {} and flat.search_params == {}
+
+
+def test_tuning_a_compressed_index_stops_where_probing_more_gains_nothing():
+    """PQ codes cap recall below the target: `tune` stops where doubling nprobe gains less than
+    `RECALL_PLATEAU` (with a warning) instead of probing every list, which at 21M costs seconds a query."""
+    from retriever.index import RECALL_PLATEAU
+
+    emb = unit_vectors(4000, 32, 8)
+    index = PassageIndex.build(emb, [str(i) for i in range(4000)], factory="IVF64,PQ4x4")
+    with pytest.warns(UserWarning, match="below the target"):
+        tuning = index.tune(emb, target_recall=0.99, k=20, queries=300)
+    tried = {int(v): r for v, r in tuning["tried"].items()}
+    assert (
+        tuning["recall"] < 0.99 and tuning["value"] < 64 and index.search_params["nprobe"] == tuning["value"]
+    )
+    after = min(v for v in tried if v > tuning["value"])  # the doubling that gained (almost) nothing
+    assert tried[after] - tried[tuning["value"]] < RECALL_PLATEAU
+
+
+def test_an_ivf_index_is_trained_on_enough_rows_for_its_lists():
+    """faiss's k-means wants about 40 rows a list: IVF16384 (the 21M recommendation's scale) is trained on
+    655,360 rows, not the 262,144 that suit up to 6,553 lists."""
+    from retriever.index import TRAIN_SAMPLE, training_rows
+
+    assert training_rows("Flat") == training_rows("HNSW32,SQ8") == TRAIN_SAMPLE == 262_144
+    assert training_rows("IVF1024,PQ64") == TRAIN_SAMPLE
+    assert training_rows("IVF16384,PQ256np") == 655_360
+    assert training_rows("OPQ64_768,IVF65536_HNSW32,PQ64") == 2_621_440

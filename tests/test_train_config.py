@@ -392,6 +392,7 @@ SHIPPED = {
         "data.dev": None,
         "retriever.path": "sentence-transformers/gtr-t5-base",
         "retriever.passage_max_length": 256,
+        "retriever.gradient_checkpointing": True,
         "buffer.dir": "runs/buffers/psgs_w100-gtr-t5-base",
         "buffer.batch_size": 512,
         "corrector.hidden_dim": 8192,

@@ -124,6 +124,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
         check_output_folder(args.out, ("predictions.jsonl", "metrics.json"), "rlm evaluate")
     if args.save_index:
         check_output_folder(args.save_index, INDEX_FILES, "rlm evaluate", option="--save-index")
+    if args.buffer and args.index != "corrected":
+        raise UserError("--buffer only goes with --index corrected")
     if args.index and args.embeddings:
         raise UserError("--embeddings keeps the corpus embedded here; with --index nothing is embedded")
     if args.index not in (None, "corrected") and args.factory != "Flat":
@@ -206,15 +208,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool, options):
-    """The index (built, loaded or over h(B)), then `run_evaluation`: (its result, the answer policy used)."""
-    from rlm.inference import evaluation, indexing
+def _index(args, corpus, retriever, device, progress: bool, options):
+    """The index `--index` names (a saved one, or over h(B) for `corrected`), one built here to be saved
+    (`--save-index`), or None: `run_evaluation` then builds it as `options` say."""
+    from rlm.inference import indexing
 
-    index = None
     use_gpu = indexing.index_on_gpu(device)
-    if args.buffer and args.index != "corrected":
-        raise UserError("--buffer only goes with --index corrected")
-    if args.index == "corrected" and retriever is not None:
+    if args.index == "corrected":
         from rlm.inference.corrected_index import corrected_index
 
         if not args.checkpoint:
@@ -222,28 +222,37 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
         built = corrected_index(
             args.checkpoint, corpus, args.buffer, args.factory, device=device, show_progress=progress
         )
-        index = built.index
         print(
             f"index over h(B): {built.rows:,} rows of {built.buffer_dir} through the corrector in "
             f"{built.correct_s:.2f} s (+ {built.index_s:.2f} s faiss), no passage re-embedded"
         )
         if args.save_index:
-            index.save(args.save_index)
-    elif args.index and retriever is not None:
-        index = indexing.prebuilt_index(args.index, retriever, corpus, use_gpu, search_params(args))
-    elif args.save_index and retriever is not None:
-        index = indexing.index_corpus(
-            retriever.passage_tower,
-            corpus,
-            options.embeddings_dir,
-            options.factory,
-            use_gpu=use_gpu,
-            precision=options.precision,
-            accelerator=options.accelerator,
-            show_progress=progress,
-        )
-        if options.accelerator is None or options.accelerator.is_main_process:
-            index.save(args.save_index)
+            built.index.save(args.save_index)
+        return built.index
+    if args.index:
+        return indexing.prebuilt_index(args.index, retriever, corpus, use_gpu, search_params(args))
+    if not args.save_index:
+        return None
+    index = indexing.index_corpus(
+        retriever.passage_tower,
+        corpus,
+        options.embeddings_dir,
+        options.factory,
+        use_gpu=use_gpu,
+        precision=options.precision,
+        accelerator=options.accelerator,
+        show_progress=progress,
+    )
+    if options.accelerator is None or options.accelerator.is_main_process:
+        index.save(args.save_index)
+    return index
+
+
+def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool, options):
+    """The index (`_index`), then `run_evaluation`: (its result, the answer policy used)."""
+    from rlm.inference import evaluation
+
+    index = _index(args, corpus, retriever, device, progress, options) if retriever is not None else None
     num_passages = args.num_passages or evaluation.reader_passages_from_config(config)
     policy = None
     if reader is not None and args.checkpoint and not args.no_policy:

@@ -30,7 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="use_gpu", action="store_const", const=True, help="require a faiss GPU")
     gpu.add_argument("--cpu", dest="use_gpu", action="store_const", const=False, help="stay on CPU")
-    parser.add_argument("--train-sample", type=int, default=262_144, help="vectors used to train IVF/PQ")
+    parser.add_argument(
+        "--train-sample",
+        type=int,
+        default=None,
+        help="vectors used to train IVF/PQ (default: 262,144, or 40 per IVF list when more)",
+    )
     add_search_arguments(parser)
     parser.add_argument(
         "--target-recall",
