@@ -289,12 +289,18 @@ class PassageIndex:
         k: int = 100,
         queries: int = 1000,
         seed: int = 0,
+        query_vectors: np.ndarray | None = None,
     ) -> dict:
-        """Choose the smallest value of `tunable_parameter` whose recall@k against exact search reaches
-        `target_recall`, on `queries` of the indexed `rows` (a `PassageBuffer` or an [N, D] array, the
-        vectors this index holds) used as queries. When none does, the value where recall stops growing (less
-        than `RECALL_PLATEAU` for a doubling: compressed codes cap it), else the largest tried, with a warning.
-        Applies it and returns what was measured (also kept in `tuning`, saved with the index)."""
+        """Choose the smallest value of `tunable_parameter` whose recall@k against exact search over `rows` (a
+        `PassageBuffer` or an [N, D] array, the vectors this index holds) reaches `target_recall`. When none
+        does, the value where recall stops growing (less than `RECALL_PLATEAU` for a doubling: compressed codes
+        cap it), else the largest tried, with a warning. Applies it and returns what was measured (also kept in
+        `tuning`, saved with the index).
+
+        The queries are `query_vectors` (at most `queries` of them: e.g. the query tower's embeddings of real
+        questions, which is what the index will be asked), else `queries` of the indexed rows. A row sits in its
+        own IVF list and HNSW neighbourhood, so rows ask less of the search than questions do: an index tuned on
+        them can miss gold passages that exact search finds (docs/results/bench_index)."""
         import torch
 
         from retriever.buffer import PassageBuffer
@@ -308,8 +314,11 @@ class PassageIndex:
         if not isinstance(rows, PassageBuffer):
             rows = PassageBuffer(range(len(rows)), [torch.from_numpy(_as_float32(rows))])
         rng = np.random.default_rng(seed)
-        picked = np.sort(rng.choice(len(rows), min(queries, len(rows)), replace=False))
-        sample = rows.rows(torch.from_numpy(picked)).float()
+        if query_vectors is not None:
+            sample = torch.from_numpy(_as_float32(query_vectors, self.dim)[:queries])
+        else:
+            picked = np.sort(rng.choice(len(rows), min(queries, len(rows)), replace=False))
+            sample = rows.rows(torch.from_numpy(picked)).float()
         k = min(k, self.ntotal)
         exact = corrected_topk(sample, rows, None, k).indices.numpy()
         sample = sample.numpy()
@@ -326,6 +335,7 @@ class PassageIndex:
             "target_recall": target_recall,
             "k": k,
             "queries": len(sample),
+            "queries_from": "rows" if query_vectors is None else "query vectors",
             "recall": measured[chosen],
             "tried": {str(v): r for v, r in measured.items()},
         }

@@ -261,3 +261,18 @@ def test_the_demos_own_index_is_built_from_float16_shards_and_records_its_tower(
     assert index.provenance["corpus_fingerprint"] == corpus.fingerprint
     (cached,) = (tmp_path / "ckpt" / INDEX_CACHE).iterdir()
     assert sorted(p.name for p in cached.iterdir()) == sorted(INDEX_FILES)
+
+
+def test_rlm_evaluate_tunes_an_approximate_index_on_its_own_questions(setup, tmp_path):
+    """`--factory IVF...` without `--index`: the index built from the float16 shards is tuned on the query
+    tower's embeddings of the questions being evaluated (what it will be asked), not on passages as queries."""
+    from retriever.index import PassageIndex
+
+    world, corpus, dev, ckpt, retriever_model, reader = setup
+    args = ["evaluate", "--checkpoint", str(ckpt), "--dataset", "toy", "--data-path", str(world.root)]
+    args += ["--k", "5", "--no-progress", "--retrieval-only", "--factory", "IVF4,Flat"]
+    assert main([*args, "--save-index", str(tmp_path / "ivf")]) == 0
+    index = PassageIndex.load(tmp_path / "ivf")
+    assert index.factory == "IVF4,Flat" and index.tuning["queries_from"] == "query vectors"
+    assert index.tuning["queries"] == len(dev) and index.tuning["recall"] >= 0.95
+    assert index.provenance["encoder_fingerprint"] == retriever_model.passage_tower.fingerprint()

@@ -139,3 +139,30 @@ def test_a_trained_tower_is_embedded_at_its_own_length_and_its_index_refuses_ano
         load_index_for(tmp_path / "i", corpus.ids, passage_tower=tower)
     with pytest.raises(UserError, match="built for corpus jsonl:sha256:"):
         load_index_for(tmp_path / "i", corpus.ids, corpus_fingerprint="jsonl:sha256:0000")
+
+
+def test_rlm_index_tunes_on_questions_embedded_by_the_query_tower(tmp_path, capsys):
+    """`--tune-questions FILE --query-encoder DIR`: the search is tuned on the questions the index will be
+    asked (a text file or JSONL with "question"), and index.json says so; a missing or mismatched encoder is
+    one error line."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    assert main(["embed", "--corpus", str(corpus), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Where is the Eiffel Tower?"}\n\n{"question": "What do bees make?"}\n')
+    args = ["index", "--buffer", str(tmp_path / "b"), "--factory", "IVF2,Flat", "--tune-k", "3"]
+    args += ["--tune-questions", str(questions)]
+    assert main([*args, "--out", str(tmp_path / "i"), "--query-encoder", default_retriever_path()]) == 0
+    tuning = PassageIndex.load(tmp_path / "i").tuning
+    assert tuning["queries_from"] == "query vectors" and tuning["queries"] == 2
+    assert "against exact search on 2 questions" in capsys.readouterr().out
+    assert main([*args, "--out", str(tmp_path / "j")]) == 2
+    assert "--tune-questions needs --query-encoder" in capsys.readouterr().err
+    other = tmp_path / "small"
+    SentenceEncoder.from_pretrained(default_retriever_path()).save_pretrained(other)
+    emb = np.random.default_rng(0).standard_normal((40, 16)).astype(np.float32)
+    np.save(tmp_path / "emb.npy", emb)
+    (tmp_path / "ids.txt").write_text("".join(f"p{i}\n" for i in range(40)))
+    small = ["index", "--embeddings", str(tmp_path / "emb.npy"), "--ids", str(tmp_path / "ids.txt")]
+    small += ["--factory", "IVF2,Flat", "--tune-questions", str(questions), "--query-encoder", str(other)]
+    assert main([*small, "--out", str(tmp_path / "k")]) == 2
+    assert "embeds in 384 dimensions but the index holds 16" in capsys.readouterr().err

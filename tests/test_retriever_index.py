@@ -148,3 +148,31 @@ def test_an_ivf_index_is_trained_on_enough_rows_for_its_lists():
     assert training_rows("IVF1024,PQ64") == TRAIN_SAMPLE
     assert training_rows("IVF16384,PQ256np") == 655_360
     assert training_rows("OPQ64_768,IVF65536_HNSW32,PQ64") == 2_621_440
+
+
+def test_an_index_tuned_on_questions_finds_what_rows_as_queries_would_not_ask_for():
+    """Rows sit in their own IVF list: an index tuned on them probes one list. Questions fall between clusters
+    (here: between two of 64 tight ones), and their exact top-k spans lists; tuned on such queries
+    (`query_vectors`, what `rlm evaluate` and `rlm index --tune-questions` pass), the index finds it."""
+    rng = np.random.default_rng(0)
+    centers = unit_vectors(64, 32, 11)
+    members = centers.repeat(50, axis=0) + 0.05 * rng.standard_normal((3200, 32)).astype(np.float32)
+    emb = members / np.linalg.norm(members, axis=1, keepdims=True)
+
+    def between(n, seed):
+        pick = np.random.default_rng(seed).integers(0, 64, size=(n, 2))
+        mid = centers[pick[:, 0]] + centers[pick[:, 1]]
+        return (mid / np.linalg.norm(mid, axis=1, keepdims=True)).astype(np.float32)
+
+    asked, held_out = between(300, 1), between(200, 2)
+    exact = np.argsort(-(held_out @ emb.T), axis=1)[:, :20]
+    ids = [str(i) for i in range(3200)]
+    on_rows = PassageIndex.build(emb, ids, factory="IVF64,Flat")
+    on_rows.tune(emb, target_recall=0.9, k=20, queries=300)
+    on_questions = PassageIndex.build(emb, ids, factory="IVF64,Flat")
+    tuning = on_questions.tune(emb, target_recall=0.9, k=20, query_vectors=asked)
+    assert tuning["queries_from"] == "query vectors" and tuning["queries"] == 300
+    assert on_rows.search_params["nprobe"] < on_questions.search_params["nprobe"]
+    assert (
+        recall_at(on_rows, held_out, exact, 20) < 0.8 <= 0.85 <= recall_at(on_questions, held_out, exact, 20)
+    )

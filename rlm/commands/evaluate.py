@@ -86,7 +86,7 @@ def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
         default="Flat",
         help="without --index, or with --index corrected: the faiss index_factory string of the index built "
         "here (default Flat, exact; IVF and HNSW types get their search parameter tuned for 0.95 recall@100 "
-        "against exact search)",
+        "against exact search, on the questions evaluated)",
     )
 
 
@@ -189,7 +189,11 @@ def run(args: argparse.Namespace) -> int:
         processes = "" if state is None else f" x {state.num_processes} processes"
         print(f"running on {device}{processes}" + (" under bf16 autocast" if bf16 else " in float32"))
     options = evaluation.IndexOptions(
-        args.embeddings, args.factory, precision="bf16" if bf16 else "auto", accelerator=state
+        args.embeddings,
+        args.factory,
+        precision="bf16" if bf16 else "auto",
+        accelerator=state,
+        save_dir=None if args.index else args.save_index,
     )
     with evaluation.autocast(device, bf16):
         result, policy = _evaluate(
@@ -209,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _index(args, corpus, retriever, device, progress: bool, options):
-    """The index `--index` names (a saved one, or over h(B) for `corrected`), one built here to be saved
-    (`--save-index`), or None: `run_evaluation` then builds it as `options` say."""
+    """The index `--index` names (a saved one, or over h(B) for `corrected`), or None: `run_evaluation` then
+    builds it as `options` say (and saves it to `--save-index`)."""
     from rlm.inference import indexing
 
     use_gpu = indexing.index_on_gpu(device)
@@ -231,21 +235,7 @@ def _index(args, corpus, retriever, device, progress: bool, options):
         return built.index
     if args.index:
         return indexing.prebuilt_index(args.index, retriever, corpus, use_gpu, search_params(args))
-    if not args.save_index:
-        return None
-    index = indexing.index_corpus(
-        retriever.passage_tower,
-        corpus,
-        options.embeddings_dir,
-        options.factory,
-        use_gpu=use_gpu,
-        precision=options.precision,
-        accelerator=options.accelerator,
-        show_progress=progress,
-    )
-    if options.accelerator is None or options.accelerator.is_main_process:
-        index.save(args.save_index)
-    return index
+    return None  # built by `run_evaluation` as `options` say, tuned on the questions it evaluates
 
 
 def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool, options):

@@ -46,7 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it",
     )
     parser.add_argument("--tune-k", type=int, default=100, help="the k of the recall the search is tuned for")
-    parser.add_argument("--tune-queries", type=int, default=1000, help="indexed rows used as tuning queries")
+    parser.add_argument("--tune-queries", type=int, default=1000, help="tuning queries, at most")
+    parser.add_argument(
+        "--tune-questions",
+        help="tune on these questions (a text file, one per line, or JSONL with a 'question' field) embedded "
+        "by --query-encoder: what the index will be asked. Default: indexed rows as queries, which sit in their "
+        "own IVF list and ask less of the search than questions do",
+    )
+    parser.add_argument(
+        "--query-encoder",
+        help="with --tune-questions: the query tower, a trained dual encoder folder (<checkpoint>/retriever) or "
+        "a sentence-transformers folder",
+    )
 
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,11 +112,14 @@ def run(args: argparse.Namespace) -> int:
     if fixed:
         index.set_search_params(fixed)
     elif tunable and args.target_recall > 0:
-        tuning = index.tune(rows, args.target_recall, k=args.tune_k, queries=args.tune_queries)
+        asked = question_vectors(args, index.dim)
+        tuning = index.tune(
+            rows, args.target_recall, k=args.tune_k, queries=args.tune_queries, query_vectors=asked
+        )
         print(
             f"search tuned: {tuning['parameter']}={tuning['value']} gives recall@{tuning['k']} "
-            f"{tuning['recall']:.3f} against exact search on {tuning['queries']} indexed rows "
-            f"(target {args.target_recall})"
+            f"{tuning['recall']:.3f} against exact search on {tuning['queries']} "
+            f"{'questions' if asked is not None else 'indexed rows'} (target {args.target_recall})"
         )
     index.save(args.out)
     seconds = time.perf_counter() - started
@@ -115,3 +129,37 @@ def run(args: argparse.Namespace) -> int:
         f"{seconds:.1f} s"
     )
     return 0
+
+
+def question_vectors(args: argparse.Namespace, dim: int):
+    """`--tune-questions` embedded by `--query-encoder` ([Q, D] float32), or None."""
+    if not args.tune_questions:
+        if args.query_encoder:
+            raise UserError("--query-encoder goes with --tune-questions")
+        return None
+    if not args.query_encoder:
+        raise UserError("--tune-questions needs --query-encoder (the query tower that embeds them)")
+    import json
+
+    from retriever.encoder import DualEncoder, SentenceEncoder
+
+    lines = [
+        line for line in Path(args.tune_questions).read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
+    questions = []
+    for number, line in enumerate(lines, start=1):
+        if not line.lstrip().startswith("{"):
+            questions.append(line.strip())
+            continue
+        record = json.loads(line)
+        if "question" not in record:
+            raise UserError(f"{args.tune_questions}:{number}: a JSON line without a 'question' field")
+        questions.append(record["question"])
+    folder = Path(args.query_encoder)
+    if (folder / "query_tower").is_dir():
+        tower = DualEncoder.from_pretrained(str(folder)).query_tower
+    else:
+        tower = SentenceEncoder.from_pretrained(str(folder))
+    if tower.dim != dim:
+        raise UserError(f"--query-encoder embeds in {tower.dim} dimensions but the index holds {dim}")
+    return tower.encode(questions[: args.tune_queries]).numpy()

@@ -174,8 +174,19 @@ def retrieve(
     """Top-k passages per question by inner product of the query tower's embeddings with the index."""
     if not questions:
         return Retrieved([], [])
-    # `encode` hands back host float32 whatever the tower's device and autocast: what faiss takes.
-    queries = query_tower.encode(list(questions), batch_size=batch_size, show_progress=show_progress).numpy()
+    return search_index(index, encode_questions(query_tower, questions, batch_size, show_progress), k)
+
+
+def encode_questions(
+    query_tower, questions: Sequence[str], batch_size: int = 64, show_progress: bool = False
+):
+    """The questions' embeddings [Q, D] as host float32, whatever the tower's device and autocast: what faiss
+    takes."""
+    return query_tower.encode(list(questions), batch_size=batch_size, show_progress=show_progress).numpy()
+
+
+def search_index(index, queries, k: int) -> Retrieved:
+    """Top-k passages per query embedding ([Q, D] float32) from a `retriever.index.PassageIndex`."""
     scores, ids = index.search(queries, k)
     return Retrieved(ids=ids, scores=[row[: len(i)].tolist() for row, i in zip(scores, ids)])
 
@@ -350,6 +361,9 @@ def _retrieve_for_evaluation(
     """The top `k` for every question, embedding and indexing the corpus first when no `index` is given
     (`rlm.inference.indexing.index_corpus` with `options`); the seconds each stage took go into `timings`."""
     start = time.perf_counter()
+    queries = encode_questions(retriever.query_tower, questions, options.batch_size, show_progress)
+    encoding = time.perf_counter() - start
+    start = time.perf_counter()
     if index is None:
         from rlm.inference.indexing import index_corpus, index_on_gpu
 
@@ -363,12 +377,17 @@ def _retrieve_for_evaluation(
             batch_size=options.batch_size,
             precision=options.precision,
             accelerator=options.accelerator,
+            tune_queries=queries,  # an approximate index is tuned on what it will be asked
             show_progress=show_progress,
         )
+        if options.save_dir is not None and (
+            options.accelerator is None or options.accelerator.is_main_process
+        ):
+            index.save(options.save_dir)
         timings["embed_seconds"] = time.perf_counter() - start
     start = time.perf_counter()
-    retrieved = retrieve(retriever.query_tower, index, questions, k, options.batch_size, show_progress)
-    timings["retrieve_seconds"] = time.perf_counter() - start
+    retrieved = search_index(index, queries, k) if questions else Retrieved([], [])
+    timings["retrieve_seconds"] = encoding + time.perf_counter() - start
     return retrieved
 
 
@@ -376,13 +395,15 @@ def _retrieve_for_evaluation(
 class IndexOptions:
     """How `run_evaluation` embeds and indexes a corpus it is given no index for (`index_corpus`): the folder
     of the float16 shards (None: a temporary one), the faiss factory, passages per forward, the precision of
-    the passage tower ("auto": bf16 on a CUDA GPU) and the accelerate state whose processes share the work."""
+    the passage tower ("auto": bf16 on a CUDA GPU), the accelerate state whose processes share the work, and
+    a folder to save the index in."""
 
     embeddings_dir: str | os.PathLike | None = None
     factory: str = "Flat"
     batch_size: int = 64
     precision: str = "auto"
     accelerator: object | None = None
+    save_dir: str | os.PathLike | None = None  # where the main process saves the index built (None: nowhere)
 
 
 @dataclass

@@ -153,12 +153,15 @@ def index_corpus(
     precision: str = "auto",
     accelerator=None,
     target_recall: float | None = None,
+    tune_queries: np.ndarray | None = None,
     show_progress: bool = False,
 ):
     """A `retriever.index.PassageIndex` of `corpus` under `passage_tower`: the corpus embedded into float16
     shards in `embeddings_dir` (a temporary folder when None; a kept one is resumed, or reused when complete),
     then indexed with `factory` from the shards, its search parameter tuned for `target_recall` (None: the
-    index's default) against exact search. The index records the tower's and corpus's fingerprints.
+    index's default) against exact search, on `tune_queries` (query-tower embeddings of questions: what the
+    index will be asked) when given, else on indexed rows. The index records the tower's and corpus's
+    fingerprints.
 
     `precision`: "float32", "bf16" or "auto" (bf16 on a CUDA GPU). `accelerator` (an accelerate
     `PartialState`/`Accelerator`): each process embeds its share of the shards, the main process builds and
@@ -183,7 +186,8 @@ def index_corpus(
         if is_main:
             index = PassageIndex.from_buffer(buffer, factory, use_gpu=use_gpu, show_progress=show_progress)
             if index.tunable_parameter() is not None:
-                index.tune(buffer, target_recall or DEFAULT_TARGET_RECALL)
+                asked = tune_queries if tune_queries is not None and len(tune_queries) else None
+                index.tune(buffer, target_recall or DEFAULT_TARGET_RECALL, query_vectors=asked)
         if accelerator is not None and accelerator.num_processes > 1:
             if is_main:
                 index.save(folder / INDEX_SUBFOLDER)
