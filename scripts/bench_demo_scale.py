@@ -203,7 +203,9 @@ def checkpoint_copy(checkpoint: Path, work: Path) -> Path:
 
     copy = work / "checkpoint"
     shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(checkpoint, copy, ignore=shutil.ignore_patterns(INDEX_CACHE, FINGERPRINT_CACHE))
+    shutil.copytree(
+        checkpoint, copy, ignore=shutil.ignore_patterns(INDEX_CACHE, f"{Path(FINGERPRINT_CACHE).stem}*")
+    )
     return copy
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from atomicio import atomic_write_json
+from atomicio import atomic_file, atomic_write_json
 from retriever.ids import IdSequence
 from rlm.errors import UnknownPassageError, UserError, not_utf8
 
@@ -200,9 +200,17 @@ class _RetrievalTexts(Sequence[str]):
 class Corpus(Sequence[Passage]):
     """A passage file indexed by byte offsets; `corpus[i]` reads passage i from disk."""
 
-    def __init__(self, path: str | os.PathLike, fmt: str | None = None, fingerprint: str | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        fmt: str | None = None,
+        fingerprint: str | None = None,
+        scan: dict[str, np.ndarray] | None = None,
+    ):
         """Scan `path` once. `fingerprint`, when the caller already knows it (`load_corpus`'s stat-keyed
-        cache), is taken as is and the scan skips hashing; otherwise the scan computes it."""
+        cache), is taken as is and the scan skips hashing; otherwise the scan computes it. `scan`: the arrays
+        of an earlier scan of this very file (`scan_arrays`, which `load_corpus` caches with the fingerprint),
+        taken instead of reading the file (21M DPR passages: ~2 minutes of parsing)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"corpus file not found: {self.path}")
@@ -210,16 +218,33 @@ class Corpus(Sequence[Passage]):
         if self.fmt not in _PARSERS:
             raise UserError(f"unknown corpus format {self.fmt!r}; choose one of {', '.join(FORMATS)}")
         self._parse = _PARSERS[self.fmt]
+        self._fd: int | None = None
+        self._fd_pid: int | None = None
+        if scan is not None and fingerprint is not None:
+            self.fingerprint: str = fingerprint
+            self._offsets, self._line_numbers = scan["offsets"], scan["line_numbers"]
+            self.ids: Sequence[str] = IdSequence(scan["id_blob"].tobytes(), scan["id_offsets"])
+            self._order, self._sorted_hashes = scan["order"], scan["sorted_hashes"]
+            return
         digest = None if fingerprint is not None else hashlib.sha256()
         self._offsets, self._line_numbers, id_blob, id_offsets, hashes = self._scan(digest)
         # What a buffer or a cached index is checked against: see `file_fingerprint`.
-        self.fingerprint: str = fingerprint if digest is None else file_fingerprint(self.fmt, digest)
-        self.ids: Sequence[str] = IdSequence(id_blob, id_offsets)
+        self.fingerprint = fingerprint if digest is None else file_fingerprint(self.fmt, digest)
+        self.ids = IdSequence(id_blob, id_offsets)
         self._order = np.argsort(hashes, kind="stable")
         self._sorted_hashes = hashes[self._order]
         self._check_unique()
-        self._fd: int | None = None
-        self._fd_pid: int | None = None
+
+    def scan_arrays(self) -> dict[str, np.ndarray]:
+        """What the scan found, as arrays (`Corpus(..., scan=...)` takes them back)."""
+        return {
+            "offsets": self._offsets,
+            "line_numbers": self._line_numbers,
+            "id_blob": np.frombuffer(self.ids.to_bytes(), dtype=np.uint8),
+            "id_offsets": self.ids._offsets,
+            "order": self._order,
+            "sorted_hashes": self._sorted_hashes,
+        }
 
     def _scan(self, digest=None) -> tuple[np.ndarray, np.ndarray, bytes, np.ndarray, np.ndarray]:
         # array('q') keeps the scan of a 21M-line file at 8 bytes a number, not a Python int object each.
@@ -339,8 +364,10 @@ def load_corpus(
     """Open a passage corpus (fmt in {"jsonl", "dpr_tsv", "pyserini"}; auto-detected when None).
 
     `fingerprint_cache`: a small JSON file that remembers the corpus fingerprint per corpus file, keyed by
-    the file's resolved path, size and modification time (ns) and the format; on a hit the scan skips
-    hashing. A changed size or mtime is a miss: the file is hashed again and the entry replaced.
+    the file's resolved path, size and modification time (ns) and the format, and beside it the scan's arrays
+    (offsets, ids; `<cache stem>.<key>.scan.npz`, ~50 B a passage): on a hit the file is neither hashed nor
+    parsed (21M DPR passages: ~2 minutes of start-up saved). A changed size or mtime is a miss: the file is
+    scanned and hashed again and the entry replaced.
 
     `procs`: the data-parallel processes that all open this corpus (`retriever.distributed.Processes`; every
     one must call). Each scans the file for the offsets it reads passages by, all at once, but only the first
@@ -363,17 +390,47 @@ def load_corpus(
     key, before = str(path.resolve()), _file_stamp(path)
     entries = _read_fingerprint_cache(cache)
     entry = entries.get(key)
+    scan_file = cache.with_name(f"{cache.stem}.{hashlib.sha256(key.encode()).hexdigest()[:12]}.scan.npz")
     if isinstance(entry, dict) and {k: entry.get(k) for k in before} == before and entry.get("fmt") == fmt:
-        return Corpus(path, fmt, fingerprint=entry["fingerprint"])
-    corpus = Corpus(path, fmt)
+        scan = _read_scan(scan_file, entry.get("scan"))
+        corpus = Corpus(path, fmt, fingerprint=entry["fingerprint"], scan=scan)
+        if scan is not None:
+            return corpus
+    else:
+        corpus = Corpus(path, fmt)
     # Record only a file that did not change while it was hashed, or the entry would vouch for other bytes.
     if _file_stamp(path) == before:
         entries[key] = {**before, "fmt": fmt, "fingerprint": corpus.fingerprint}
         try:
+            entries[key]["scan"] = _write_scan(scan_file, corpus.scan_arrays())
             atomic_write_json(cache, {"format_version": 1, "corpora": entries})
         except OSError as err:  # a read-only checkpoint still works; it just hashes again next time
             print(f"warning: could not cache the corpus fingerprint in {cache} ({err})")
     return corpus
+
+
+def _write_scan(path: Path, arrays: dict[str, np.ndarray]) -> dict[str, int]:
+    """The scan's arrays in one .npz, atomically; returns the file's stamp, which the cache entry records."""
+    with atomic_file(path) as tmp, open(tmp, "wb") as fh:
+        np.savez(fh, **arrays)
+    return _file_stamp(path)
+
+
+def _read_scan(path: Path, stamp: dict | None) -> dict[str, np.ndarray] | None:
+    """The cached scan when its file is the one the entry recorded and its arrays fit together, else None
+    (the corpus is then scanned again)."""
+    if not isinstance(stamp, dict) or not path.is_file() or _file_stamp(path) != stamp:
+        return None
+    try:
+        with np.load(path) as data:
+            scan = {name: data[name] for name in data.files}
+    except (OSError, ValueError, KeyError):
+        return None
+    n = len(scan.get("line_numbers", ()))
+    sizes = {"offsets": n + 1, "id_offsets": n + 1, "order": n, "sorted_hashes": n}
+    if any(len(scan.get(name, ())) != size for name, size in sizes.items()) or "id_blob" not in scan:
+        return None
+    return scan
 
 
 def _file_stamp(path: Path) -> dict[str, int]:
