@@ -104,7 +104,7 @@ def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
             run.save()
         if acc.is_main_process:  # refreshed rows that no kept checkpoint and not this step needs
             kept = [checkpointing.checkpoint_step(p) for p in checkpointing.checkpoints(Path(cfg.output_dir))]
-            run.strategy.prune_refreshes(kept)
+            run.strategy.prune_refreshes(kept, state.step)
     log.close()
     if prefix_out is not None:
         save_prefix(run, prefix_out, log.path)

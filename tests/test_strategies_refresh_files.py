@@ -66,7 +66,7 @@ def train(name: str, folder: Path, save_every: int):
             checkpoints[done] = run.state_dict()
             for old in sorted(checkpoints)[:-KEEP_LAST]:
                 del checkpoints[old]
-        run.prune_refreshes(sorted(checkpoints))
+        run.prune_refreshes(sorted(checkpoints), done)
         kept_folders.append(refreshes(folder))
     return picks, checkpoints, kept_folders, run
 
@@ -118,3 +118,20 @@ def test_a_missing_refresh_that_a_resume_reads_is_an_error_when_the_rows_are_rea
     resumed.load_state_dict(checkpoints[9])  # step 9 does not refresh: it scans the rows of step 8
     with pytest.raises(FileNotFoundError, match="run folder is incomplete"):
         resumed.select(QUERIES)
+
+
+def test_the_main_process_never_prunes_a_refresh_another_process_is_writing(tmp_path):
+    """Under `accelerate launch` a process may already be at the next step's refresh, writing its share into
+    `step_<s>`, while the main process prunes after step s: that folder is not the main's to delete (it was,
+    and the other process's write failed now and then under load)."""
+    folder = tmp_path / "refresh"
+    run = strategy("exhaustive", folder)
+    for step in range(3):
+        run.before_step(step, partial(tower, step))
+        run.prune_refreshes([], step + 1)
+    assert refreshes(folder) == [run.refresh_step] == [2]
+    ahead = folder / "step_0000003"  # the refresh before step 4, begun by a faster process
+    ahead.mkdir()
+    (ahead / ".rank00001_rows30-60.npy.tmp").write_bytes(b"being written")
+    run.prune_refreshes([], 3)
+    assert refreshes(folder) == [2, 3] and (ahead / ".rank00001_rows30-60.npy.tmp").is_file()

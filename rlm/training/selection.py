@@ -146,14 +146,15 @@ class SelectionStrategy:
     def _corrector_for_selection(self, corrector: torch.nn.Module | None) -> torch.nn.Module | None:
         return None
 
-    def prune_refreshes(self, checkpoint_steps: Sequence[int]) -> None:
+    def prune_refreshes(self, checkpoint_steps: Sequence[int], step: int) -> None:
         """Delete the refreshed rows (`refresh_dir/step_<s>`) that neither this step nor a kept checkpoint
-        needs; the main process calls it after every step, with the steps of the checkpoints it keeps.
+        needs; the main process calls it after optimizer step `step`, with the steps of the checkpoints it keeps.
 
         A checkpoint taken after s optimizer steps references the refresh done before the latest step < s, but
         a run resumed from it reads those rows only if step s does not refresh first (or if no step s follows).
         With checkpoints every 2R steps, each one falls on a refresh: only the current refresh is kept, not
-        also the two the kept checkpoints reference (3 x 32 GB for 21M x 768 fp16 rows)."""
+        also the two the kept checkpoints reference (3 x 32 GB for 21M x 768 fp16 rows). A folder of step
+        `step` or later is never touched: another process, already at the next step, may be writing it."""
         if self.refresh_dir is None or not self.refresh_dir.is_dir():
             return
         found = sorted(int(p.name[5:]) for p in self.refresh_dir.glob("step_*") if p.name[5:].isdigit())
@@ -162,7 +163,7 @@ class SelectionStrategy:
             if not (s < self.max_steps and self.refreshes_at(s)):
                 keep.add(max((r for r in found if r < s), default=None))
         for r in found:
-            if r not in keep:
+            if r not in keep and r < step:
                 shutil.rmtree(self.refresh_dir / f"step_{r:07d}", ignore_errors=True)
 
     def state_dict(self) -> dict:
