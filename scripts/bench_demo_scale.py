@@ -21,7 +21,7 @@ passage reads) and `answer`: alone, from 20 threads at once, and for 20 users se
 them (a queue, 2 requests at a time, up to 8 questions answered in one `answer_many`). Then the search
 parameter is swept (nprobe or efSearch), and each figure is projected to 21M passages.
 
-    python scripts/bench_demo_scale.py --sentences /work/shared/data/wiki_sample/passages.jsonl  # N = 1M
+    python scripts/bench_demo_scale.py --sentences ../shared/data/wiki_sample/passages.jsonl  # N = 1M
     python scripts/bench_demo_scale.py --quick                  # N = 5,000 and a few questions (a minute)
     python scripts/bench_demo_scale.py --render docs/results/demo_scale/demo_scale.json
 
