@@ -44,6 +44,24 @@ class Processes:
     gather_object: Callable[[list], list] = field(default=list)  # concatenates every process's list, in order
     device: torch.device | None = None
 
+    @classmethod
+    def of(cls, state) -> Processes:
+        """The processes of an accelerate `Accelerator` or `PartialState`: its rank, world size and device, with
+        accelerate's collectives (training, `rlm evaluate` under `accelerate launch`, a corpus every process
+        opens); one process alone for None."""
+        if state is None:
+            return cls()
+        from accelerate.utils import gather, gather_object
+
+        return cls(
+            state.process_index,
+            state.num_processes,
+            gather,
+            state.wait_for_everyone,
+            gather_object,
+            device=state.device,  # NCCL gathers only tensors on this process's GPU
+        )
+
     def part(self, n: int) -> tuple[int, int]:
         """This process's contiguous share [start, stop) of n rows."""
         per = -(-n // self.world)

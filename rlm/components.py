@@ -10,8 +10,6 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from accelerate.utils import gather_object
-
 from reader.fid import FiDConfig, FiDReader
 from reader.formatting import FiDCollator
 from reader.small_t5 import SmallT5Config
@@ -215,7 +213,7 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
         with accelerator.main_process_first():  # a toy world is generated once, then read by the others
             resolve_data(cfg)
     # Every process scans the corpus; the main one alone hashes it (`load_corpus`).
-    procs = None if accelerator is None else processes_of(accelerator)
+    procs = Processes.of(accelerator)
     corpus = load_corpus(resolve_data(cfg)[0], procs=procs)
     train_examples = load_train_examples(cfg)
     dev_examples = load_dev_examples(cfg)
@@ -258,11 +256,6 @@ def main_process_first(accelerator):
     """The main process runs the block before the others: a model it downloads from the hub lands in the cache
     the others then read, instead of every process downloading into it at once. No accelerator: the block."""
     return contextlib.nullcontext() if accelerator is None else accelerator.main_process_first()
-
-
-def processes_of(accelerator) -> Processes:
-    """The run's processes for `load_corpus`: their ranks and an object gather."""
-    return Processes(accelerator.process_index, accelerator.num_processes, gather_object=gather_object)
 
 
 def _in_corpus(corpus: Corpus, passage_id: str) -> bool:

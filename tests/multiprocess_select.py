@@ -16,7 +16,6 @@ import torch
 
 from retriever.distributed import Processes
 from rlm.config import RegressionConfig, add_override_argument, load_config
-from rlm.training.accelerator import processes
 from rlm.training.run import build_run
 from rlm.training.strategies import make_strategy
 
@@ -45,7 +44,7 @@ def main(argv: list[str] | None = None, end_training: bool = True) -> None:
     cfg = load_config(None, args.overrides)
     run = build_run(cfg, overwrite=True)
     acc, model = run.accelerator, run.raw.eval()
-    procs = processes(acc)
+    procs = Processes.of(acc)
     with torch.no_grad():  # a corrector that is not the identity, the same on every process
         generator = torch.Generator().manual_seed(7)
         for p in model.corrector.parameters():

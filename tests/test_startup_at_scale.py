@@ -97,6 +97,10 @@ class FakeAccelerator:
             num_processes,
         )
         self.events: list[str] = []
+        self.device = "cpu"
+
+    def wait_for_everyone(self) -> None:
+        return None
 
     @contextlib.contextmanager
     def main_process_first(self):

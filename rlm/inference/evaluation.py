@@ -405,6 +405,12 @@ class IndexOptions:
     accelerator: object | None = None
     save_dir: str | os.PathLike | None = None  # where the main process saves the index built (None: nowhere)
 
+    def processes(self):
+        """`accelerator`'s processes (`retriever.distributed.Processes`), or one process alone."""
+        from retriever.distributed import Processes
+
+        return Processes.of(self.accelerator)
+
 
 @dataclass
 class _Reading:
@@ -545,7 +551,7 @@ def run_evaluation(
     """
     _check_evaluation_mode(reader, retriever, corpus, closed_book, gold_passages)
     options = index_options or IndexOptions()
-    procs = _processes(options.accelerator)
+    procs = options.processes()
     mine = list(examples[slice(*procs.part(len(examples)))])
     timings: dict[str, float] = {}
     metrics: dict[str, float] = {"num_questions": len(examples)}
@@ -573,23 +579,6 @@ def run_evaluation(
         _write_evaluation(result, out_dir)
     procs.barrier()  # the files are written before any process goes on
     return result
-
-
-def _processes(accelerator):
-    """The data-parallel processes of an accelerate state (gathers of Python lists, a barrier), or one."""
-    from retriever.distributed import Processes
-
-    if accelerator is None or accelerator.num_processes == 1:
-        return Processes()
-    from accelerate.utils import gather_object
-
-    return Processes(
-        accelerator.process_index,
-        accelerator.num_processes,
-        barrier=accelerator.wait_for_everyone,
-        gather_object=gather_object,
-        device=accelerator.device,
-    )
 
 
 def format_table(metrics: dict[str, float], title: str | None = None) -> str:

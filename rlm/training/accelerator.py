@@ -237,17 +237,6 @@ def configure_ddp(accelerator: Accelerator, cfg: TrainConfig, model: torch.nn.Mo
     accelerator.print(f"DDP: find_unused_parameters={find}")
 
 
-def processes(accelerator: Accelerator) -> Processes:
-    return Processes(
-        accelerator.process_index,
-        accelerator.num_processes,
-        accelerator.gather,
-        accelerator.wait_for_everyone,
-        gather_object,
-        device=accelerator.device,  # NCCL gathers only tensors on this process's GPU
-    )
-
-
 def placement_device(placement: str, accelerator: Accelerator, nbytes: int) -> torch.device | None:
     """Where a process keeps the rows it scans: None = host memory (streamed), else a device. "auto" takes the
     GPU when the rows fit in half of its free memory (the rest is the models' and activations')."""
@@ -266,7 +255,7 @@ def distribute_strategy(strategy: SelectionStrategy, cfg: TrainConfig, accelerat
     give refreshes a folder in the run (checkpoints reference their files)."""
     world = accelerator.num_processes
     shard = world > 1 if cfg.strategy.shard_buffer is None else cfg.strategy.shard_buffer
-    procs = processes(accelerator)
+    procs = Processes.of(accelerator)
     per_process = len(strategy.buffer) // (world if shard else 1) + 1
     nbytes = per_process * strategy.buffer.dim * strategy.buffer.dtype.itemsize
     device = placement_device(cfg.buffer.placement, accelerator, nbytes)

@@ -15,6 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 
 from atomicio import atomic_write_text
+from retriever.distributed import Processes
 from rlm.components import build_components
 from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
@@ -25,7 +26,6 @@ from rlm.training.accelerator import (
     configure_deepspeed,
     distribute_strategy,
     make_accelerator,
-    processes,
 )
 from rlm.training.alignment import AlignmentStage
 from rlm.training.checkpointing import checkpoints
@@ -130,7 +130,7 @@ class TrainRun:
                 self.corpus,
                 self.dev_examples,
                 self.cfg,
-                procs=processes(acc),
+                procs=Processes.of(acc),
                 device=acc.device,
                 subcorpus=subcorpus,
                 cache=self.validation_cache,
@@ -300,7 +300,7 @@ def build_run(
     resume_from = claim_run_folder(accelerator, cfg, resume, overwrite, allow_changed)
     buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
     for key, folder in (("output_dir", Path(cfg.output_dir)), ("buffer.dir", buffer_dir)):
-        check_shared_folder(folder, processes(accelerator), key)
+        check_shared_folder(folder, Processes.of(accelerator), key)
 
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
     parts = build_components(cfg, accelerator, check=lambda: stops.check(0))
@@ -347,7 +347,7 @@ def ensure_dev_subcorpus(run: TrainRun) -> None:
             run.raw.retriever.query_tower,
             run.strategy.buffer,
             cfg.data.dev_subcorpus_k,
-            processes(acc),
+            Processes.of(acc),
             acc.device,
         )
     if acc.is_main_process:
