@@ -21,7 +21,7 @@ from transformers import AutoModelForSeq2SeqLM, PreTrainedModel, PreTrainedToken
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
 from atomicio import atomic_directory, atomic_write_json
-from evalmode import eval_mode
+from evalmode import activation_checkpointing, eval_mode, set_activation_checkpointing
 from reader.errors import InputError
 from reader.formatting import DEFAULT_QUESTION_TEMPLATE, DEFAULT_TEMPLATE, FiDCollator, Passages
 from reader.small_t5 import SmallT5Config, build_small_t5
@@ -148,30 +148,16 @@ class FiDReader(torch.nn.Module):
 
     def gradient_checkpointing_enable(self) -> None:
         """Recompute activations in the backward pass (HF gradient checkpointing, non-reentrant)."""
-        # transformers 5 renamed the method (and its keyword); 4.x only has the old name.
-        if hasattr(self.model, "activation_checkpointing_enable"):
-            self.model.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False}
-            )
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_activation_checkpointing(self.model, True)
 
     def gradient_checkpointing_disable(self) -> None:
         """Keep activations for the backward pass (the default)."""
-        disable = (
-            getattr(self.model, "activation_checkpointing_disable", None)
-            or self.model.gradient_checkpointing_disable
-        )
-        disable()
+        set_activation_checkpointing(self.model, False)
 
     @property
     def is_gradient_checkpointing(self) -> bool:
         """Whether activations are recomputed in the backward pass."""
-        flag = (
-            getattr(type(self.model), "is_activation_checkpointing", None)
-            or type(self.model).is_gradient_checkpointing
-        )
-        return bool(flag.fget(self.model))
+        return activation_checkpointing(self.model)
 
     def autocast(self, enabled: bool | None = None) -> contextlib.AbstractContextManager:
         """A bfloat16 autocast context on the model's device (CPU included); `enabled=None` follows `.bf16`.

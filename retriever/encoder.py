@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
 from atomicio import atomic_directory, atomic_write_text
-from evalmode import eval_mode
+from evalmode import activation_checkpointing, eval_mode, set_activation_checkpointing
 from retriever.errors import InputError
 
 # Encoder-decoder configs whose encoder alone is the sentence encoder (what sentence-transformers does for GTR).
@@ -301,22 +301,12 @@ class SentenceEncoder(nn.Module):
         """Recompute each layer's activations in the backward pass (HF activation checkpointing, non-reentrant):
         the tower keeps only each layer's input for backward, for about one more forward of compute. Acts in
         train mode with gradient only; the weights, the config and so the fingerprint stay as they are."""
-        # transformers 5 renamed the method (and its keyword); 4.x only has the old name.
-        if hasattr(self.model, "activation_checkpointing_enable"):
-            self.model.activation_checkpointing_enable(
-                activation_checkpointing_kwargs={"use_reentrant": False}
-            )
-        else:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_activation_checkpointing(self.model, True)
 
     @property
     def is_gradient_checkpointing(self) -> bool:
         """Whether the tower recomputes activations in the backward pass."""
-        flag = (
-            getattr(type(self.model), "is_activation_checkpointing", None)
-            or type(self.model).is_gradient_checkpointing
-        )
-        return bool(flag.fget(self.model))
+        return activation_checkpointing(self.model)
 
     def embed_texts(self, texts: Sequence[str], bucket_size: int | None | Literal["auto"] = "auto") -> Tensor:
         """Tokenize and forward on the tower's device, keeping grad and train/eval mode as they are.
