@@ -183,8 +183,11 @@ def _checked_index(i, n: int, what: str) -> int:
     return i
 
 
-class _RetrievalTexts(Sequence[str]):
-    def __init__(self, corpus: Corpus):
+class RetrievalTexts(Sequence[str]):
+    """The strings the retriever encodes (`retrieval_text`) of any sequence of passages, read lazily: a
+    corpus's `retrieval_texts()`."""
+
+    def __init__(self, corpus: Sequence[Passage]):
         self._corpus = corpus
 
     def __len__(self) -> int:
@@ -336,7 +339,7 @@ class Corpus(Sequence[Passage]):
 
     def retrieval_texts(self) -> Sequence[str]:
         """Lazy sequence of the strings the retriever encodes (`"{title}. {text}"`)."""
-        return _RetrievalTexts(self)
+        return RetrievalTexts(self)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -480,4 +483,4 @@ class CorpusSubset(Sequence[Passage]):
 
     def retrieval_texts(self) -> Sequence[str]:
         """Lazy sequence of the strings the retriever encodes."""
-        return _RetrievalTexts(self)
+        return RetrievalTexts(self)

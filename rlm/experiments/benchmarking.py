@@ -279,23 +279,9 @@ class SyntheticCorpus(Sequence):
         return Passage(str(i), " ".join(text[: self.title_words]), " ".join(text[self.title_words :]))
 
     def retrieval_texts(self) -> Sequence[str]:
-        return _RetrievalTexts(self)
+        from rlm.data.corpus import RetrievalTexts
 
-
-class _RetrievalTexts(Sequence):
-    def __init__(self, corpus: SyntheticCorpus):
-        self.corpus = corpus
-
-    def __len__(self) -> int:
-        return len(self.corpus)
-
-    def __getitem__(self, i):
-        from rlm.data.corpus import retrieval_text
-
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        passage = self.corpus[i]
-        return retrieval_text(passage.title, passage.text)
+        return RetrievalTexts(self)
 
 
 def synthetic_examples(
