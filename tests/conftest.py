@@ -46,6 +46,22 @@ def shared_basetemp(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+@pytest.fixture
+def hashed_files(monkeypatch) -> list[str]:
+    """The files a corpus scan hashes from now on (`rlm.data.corpus`'s fingerprint reader), in order."""
+    import rlm.data.corpus as corpus_module
+
+    hashed: list[str] = []
+
+    class CountingReader(corpus_module._HashingReader):
+        def __init__(self, raw, digest):
+            hashed.append(raw.name)
+            super().__init__(raw, digest)
+
+    monkeypatch.setattr(corpus_module, "_HashingReader", CountingReader)
+    return hashed
+
+
 @pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory) -> Path:
     """A root holding tests/test_run_lifecycle.py's uninterrupted 6-step run on two processes of one machine

@@ -222,22 +222,16 @@ def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tmp_path
         QAService.from_checkpoint(final, index_path=tmp_path / "other")
 
 
-def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(service, tmp_path_factory, monkeypatch):
+def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(
+    service, tmp_path_factory, hashed_files
+):
     import os
 
-    import rlm.data.corpus as corpus_module
     from app.qa import FINGERPRINT_CACHE
 
     final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
     assert (final / FINGERPRINT_CACHE).is_file()  # written by the first start
-    hashed = []
-
-    class CountingReader(corpus_module._HashingReader):
-        def __init__(self, raw, digest):
-            hashed.append(raw.name)
-            super().__init__(raw, digest)
-
-    monkeypatch.setattr(corpus_module, "_HashingReader", CountingReader)
+    hashed = hashed_files
     index_file = next((final / INDEX_CACHE).glob("*/index.faiss"))
     stamp = index_file.stat().st_mtime_ns
     again = QAService.from_checkpoint(final)

@@ -24,16 +24,21 @@ def run(tmp_path_factory):
     return build_tiny_quickstart(tmp_path_factory.getbasetemp())
 
 
-def test_retrieval_over_h_of_b_is_trainings_corrected_top_k(run, tmp_path):
-    """The index over h(B) ranks passages exactly as training's selection <q, h(b_y)> does."""
-    # The tiny run's corrector took one step from the identity: give a copy of it a corrector that moves the
-    # vectors, as a trained one does.
+def with_moving_corrector(run, tmp_path):
+    """A copy of the run's `final/` whose corrector moves the vectors, as a trained one does (the tiny run's
+    took one step from the identity)."""
     final = tmp_path / "final"
     shutil.copytree(run / "final", final, ignore=shutil.ignore_patterns("demo_index"))
     moved = CorrectorNetwork.from_pretrained(final / "corrector")
     with torch.no_grad():
         moved.output.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
     moved.save_pretrained(final / "corrector")
+    return final
+
+
+def test_retrieval_over_h_of_b_is_trainings_corrected_top_k(run, tmp_path):
+    """The index over h(B) ranks passages exactly as training's selection <q, h(b_y)> does."""
+    final = with_moving_corrector(run, tmp_path)
     corpus = load_corpus(run / "toy_world" / "corpus.jsonl")
     built = corrected_index(final, corpus)
     assert built.rows == len(corpus) and built.buffer_dir == run_buffer_dir(run / "final")
@@ -52,18 +57,14 @@ def test_retrieval_over_h_of_b_is_trainings_corrected_top_k(run, tmp_path):
     assert not torch.equal(stale.indices, want.indices)
 
 
-def test_a_compressed_index_over_h_of_b_is_streamed_through_h_and_tuned(run, tmp_path, monkeypatch):
+def test_a_compressed_index_over_h_of_b_is_streamed_through_h_and_tuned(run, tmp_path):
     """`--index corrected` takes any factory: an IVF index over h(B) is trained on a sample and filled chunk by
     chunk through h (h(B) is never one array: `CorrectedRows` refuses to be held whole), and its nprobe is
     tuned so that it finds what exact search over h(B) finds."""
     from rlm.inference.corrected_index import CorrectedRows
 
-    final = tmp_path / "final"
-    shutil.copytree(run / "final", final, ignore=shutil.ignore_patterns("demo_index"))
+    final = with_moving_corrector(run, tmp_path)
     moved = CorrectorNetwork.from_pretrained(final / "corrector")
-    with torch.no_grad():
-        moved.output.weight.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
-    moved.save_pretrained(final / "corrector")
     corpus = load_corpus(run / "toy_world" / "corpus.jsonl")
     with pytest.raises(TypeError, match="never held whole"):
         _ = CorrectedRows(PassageBuffer.load(run_buffer_dir(final)), moved).embeddings

@@ -169,19 +169,10 @@ def test_ids_are_one_blob_not_a_list(tmp_path):
         corpus.ids[5]
 
 
-def test_fingerprint_cache_hits_until_size_or_mtime_changes(tmp_path, monkeypatch):
+def test_fingerprint_cache_hits_until_size_or_mtime_changes(tmp_path, hashed_files):
     import os
 
-    import rlm.data.corpus as corpus_module
-
-    hashed = []
-
-    class CountingReader(corpus_module._HashingReader):
-        def __init__(self, raw, digest):
-            hashed.append(raw.name)
-            super().__init__(raw, digest)
-
-    monkeypatch.setattr(corpus_module, "_HashingReader", CountingReader)
+    hashed = hashed_files
     path, cache = _write(tmp_path / "a.tsv", _dpr_lines(20)), tmp_path / "ckpt" / "fp.json"
     first = load_corpus(path, fingerprint_cache=cache)
     assert len(hashed) == 1 and cache.is_file()

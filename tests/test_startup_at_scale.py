@@ -24,21 +24,6 @@ def tsv_corpus(folder, n: int = 30):
     return path
 
 
-def hashes_counted(monkeypatch) -> list[str]:
-    """The files the corpus scan hashes from now on."""
-    import rlm.data.corpus as corpus_module
-
-    hashed = []
-
-    class CountingReader(corpus_module._HashingReader):
-        def __init__(self, raw, digest):
-            hashed.append(raw.name)
-            super().__init__(raw, digest)
-
-    monkeypatch.setattr(corpus_module, "_HashingReader", CountingReader)
-    return hashed
-
-
 def process(rank: int, world: int, *replies: list) -> Processes:
     """Process `rank` of `world` alone in this test: its i-th `gather_object` puts this process's list among
     `replies[i]`, the other ranks' lists in rank order, and concatenates them as the real gather does."""
@@ -52,12 +37,12 @@ def process(rank: int, world: int, *replies: list) -> Processes:
     return Processes(rank, world, gather_object=gather_object)
 
 
-def test_only_the_first_process_hashes_the_corpus_and_the_others_take_its_fingerprint(tmp_path, monkeypatch):
+def test_only_the_first_process_hashes_the_corpus_and_the_others_take_its_fingerprint(tmp_path, hashed_files):
     from rlm.data.corpus import load_corpus
 
     path = tsv_corpus(tmp_path)
     sha = "dpr_tsv:sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-    hashed = hashes_counted(monkeypatch)
+    hashed = hashed_files
     first = load_corpus(path, procs=process(0, 2, [["(ignored)"]]))
     assert hashed == [str(path)] and first.fingerprint == sha
     other = load_corpus(path, procs=process(1, 2, [[sha]]))
