@@ -21,6 +21,7 @@ from retriever.encoder import DualEncoder
 from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
 from rlm.training.checkpointing import flat_config
+from rlm.training.strategies import strategy_class
 
 CARD_FILE = "README.md"
 # Not "transformers" or "sentence-transformers": the folder's root loads in neither (its parts do, each from
@@ -78,20 +79,6 @@ KEY_SETTINGS = (
     "mixed_precision",
     "seed",
 )
-REFRESHES_EVERY = {"exhaustive", "regression", "snm"}  # the strategies `strategy.refresh_every` schedules
-STRATEGIES = {
-    "corrector": "top-k over h(B): the fixed stale buffer B corrected by the corrector network h; no passage is "
-    "re-embedded during training",
-    "stale": "top-k over the fixed stale buffer B as it is; no passage is re-embedded",
-    "frozen": "the retriever is not trained; passages come from the fixed buffer B",
-    "closed_book": "no passages: the reader answers from the question alone",
-    "in_batch": "no buffer search: each question scores the batch's gold passages",
-    "exhaustive": "every passage re-embedded every `strategy.refresh_every` retriever updates",
-    "regression": "Dynnibal-style approximate re-encoding: a sample re-embedded on exhaustive's schedule and a "
-    "kernel regression from stale to fresh rows for the rest",
-    "two_round": "stale for the first half, then one full re-embedding",
-    "snm": "stochastic negative mining: top-k over a random subset of passages, re-embedded on a schedule",
-}
 
 
 def write_model_card(
@@ -206,8 +193,15 @@ def trained_section(cfg: TrainConfig, parts: set[str]) -> str:
             "initial passage tower; a corrector network h, trained beside the towers, maps those stale rows "
             "towards the current tower's embeddings."
         )
-    strategy = STRATEGIES.get(cfg.strategy.name, "see docs/training.md of rlm-corrector")
-    return f"## What was trained\n\n{how}\n\nSelection strategy `{cfg.strategy.name}`: {strategy}."
+    return (
+        f"## What was trained\n\n{how}\n\nSelection strategy `{cfg.strategy.name}`: {strategy_summary(cfg)}."
+    )
+
+
+def strategy_summary(cfg: TrainConfig) -> str:
+    """What the run's strategy does: the first paragraph of its class's docstring, as one sentence."""
+    doc = (strategy_class(cfg.strategy.name).__doc__ or "").strip().split("\n\n")[0]
+    return " ".join(doc.split()).rstrip(".") or "see docs/training.md of rlm-corrector"
 
 
 def data_section(cfg: TrainConfig, corpus: Corpus) -> str:
@@ -236,7 +230,7 @@ def settings_section(cfg: TrainConfig, parts: set[str]) -> str:
     flat = flat_config(yaml.safe_load(dump_config(cfg)))
     # Settings of a part the run did not train, or of a schedule its strategy does not follow, would mislead.
     skip = {f"{part}." for part in ("reader", "corrector") if part not in parts}
-    if cfg.strategy.name not in REFRESHES_EVERY:
+    if not strategy_class(cfg.strategy.name).follows_refresh_every:
         skip.add("strategy.refresh_every")
     shown = [key for key in KEY_SETTINGS if not key.startswith(tuple(skip)) and flat.get(key) is not None]
     rows = [f"| `{key}` | `{flat[key]}` |" for key in shown]

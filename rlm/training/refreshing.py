@@ -102,6 +102,7 @@ class ExhaustiveStrategy(_RefreshingStrategy):
     """Re-embed every passage every R retriever updates (the buffer is fresh until the first update)."""
 
     name = "exhaustive"
+    follows_refresh_every = True
 
     def due(self, step: int) -> bool:
         # Every R retriever updates, and once more when the retriever stops training (before a final
@@ -208,6 +209,7 @@ class SNMStrategy(SelectionStrategy):
 
     name = "snm"
     scans_fixed_buffer = False
+    follows_refresh_every = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -38,6 +38,7 @@ class SelectionStrategy:
     uses_corrector = False  # a corrector network h is built, trained and used for selection
     scans_fixed_buffer = True  # selects from B as built (never re-embedded): an index over B stays valid
     shares_batch = False  # every question of a batch scores the union of the batch's S_x
+    follows_refresh_every = False  # `strategy.refresh_every` schedules its re-embedding
 
     def __init__(
         self,

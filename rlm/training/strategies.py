@@ -32,16 +32,23 @@ __all__ = ["STRATEGY_CLASSES", "EmbedRows", "SelectionStrategy", "make_strategy"
 
 
 class StaleStrategy(SelectionStrategy):
+    """Top-k over the fixed stale buffer B as it is; no passage is re-embedded."""
+
     name = "stale"
 
 
 class FrozenStrategy(SelectionStrategy):
+    """The retriever is not trained; passages come from the fixed buffer B."""
+
     name = "frozen"
     algorithms = (2,)
     trains_retriever = False
 
 
 class CorrectorStrategy(SelectionStrategy):
+    """Top-k over h(B): the fixed stale buffer B corrected by the corrector network h; no passage is
+    re-embedded during training."""
+
     name = "corrector"
     uses_corrector = True
 
@@ -69,6 +76,8 @@ class InBatchStrategy(SelectionStrategy):
 
 
 class ClosedBookStrategy(SelectionStrategy):
+    """No passages: the reader answers from the question alone."""
+
     name = "closed_book"
     algorithms = (2,)
     trains_retriever = False
