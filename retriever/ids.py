@@ -50,6 +50,11 @@ class IdSequence(Sequence[str]):
         offsets[1:] = ends
         return cls(blob, offsets)
 
+    @property
+    def offsets(self) -> np.ndarray:
+        """The int64 offset of each id in the blob, and the blob's end: id i is `blob[offsets[i]:offsets[i+1]-1]`."""
+        return self._offsets
+
     def __len__(self) -> int:
         return len(self._offsets) - 1
 

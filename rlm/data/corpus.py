@@ -244,7 +244,7 @@ class Corpus(Sequence[Passage]):
             "offsets": self._offsets,
             "line_numbers": self._line_numbers,
             "id_blob": np.frombuffer(self.ids.to_bytes(), dtype=np.uint8),
-            "id_offsets": self.ids._offsets,
+            "id_offsets": self.ids.offsets,
             "order": self._order,
             "sorted_hashes": self._sorted_hashes,
         }
