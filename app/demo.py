@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.qa import InvalidQuestion, QAService
+from app.service import InvalidQuestion, QAService
 
 if TYPE_CHECKING:
     import gradio as gr

@@ -40,7 +40,7 @@ from rlm.training.accelerator import (
     use_fp32_master_weights,
     zero_loss,
 )
-from rlm.training.alignment import check_collapse
+from rlm.training.alignment_stage import check_collapse
 from rlm.training.model_card import write_model_card
 from rlm.training.preemption import Preempted, StopSignals
 from rlm.training.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps

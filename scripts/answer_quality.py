@@ -107,7 +107,7 @@ def kind_probe_questions(test, count: int = 100, seed: int = 0):
 
 
 def policy_rows(checkpoint: Path, world: Path, outside: Path | None, num_out: int, k) -> tuple[dict, list]:
-    from app.qa import QAService
+    from app.service import QAService
     from rlm.data.qa import load_qa_dataset, read_qa_jsonl
     from rlm.inference.answer_kinds import asked_kind
     from rlm.inference.answer_policy import auroc, expected_calibration_error, reliability_bins
@@ -209,7 +209,7 @@ def plot(bins: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from app.qa import corpus_from_config
+    from app.service import corpus_from_config
     from rlm.inference.evaluation import reader_passages_from_config
 
     parser = arguments(__doc__)

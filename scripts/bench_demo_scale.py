@@ -199,7 +199,7 @@ def build_index(work: Path, corpus: dict, factory: str, checkpoint: Path) -> dic
 def checkpoint_copy(checkpoint: Path, work: Path) -> Path:
     """The checkpoint copied into `work` without the demo's caches (its index, its corpus fingerprints): the
     service writes its fingerprint cache there, not into the user's checkpoint."""
-    from app.qa import FINGERPRINT_CACHE, INDEX_CACHE
+    from app.service import FINGERPRINT_CACHE, INDEX_CACHE
 
     copy = work / "checkpoint"
     shutil.rmtree(copy, ignore_errors=True)
@@ -222,7 +222,7 @@ def rss_mb() -> float:
 def timed_phases(phases: dict) -> Iterator[None]:
     """Time the library calls `QAService.from_checkpoint` makes, without changing them: each wrapped function
     adds its seconds to `phases[name]` and records the RSS after it; the originals are restored on exit."""
-    import app.qa
+    import app.service
     import rlm.data.corpus
     import rlm.inference.evaluation
     import rlm.inference.indexing
@@ -244,7 +244,7 @@ def timed_phases(phases: dict) -> Iterator[None]:
         (rlm.inference.evaluation, "load_checkpoint", "models"),
         (rlm.data.corpus, "load_corpus", "corpus scan"),
         (rlm.inference.indexing, "prebuilt_index", "index read and checks"),
-        (app.qa.QAService, "warm_up", "warm-up"),
+        (app.service.QAService, "warm_up", "warm-up"),
         # The tower's weights hashed to check the index's provenance: a constant part of the index checks.
         (SentenceEncoder, "fingerprint", "tower fingerprint"),
     ]
@@ -443,7 +443,7 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     """In the fresh process: start the service as `rlm demo` does, then measure it (with `--latency`)."""
     import torch
 
-    from app.qa import QAService
+    from app.service import QAService
     from rlm.data.qa import read_qa_jsonl
     from rlm.experiments.benchmarking import PeakRSS
 
@@ -885,7 +885,7 @@ def default_questions(checkpoint: Path) -> Path:
     """dev.jsonl next to the corpus the checkpoint's run trained on (a quickstart's toy world)."""
     import yaml
 
-    from app.qa import corpus_from_config
+    from app.service import corpus_from_config
 
     config = yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}
     try:
@@ -962,7 +962,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "index": results["index"]["path"],
         "questions": questions,
     }
-    from app.qa import FINGERPRINT_CACHE
+    from app.service import FINGERPRINT_CACHE
 
     runs: dict[str, list[dict]] = {"first": [], "second": []}
     for name in runs:

@@ -102,8 +102,8 @@ def selection_costs(args, n: int, dim: int, precision: str) -> dict:
 
     from retriever.buffer import PassageBuffer
     from retriever.index import PassageIndex
+    from retriever.row_search import auto_index_factory
     from retriever.search import corrected_topk, two_stage_corrected_topk
-    from retriever.selection import auto_index_factory
     from rlm.experiments.benchmarking import clustered_buffer, corrector_moving, overlap
 
     buffer, q = clustered_buffer(n, dim, args.batch_size)

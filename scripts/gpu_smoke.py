@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.state import AcceleratorState
 
-from app.qa import QAService
+from app.service import QAService
 from retriever.buffer import resolve_precision
 from retriever.index import PassageIndex
 from retriever.search import corrected_topk

@@ -165,7 +165,7 @@ def calibrated(tmp_path_factory):
     fitted on its real answer signals (dev questions and dev_unanswerable). The tiny reader answers no dev
     question right, so the labels are stand-ins (every other answerable question counts as right): what these
     tests check is that each surface applies the saved policy, not how good the tiny reader is."""
-    from app.qa import QAService
+    from app.service import QAService
     from rlm.commands.calibrate import fit_questions
 
     run = build_tiny_quickstart(tmp_path_factory.getbasetemp())
@@ -183,7 +183,7 @@ def calibrated(tmp_path_factory):
 
 def test_service_loads_the_policy_and_abstains_on_an_out_of_corpus_question(calibrated):
     from app.demo import respond
-    from app.qa import QAService
+    from app.service import QAService
 
     final, _ = calibrated
     service = QAService.from_checkpoint(final)
@@ -257,7 +257,7 @@ def test_demo_api_outputs_have_names_and_an_out_of_corpus_question_abstains(cali
     from gradio_client import Client
 
     from app.demo import serve
-    from app.qa import QAService
+    from app.service import QAService
 
     final, _ = calibrated
     port = free_port()

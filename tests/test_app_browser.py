@@ -52,7 +52,7 @@ def served(checkpoint):
     import torch
 
     from app.demo import serve
-    from app.qa import QAService
+    from app.service import QAService
 
     torch.set_num_threads(1)  # as `rlm demo` does
     service = QAService.from_checkpoint(checkpoint)

@@ -10,7 +10,7 @@ import pytest
 from test_quickstart import build_tiny_quickstart
 
 from app.demo import highlight, launch_kwargs, passages_html, render, respond
-from app.qa import INDEX_CACHE, InvalidQuestion, QAService, corpus_from_config
+from app.service import INDEX_CACHE, InvalidQuestion, QAService, corpus_from_config
 
 pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
 
@@ -227,7 +227,7 @@ def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(
 ):
     import os
 
-    from app.qa import FINGERPRINT_CACHE
+    from app.service import FINGERPRINT_CACHE
 
     final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
     assert (final / FINGERPRINT_CACHE).is_file()  # written by the first start

@@ -13,7 +13,7 @@ import pytest
 import torch
 from script_loader import load_script
 
-from app.qa import FINGERPRINT_CACHE
+from app.service import FINGERPRINT_CACHE
 from rlm.data.toy_world import build_toy_world
 
 LATENCIES = [

@@ -102,7 +102,7 @@ def test_a_buffer_of_another_corpus_or_a_run_without_corrector_is_refused(run, t
 
 
 def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
-    from app.qa import INDEX_CACHE, QAService
+    from app.service import INDEX_CACHE, QAService
 
     final = run / "final"
     out = run / "evaluate_corrected"

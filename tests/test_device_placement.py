@@ -307,7 +307,7 @@ def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retrie
 
 
 def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, world):
-    from app.qa import QAService
+    from app.service import QAService
     from rlm.inference.indexing import build_index, embed_corpus
 
     corpus, dev = world

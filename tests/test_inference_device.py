@@ -88,7 +88,7 @@ def test_load_checkpoint_puts_the_towers_and_the_reader_on_the_requested_device(
 def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(run, monkeypatch):
     """Every tensor the towers and the reader get is on the device asked for: a CPU tensor there (the
     collator's, the tokenizer's) would fail on a GPU."""
-    from app.qa import QAService
+    from app.service import QAService
 
     seen: dict[str, set] = {}
     load = evaluation.load_checkpoint
@@ -158,7 +158,7 @@ def test_bf16_runs_on_an_accelerator_and_on_cpu_only_where_it_is_native():
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "emulated"])
 def test_the_demo_service_answers_under_bf16_autocast_only_where_it_pays(run, monkeypatch, native):
-    from app.qa import QAService
+    from app.service import QAService
 
     monkeypatch.setattr("rlm.precision.cpu_bf16_support", lambda probe=True: NATIVE if native else EMULATED)
     autocast: dict[str, tuple] = {}
@@ -249,7 +249,7 @@ def test_rlm_evaluate_device_and_bf16_reach_the_models(run, monkeypatch, capture
 
 
 def test_rlm_demo_device_and_bf16_reach_the_service(monkeypatch, tmp_path):
-    from app.qa import QAService
+    from app.service import QAService
 
     seen = {}
 

@@ -80,7 +80,7 @@ def test_training_start_reads_no_passage_for_the_fingerprint(tower, corpus_file,
 
 
 def test_demo_index_key_uses_the_file_fingerprint(tower, corpus_file, tmp_path, monkeypatch):
-    from app.qa import INDEX_CACHE, _index_key, cached_index
+    from app.service import INDEX_CACHE, _index_key, cached_index
     from rlm.inference import indexing
 
     corpus = load_corpus(corpus_file)

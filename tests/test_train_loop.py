@@ -295,7 +295,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
     checkpoint with the light tower."""
     import json
 
-    from app.qa import QAService
+    from app.service import QAService
     from rlm.cli import main
     from rlm.train import train
 
@@ -327,7 +327,7 @@ def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_p
     """retriever.collapse_cosine: validation logs the dev questions' mean pairwise query cosine, and a run
     whose value passes the limit stops (here the limit is set below what any tower gives, to force it)."""
     from rlm.train import train
-    from rlm.training.alignment import RepresentationCollapseError
+    from rlm.training.alignment_stage import RepresentationCollapseError
 
     cfg = load_config(
         None,

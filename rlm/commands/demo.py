@@ -65,7 +65,7 @@ def start_demo(
 
     import torch
 
-    from app.qa import QAService
+    from app.service import QAService
 
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")

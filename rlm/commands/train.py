@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # Only now the training code (torch, transformers): a config error above took no imports to find.
     from rlm.train import train
-    from rlm.training.alignment import RepresentationCollapseError
+    from rlm.training.alignment_stage import RepresentationCollapseError
     from rlm.training.preemption import EXIT_PREEMPTED, Preempted
     from rlm.training.run import NonFiniteLossError
 

@@ -29,7 +29,7 @@ from rlm.errors import UserError
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
 from rlm.training import checkpointing
 from rlm.training.schedule import retriever_start, retriever_stop
-from rlm.training.selection import SelectionStrategy
+from rlm.training.strategies.base import SelectionStrategy
 
 
 class DeepSpeedClippingWarning(UserWarning):

@@ -27,7 +27,7 @@ from rlm.training.accelerator import (
     distribute_strategy,
     make_accelerator,
 )
-from rlm.training.alignment import AlignmentStage
+from rlm.training.alignment_stage import AlignmentStage
 from rlm.training.checkpointing import checkpoints
 from rlm.training.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
 from rlm.training.model import RetrievalAugmentedModel, embed_rows
@@ -40,9 +40,9 @@ from rlm.training.schedule import (
     retriever_start,
     retriever_stop,
 )
-from rlm.training.selection import SelectionStrategy
 from rlm.training.steps import Batch
 from rlm.training.strategies import make_strategy
+from rlm.training.strategies.base import SelectionStrategy
 from rlm.training.validation import PassageEmbeddingCache, subcorpus_path, validate
 
 

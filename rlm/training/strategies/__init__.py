@@ -25,8 +25,13 @@ import torch
 from retriever.buffer import PassageBuffer
 from retriever.search import TopK, full_precision
 from rlm.errors import UserError
-from rlm.training.refreshing import ExhaustiveStrategy, RegressionStrategy, SNMStrategy, TwoRoundStrategy
-from rlm.training.selection import EmbedRows, SelectionStrategy
+from rlm.training.strategies.base import EmbedRows, SelectionStrategy
+from rlm.training.strategies.refreshing import (
+    ExhaustiveStrategy,
+    RegressionStrategy,
+    SNMStrategy,
+    TwoRoundStrategy,
+)
 
 __all__ = ["STRATEGY_CLASSES", "EmbedRows", "SelectionStrategy", "make_strategy", "strategy_class"]
 

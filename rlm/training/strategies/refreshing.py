@@ -17,7 +17,7 @@ from torch import Tensor
 from retriever.buffer import PassageBuffer
 from retriever.distributed import Processes, RefreshedRows, slice_rows
 from retriever.reencode import NystromRegression, residual
-from rlm.training.selection import EmbedRows, SelectionStrategy
+from rlm.training.strategies.base import EmbedRows, SelectionStrategy
 
 
 class _RefreshingStrategy(SelectionStrategy, abc.ABC):

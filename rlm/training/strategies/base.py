@@ -1,4 +1,4 @@
-"""What every selection strategy is: a policy over one search primitive (`retriever.selection.RowSearch`).
+"""What every selection strategy is: a policy over one search primitive (`retriever.row_search.RowSearch`).
 
 A strategy decides which rows are scanned at this step (the fixed buffer B, a re-embedded copy, a subset),
 when they are re-embedded, whether h corrects them and whether the retriever trains; the search does the rest
@@ -16,8 +16,8 @@ from torch import Tensor
 
 from retriever.buffer import PassageBuffer
 from retriever.distributed import Processes
+from retriever.row_search import RowSearch, TwoStage
 from retriever.search import TopK, complete_selection
-from retriever.selection import RowSearch, TwoStage
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
 EmbedRows = Callable[[Sequence[int]], torch.Tensor]
