@@ -1,8 +1,11 @@
 """The demo's answering logic as a plain object: question -> retrieved passages -> FiD answer.
 
-`QAService.from_checkpoint(DIR)` loads a trained checkpoint (the `final/` folder of a run: `retriever/`,
-`reader/`, `config.yaml`) onto a device (the accelerator when there is one), finds the corpus the run trained
-on, and embeds it once with the trained passage tower into a faiss index cached in the checkpoint folder.
+`QAService.from_checkpoint(DIR, corpus_path, ServiceOptions(...))` loads a trained checkpoint (the `final/`
+folder of a run: `retriever/`, `reader/`, `config.yaml`) through `rlm.inference.checkpoint` onto a device (the
+accelerator when there is one), finds the corpus the run trained on, and embeds it once with the trained
+passage tower into a faiss index cached in the checkpoint folder. `ServiceOptions` says how: the device and
+precision, which index (cached, prebuilt, or over h(B)), the example questions, whether to apply the
+checkpoint's answer policy; it refuses a bad value when made, before anything loads.
 `QAService.answer(question, k)` is what the Gradio page calls; it has no UI code so it can be tested (and
 reused) without a browser.
 """
@@ -14,10 +17,17 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlm.errors import UserError
 from rlm.inference.answer_policy import AnswerPolicy, AnswerSignals, Decision
 from rlm.inference.metrics import has_answer
+
+if TYPE_CHECKING:  # torch, transformers and faiss load with the checkpoint, not with this module
+    from reader.fid import FiDReader
+    from retriever.encoder import DualEncoder, SentenceEncoder
+    from retriever.index import PassageIndex
+    from rlm.data.corpus import Corpus
 
 MAX_QUESTION_CHARS = 300
 MAX_K = 20
@@ -30,14 +40,57 @@ class InvalidQuestion(ValueError):
     """A question the demo refuses (empty or too long); the message is meant for the user."""
 
 
+@dataclass(frozen=True)
+class ServiceOptions:
+    """How `QAService.from_checkpoint` loads a checkpoint and indexes its corpus (`rlm demo`'s option in
+    brackets). Made with a bad value or a combination that cannot run, it raises `UserError` at once."""
+
+    # Where the towers, the reader and the corrector run (--device; None: the accelerator when there is one).
+    device: str | None = None
+    # Answer (and embed the corpus) under bf16 autocast where it pays (--bf16; `rlm.inference.device`).
+    bf16: bool = False
+    # A prebuilt index of the corpus under the trained passage tower (--index; `rlm embed` then `rlm index`),
+    # instead of the one embedded here and cached in the checkpoint; `index_search` overrides its search
+    # parameters (--nprobe, --ef-search: e.g. {"nprobe": 64}).
+    index_path: str | os.PathLike | None = None
+    index_search: dict[str, int] | None = None
+    # Retrieve over h(B), the run's fixed buffer through its trained corrector (--corrected-buffer), the buffer
+    # at `buffer_path` (--buffer; None: the one its config names).
+    corrected_buffer: bool = False
+    buffer_path: str | os.PathLike | None = None
+    # The page's example questions: the first `num_examples` of `examples_path` (--examples; None: dev.jsonl
+    # beside the corpus).
+    examples_path: str | os.PathLike | None = None
+    num_examples: int = 8
+    # False ignores the checkpoint's answer policy (what `rlm calibrate` does before it fits a new one).
+    load_policy: bool = True
+    show_progress: bool = False  # (--no-progress turns it off)
+
+    def __post_init__(self) -> None:
+        if self.index_path is not None and self.corrected_buffer:
+            raise UserError("--index and --corrected-buffer exclude each other: pick one index")
+        if self.buffer_path is not None and not self.corrected_buffer:
+            raise UserError("--buffer only goes with --corrected-buffer")
+        if self.index_search and self.index_path is None:
+            raise UserError(
+                "--nprobe and --ef-search go with --index (a prebuilt index; the demo's own is exact)"
+            )
+        if not isinstance(self.num_examples, int) or self.num_examples < 0:
+            raise UserError(f"num_examples must be a whole number >= 0, got {self.num_examples!r}")
+        if self.device is not None:
+            from rlm.inference.device import inference_device
+
+            inference_device(self.device)  # a device torch does not know is refused before anything loads
+
+
 @dataclass
 class QAService:
     """Retrieve with the trained towers and a faiss index, read with the FiD reader."""
 
-    retriever: object  # retriever.encoder.DualEncoder
-    reader: object  # reader.fid.FiDReader
-    corpus: object  # rlm.data.corpus.Corpus
-    index: object  # retriever.index.PassageIndex over the corpus, same row order
+    retriever: DualEncoder
+    reader: FiDReader
+    corpus: Corpus
+    index: PassageIndex  # over the corpus, same row order
     default_k: int = 4
     max_k: int = MAX_K
     max_question_chars: int = MAX_QUESTION_CHARS
@@ -45,7 +98,7 @@ class QAService:
     # The checkpoint's calibrated confidence and abstention rule (`rlm calibrate`); None: uncalibrated, every
     # question is answered and `confidence` is the reader's own probability.
     policy: AnswerPolicy | None = None
-    # The towers and the reader answer under bf16 autocast (`rlm.inference.evaluation.inference_bf16`).
+    # The towers and the reader answer under bf16 autocast (`rlm.inference.device.inference_bf16`).
     bf16: bool = False
 
     @classmethod
@@ -53,58 +106,52 @@ class QAService:
         cls,
         checkpoint: str | os.PathLike,
         corpus_path: str | os.PathLike | None = None,
-        examples_path: str | os.PathLike | None = None,
-        num_examples: int = 8,
-        show_progress: bool = False,
-        index_path: str | os.PathLike | None = None,
-        corrected_buffer: bool = False,
-        buffer_path: str | os.PathLike | None = None,
-        load_policy: bool = True,
-        device=None,
-        bf16: bool = False,
-        index_search: dict[str, int] | None = None,
+        options: ServiceOptions | None = None,
     ) -> QAService:
-        """Load reader + retriever from `checkpoint` onto `device` (None: the accelerator when there is one),
-        the corpus from `corpus_path` or the run's config. `bf16`: answer (and embed the corpus) under bf16
-        autocast where it pays (`rlm.inference.evaluation.inference_bf16`).
+        """Load reader + retriever from `checkpoint` (`rlm.inference.checkpoint.load_checkpoint`) onto
+        `options.device`, the corpus from `corpus_path` or the run's config, and its index as `options` say.
 
         The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved there
         atomically; the key hashes the passage tower's and the corpus's fingerprints (the corpus's remembered in
         `<checkpoint>/demo_corpus_fingerprint.json` by the file's path, size and mtime, so a restart does not hash
-        it again). `index_path` uses a prebuilt index instead (`rlm embed --encoder <checkpoint>/retriever` then
-        `rlm index`: the way for a corpus too large to embed here), refused unless built for this corpus under
-        this passage tower; `index_search` overrides its search parameters (e.g. {"nprobe": 64}).
-        `corrected_buffer` retrieves over h(B) instead, the run's fixed buffer (`buffer_path`, default from its
-        config) through its trained corrector: nothing is re-embedded (`rlm.inference.corrected_index`); that
-        index is cached in `demo_index/` too. `load_policy=False` ignores the checkpoint's answer policy (what
-        `rlm calibrate` does before it fits a new one). The index is on the GPU when the models are and faiss
-        sees one (`rlm.inference.indexing.index_on_gpu`).
+        it again). `options.index_path` uses a prebuilt index instead (`rlm embed --encoder
+        <checkpoint>/retriever` then `rlm index`: the way for a corpus too large to embed here), refused unless
+        built for this corpus under this passage tower. `options.corrected_buffer` retrieves over h(B) instead:
+        nothing is re-embedded (`rlm.inference.corrected_index`); that index is cached in `demo_index/` too.
+        The index is on the GPU when the models are and faiss sees one (`rlm.inference.device.index_on_gpu`).
         """
-        from rlm.inference import evaluation, indexing
+        import rlm.inference.checkpoint  # by module: the loading can be watched (scripts/bench_demo_scale.py)
+        from rlm.inference import indexing
+        from rlm.inference.device import index_on_gpu, inference_bf16, inference_device
 
+        options = options or ServiceOptions()
         root = _checkpoint_folder(checkpoint)
-        device = evaluation.inference_device(device)
-        bf16 = evaluation.inference_bf16(device, bf16)
-        retriever, reader, config = evaluation.load_checkpoint(root, device=device)
+        device = inference_device(options.device)
+        bf16 = inference_bf16(device, options.bf16)
+        retriever, reader, config = rlm.inference.checkpoint.load_checkpoint(root, device=device)
         corpus_file, corpus = _checkpoint_corpus(root, config, corpus_path)
         retriever.eval()
         reader.eval()
-        if index_path is not None:
-            use_gpu = indexing.index_on_gpu(device)
-            index = indexing.prebuilt_index(index_path, retriever, corpus, use_gpu, index_search)
-        elif corrected_buffer:
-            index = cached_corrected_index(root, corpus, buffer_path, device, show_progress)
+        progress = options.show_progress
+        if options.index_path is not None:
+            use_gpu = index_on_gpu(device)
+            index = indexing.prebuilt_index(
+                options.index_path, retriever, corpus, use_gpu, options.index_search
+            )
+        elif options.corrected_buffer:
+            index = cached_corrected_index(root, corpus, options.buffer_path, device, progress)
         else:
-            index = cached_index(root, retriever.passage_tower, corpus, show_progress, bf16)
-        examples_file = Path(examples_path) if examples_path else corpus_file.parent / "dev.jsonl"
+            index = cached_index(root, retriever.passage_tower, corpus, progress, bf16)
+        examples = options.examples_path
+        examples_file = Path(examples) if examples else corpus_file.parent / "dev.jsonl"
         service = cls(
             retriever,
             reader,
             corpus,
             index,
-            default_k=min(evaluation.reader_passages_from_config(config, default=4), MAX_K),
-            examples=example_questions(examples_file, num_examples),
-            policy=AnswerPolicy.load(root) if load_policy else None,
+            default_k=min(rlm.inference.checkpoint.reader_passages_from_config(config, default=4), MAX_K),
+            examples=example_questions(examples_file, options.num_examples),
+            policy=AnswerPolicy.load(root) if options.load_policy else None,
             bf16=bf16,
         )
         service.warm_up()
@@ -150,7 +197,7 @@ class QAService:
         fits the policy to, so it is fitted on exactly what it will be applied to)."""
         import torch
 
-        from rlm.inference.evaluation import autocast
+        from rlm.inference.device import autocast
 
         texts = [self.check_question(q) for q in questions]
         k = self.clamp_k(k)
@@ -220,7 +267,9 @@ def _checkpoint_folder(checkpoint: str | os.PathLike) -> Path:
     return root
 
 
-def _checkpoint_corpus(root: Path, config: dict, corpus_path: str | os.PathLike | None):
+def _checkpoint_corpus(
+    root: Path, config: dict, corpus_path: str | os.PathLike | None
+) -> tuple[Path, Corpus]:
     """(corpus file, corpus): `corpus_path`, else the corpus the run trained on."""
     from rlm.data.corpus import load_corpus
 
@@ -257,7 +306,13 @@ def corpus_from_config(config: dict, checkpoint: Path) -> Path:
     )
 
 
-def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False, bf16: bool = False):
+def cached_index(
+    root: Path,
+    passage_tower: SentenceEncoder,
+    corpus: Corpus,
+    show_progress: bool = False,
+    bf16: bool = False,
+) -> PassageIndex:
     """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save), on
     the GPU when the tower is on one and faiss sees one.
 
@@ -267,10 +322,11 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False,
     scan); an index of passages embedded under bf16 (`bf16`) has a key of its own, since its rows differ. A
     corpus too large to embed at start-up gets a prebuilt index instead (`--index`)."""
     from rlm.inference import indexing
+    from rlm.inference.device import index_on_gpu
 
     key = _index_key(passage_tower.fingerprint(), corpus.fingerprint) + ("-bf16" if bf16 else "")
     folder = root / INDEX_CACHE / key
-    use_gpu = indexing.index_on_gpu(passage_tower.device)
+    use_gpu = index_on_gpu(passage_tower.device)
     if (folder / "index.faiss").is_file():
         return indexing.load_index_for(folder, corpus.ids, use_gpu=use_gpu)
     precision = "bf16" if bf16 else "float32"
@@ -284,13 +340,16 @@ def cached_index(root: Path, passage_tower, corpus, show_progress: bool = False,
     return index
 
 
-def cached_corrected_index(root: Path, corpus, buffer_path=None, device=None, show_progress: bool = False):
+def cached_corrected_index(
+    root: Path, corpus: Corpus, buffer_path=None, device=None, show_progress: bool = False
+) -> PassageIndex:
     """The h(B) index of the run of checkpoint `root`, cached in `root/demo_index/corrected-<key>`; h runs on
     `device` and the index goes to the GPU with it (`rlm.inference.corrected_index.corrected_index`)."""
     import json
 
     from rlm.inference import indexing
     from rlm.inference.corrected_index import corrected_index, corrected_index_key, run_buffer_dir
+    from rlm.inference.device import index_on_gpu
 
     meta_file = run_buffer_dir(root, buffer_path) / "meta.json"
     if (root / "corrector").is_dir() and meta_file.is_file():
@@ -298,7 +357,7 @@ def cached_corrected_index(root: Path, corpus, buffer_path=None, device=None, sh
             root / INDEX_CACHE / f"corrected-{corrected_index_key(root, json.loads(meta_file.read_text()))}"
         )
         if (folder / "index.faiss").is_file():
-            return indexing.load_index_for(folder, corpus.ids, use_gpu=indexing.index_on_gpu(device))
+            return indexing.load_index_for(folder, corpus.ids, use_gpu=index_on_gpu(device))
     else:
         folder = None
     # Verifies the buffer (and says what is missing).

@@ -57,9 +57,9 @@ def resolve_precision(precision: str, device: str | torch.device) -> str:
     """The precision a build on `device` runs the passage tower in: `precision` itself, or for "auto" bf16
     autocast on a CUDA GPU that has it and float32 elsewhere.
 
-    On CPU "auto" keeps float32: most CPUs emulate bf16 (an AVX2-only EPYC ran a bf16 matmul ~30x slower,
-    `rlm/precision.py`), and that module, which tells, is `rlm`'s. A caller that knows its CPU runs bf16
-    natively passes "bf16"."""
+    On CPU "auto" keeps float32: most CPUs emulate bf16, many times slower than float32 (docs/training.md,
+    "Precision"), and `rlm/precision.py`, the module that tells, is `rlm`'s. A caller that knows its CPU runs
+    bf16 natively passes "bf16"."""
     if precision not in ("auto", *PRECISIONS):
         raise InputError(f"precision must be auto or one of {list(PRECISIONS)}, got {precision!r}")
     if precision != "auto":
@@ -247,8 +247,8 @@ class PassageBuffer:
 
 
 # A float is NaN or infinite exactly when its exponent bits are all ones. Testing those bits as integers
-# reads a float16 shard ~5x faster than np.isfinite (which converts every value), so the check adds little
-# to the sha256 verification it follows.
+# converts nothing (np.isfinite converts every value; docs/retriever.md compares the two), so the check adds
+# little to the sha256 verification it follows.
 _EXPONENT_BITS = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000)}
 FINITE_CHECK_ROWS = 4096
 
@@ -412,8 +412,8 @@ def _embed_tokens(
 
 def forward_rows(device: torch.device, batch_size: int) -> int:
     """Rows per forward on `device`: the whole batch on an accelerator, at most
-    `retriever.encoder.CPU_BUCKET_SIZE` on a CPU, which runs forwards of about 16 rows fastest (docs/retriever.md,
-    AVX2 EPYC: 34.7 passages/s at 16, 29.8 at 64, 18.3 at 512)."""
+    `retriever.encoder.CPU_BUCKET_SIZE` on a CPU, which runs forwards of about 16 rows fastest (figures in
+    docs/retriever.md, "Full, length-sorted batches")."""
     return min(batch_size, bucket_size_for(device) or batch_size)
 
 
@@ -432,12 +432,12 @@ def embedded_blocks(
 
     A block is tokenized whole and sorted by token length, longest first (a batch that does not fit in memory
     fails at once), and every `batch_size` rows are one forward padded to their own longest row, which the sort
-    makes barely longer than their shortest: forwards of a few rows leave a GPU idle (issue 29 estimated 40-50
-    minutes for 21M passages on 8 H100s with forwards of 16). Rows come back in corpus order. The tower runs in
-    `precision` ("float32" or "bf16" autocast). The next block is read and tokenized in a background thread
-    meanwhile: a GPU embeds passages about as fast as several CPU cores tokenize them (MiniLM's tokenizer:
-    about 1,000-1,500 passages/s a core on an EPYC). `check` is called before every forward and may raise to
-    stop (a stop signal). Only one block's tokens and rows are held at a time, never the corpus's.
+    makes barely longer than their shortest: forwards of a few rows leave a GPU idle. Rows come back in corpus
+    order. The tower runs in `precision` ("float32" or "bf16" autocast). The next block is read and tokenized
+    in a background thread meanwhile: a GPU embeds passages about as fast as several CPU cores tokenize them
+    (figures for both in docs/retriever.md, "Full, length-sorted batches"). `check` is called before every
+    forward and may raise to stop (a stop signal). Only one block's tokens and rows are held at a time, never
+    the corpus's.
     """
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from atomicio import atomic_open
 from retriever.buffer import PassageBuffer
-from retriever.search import TopK, corrected_topk, sort_desc_then_row, two_stage_corrected_topk
+from retriever.search import TopK, corrected_topk, sort_desc_then_row
 
 
 def _all_gather_identity(tensor: Tensor) -> Tensor:
@@ -80,68 +80,61 @@ def slice_rows(source: PassageBuffer, start: int, stop: int) -> PassageBuffer:
     return PassageBuffer(range(stop - start), views)
 
 
+def merge_topk(procs: Processes, local: TopK, row_ids: Tensor | None, k: int, batch: int) -> TopK:
+    """The top `k` of this process's `batch` queries over every process's rows.
+
+    `local` is this process's top-k of *every* process's queries (all-gathered, process-major, `batch` each)
+    over its own rows (indices into them, -1 where fewer were found); `row_ids` maps them to corpus rows
+    (None: the same). The lists are all-gathered and each process keeps the global top-k of its own queries:
+    the top-k over all rows under the ordering contract of `retriever.search` (score descending, then row
+    ascending). With one process nothing is gathered."""
+    scores, rows = local
+    if row_ids is not None:
+        mapped = row_ids.to(rows.device)[rows.clamp_min(0)]
+        rows = torch.where(rows >= 0, mapped, torch.full_like(mapped, -1))
+    if procs.world == 1:
+        return TopK(scores[:, :k], rows[:, :k])
+    # Pad to k columns so every process contributes the same shape (-inf scores never win).
+    pad = k - scores.shape[1]
+    if pad > 0:
+        scores = torch.cat([scores, scores.new_full((scores.shape[0], pad), float("-inf"))], 1)
+        rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), -1)], 1)
+    scores = procs.gather(scores.contiguous())  # [W * W*B, k], process-major
+    rows = procs.gather(rows.contiguous())
+    mine = slice(procs.rank * batch, (procs.rank + 1) * batch)
+    scores = torch.cat([part[mine] for part in scores.chunk(procs.world)], dim=1)
+    rows = torch.cat([part[mine] for part in rows.chunk(procs.world)], dim=1)
+    # Row ascending first (padding -1 sorts first but carries -inf), then a stable sort by score.
+    scores, rows = sort_desc_then_row(scores, rows)
+    return TopK(scores[:, :k], rows[:, :k])
+
+
+def no_rows(queries: Tensor) -> TopK:
+    """The top-k of a process that holds no rows (more processes than rows): it still takes part in the
+    gathers, with nothing of its own."""
+    return TopK(
+        torch.empty(queries.shape[0], 0, device=queries.device),
+        torch.empty(queries.shape[0], 0, dtype=torch.long, device=queries.device),
+    )
+
+
 class ShardedRows:
     """Rows [n, D] one process scans, with the corpus row of each; a top-k is merged across all processes.
 
     Every process scores every process's queries against its own rows (queries are all-gathered, so a process
-    needs only its share of the rows), then the per-process top-k lists are all-gathered and each process keeps
-    the global top-k of its own queries. The result equals the top-k over all rows under the ordering contract
-    of `retriever.search` (score descending, then row ascending). With one process nothing is gathered.
+    needs only its share of the rows), then `merge_topk` keeps the global top-k of each process's own queries.
     """
 
     def __init__(self, vectors: PassageBuffer | Tensor, row_ids: Tensor, procs: Processes):
         self.vectors, self.row_ids, self.procs = vectors, row_ids, procs
 
-    def topk(self, queries: Tensor, corrector, k: int, chunk_size: int, two_stage=None) -> TopK:
-        """`two_stage` = (faiss index over these rows or None for a stale scan, candidates, nprobe): Appendix
-        B.2's search instead of every row through h."""
-        procs = self.procs
-        all_queries = procs.gather(queries)  # [W*B, D]
-        scores, rows = self._local_topk(all_queries, corrector, k, chunk_size, two_stage)
-        if procs.world == 1:
-            return TopK(scores[:, :k], rows[:, :k])
-        # Pad to k columns so every process contributes the same shape (-inf scores never win).
-        pad = k - scores.shape[1]
-        if pad > 0:
-            scores = torch.cat([scores, scores.new_full((scores.shape[0], pad), float("-inf"))], 1)
-            rows = torch.cat([rows, rows.new_full((rows.shape[0], pad), -1)], 1)
-        scores = procs.gather(scores.contiguous())  # [W * W*B, k], process-major
-        rows = procs.gather(rows.contiguous())
-        batch = queries.shape[0]
-        mine = slice(procs.rank * batch, (procs.rank + 1) * batch)
-        scores = torch.cat([part[mine] for part in scores.chunk(procs.world)], dim=1)
-        rows = torch.cat([part[mine] for part in rows.chunk(procs.world)], dim=1)
-        # Row ascending first (padding -1 sorts first but carries -inf), then a stable sort by score.
-        scores, rows = sort_desc_then_row(scores, rows)
-        return TopK(scores[:, :k], rows[:, :k])
-
-    def _local_topk(
-        self, queries: Tensor, corrector, k: int, chunk_size: int, two_stage
-    ) -> tuple[Tensor, Tensor]:
-        """(scores, corpus rows) of the top-k among this process's rows; -1 where fewer than k were found."""
-        count = len(self.vectors)
-        if not count:  # a process with no rows (more processes than rows) still takes part in the gathers
-            return (
-                torch.empty(queries.shape[0], 0, device=queries.device),
-                torch.empty(queries.shape[0], 0, dtype=torch.long, device=queries.device),
-            )
-        if two_stage is None:
-            local = corrected_topk(queries, self.vectors, corrector, min(k, count), chunk_size=chunk_size)
-        else:
-            index, candidates, nprobe = two_stage
-            local = two_stage_corrected_topk(
-                queries,
-                self.vectors,
-                corrector,
-                min(k, count),
-                index,
-                candidates,
-                nprobe=nprobe,
-                chunk_size=chunk_size,
-            )
-        found = local.indices >= 0  # an approximate index may return fewer than k
-        row_ids = self.row_ids.to(local.indices.device)[local.indices.clamp_min(0)]
-        return local.scores, torch.where(found, row_ids, torch.full_like(row_ids, -1))
+    def topk(self, queries: Tensor, corrector, k: int, chunk_size: int) -> TopK:
+        all_queries = self.procs.gather(queries)  # [W*B, D]
+        n = min(k, len(self.vectors))
+        local = (
+            corrected_topk(all_queries, self.vectors, corrector, n, chunk_size) if n else no_rows(all_queries)
+        )
+        return merge_topk(self.procs, local, self.row_ids, k, queries.shape[0])
 
 
 class RefreshedRows:

@@ -6,7 +6,7 @@ on the host. On a machine where faiss sees a GPU the complete index is then clon
 shards its rows over every GPU (each holds 1/G of them, in float16), one rank of a multi-process (DDP) job
 copies it whole onto its own; types faiss has no GPU version of (HNSW, bare PQ) stay on CPU with a warning.
 Filling an index already on a GPU would grow its array a chunk at a time, old and new copies alive at each
-step: a Flat index of 768-d rows ran out of memory near 12-13M rows on an 80 GB GPU. Saving writes a CPU copy.
+step, running out of GPU memory long before the rows fill it (docs/retriever.md). Saving writes a CPU copy.
 
 Approximate types are only as good as their search parameters, and faiss's defaults are the cheapest ones
 (IVF probes 1 list, HNSW explores 16 candidates: an IVF256 index over the quickstart's corpus found the answering

@@ -1,10 +1,10 @@
-"""The selection primitive every training strategy shares: the top-k rows by <q, h(row)>.
+"""The rows a selection strategy scans, wherever they live; the strategy's `select` runs the top-k over them.
 
 `RowSearch` holds the rows a strategy scans at this step and decides nothing about them: where they live
 (streamed from the memory-mapped buffer, or resident on a device), whether they are sharded across the
-data-parallel processes (each scans its share, the lists are merged: `retriever.distributed`), whether the top-k
-is exact or two-stage (Appendix B.2: candidates from a faiss index over the rows, re-scored with h), and the
-h(rows) cache that spares the reader-only steps a pass of every row through an unchanged h.
+data-parallel processes (each scans its share; `retriever.distributed.merge_topk` merges the lists), whether
+the top-k is exact or two-stage (Appendix B.2: candidates from a faiss index over the rows, re-scored with h),
+and the h(rows) cache that spares the reader-only steps a pass of every row through an unchanged h.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from retriever.buffer import PassageBuffer
 from retriever.distributed import Processes, ShardedRows, slice_rows
-from retriever.search import TopK, correct_buffer, corrected_topk
+from retriever.search import TopK, correct_buffer
 
 
 def auto_index_factory(rows: int) -> str:
@@ -35,6 +35,17 @@ class TwoStage:
     first_stage: str = "index"
     index_factory: str = "auto"
     nprobe: int = 64
+
+
+@dataclass(frozen=True)
+class ScannedRows:
+    """The rows one process scans for a top-k (`RowSearch.scanned`)."""
+
+    vectors: PassageBuffer | Tensor  # this process's rows; h(rows) already, when the cache holds them
+    corrector: torch.nn.Module | None  # h still to apply while scanning (None: stale, or already corrected)
+    row_ids: Tensor | None  # the corpus row of each (None: row i is corpus row i)
+    procs: Processes  # whose lists are merged (`retriever.distributed.merge_topk`); one process: none
+    first_stage: tuple | None  # two-stage search: (index or None, candidates, nprobe); None: exact
 
 
 class RowSearch:
@@ -64,26 +75,30 @@ class RowSearch:
         self._h_cache: tuple | None = None  # (key, h's weights, h(rows)): `_corrected_rows`
 
     def measure_overlap(self) -> None:
-        """The next two-stage top-k also computes the exact one and logs their overlap."""
+        """The next two-stage top-k also computes the exact one (`overlap_due`) and logs their overlap."""
         self._measure_overlap = self.two_stage is not None
 
-    def topk(self, queries: Tensor, corrector, k: int) -> TopK:
-        """The top `k` rows for each query. Collective when sharded: every process calls it, with the same
-        number of queries."""
-        k = min(k, self.count)
-        if self.two_stage is not None:
-            return self._two_stage_topk(queries, corrector, k)
-        if not self.sharded and self.device is None:  # stream everything from host memory
-            rows, corrector = self._corrected_rows(self.whole, corrector, queries.device)
-            top = corrected_topk(queries, rows, corrector, k, chunk_size=self.chunk_size)
-            if self.row_ids is None:
-                return top
-            return TopK(top.scores, self.row_ids.to(top.indices.device)[top.indices])
+    def overlap_due(self) -> bool:
+        """Whether this top-k is the one `measure_overlap` asked for (then it is not asked for again)."""
+        due, self._measure_overlap = self._measure_overlap, False
+        return due
+
+    def scanned(self, corrector: torch.nn.Module | None, device: torch.device) -> ScannedRows:
+        """What this process scans for a top-k through `corrector` (None: the rows as they are) on `device`:
+        streamed from host memory when nothing is placed or sharded, else its resident share; h(rows) from
+        the cache when it holds them."""
+        if (
+            self.two_stage is not None
+        ):  # candidates by the stale rows, re-scored with h: h(rows) never scanned
+            resident = self._resident_rows()
+            stage = self._first_stage(resident.vectors)
+            return ScannedRows(resident.vectors, corrector, resident.row_ids, resident.procs, stage)
+        if not self.sharded and self.device is None:
+            rows, corrector = self._corrected_rows(self.whole, corrector, device)
+            return ScannedRows(rows, corrector, self.row_ids, Processes(), None)
         resident = self._resident_rows()
-        rows, corrector = self._corrected_rows(resident.vectors, corrector, queries.device)
-        if rows is not resident.vectors:
-            resident = ShardedRows(rows, resident.row_ids, resident.procs)
-        return resident.topk(queries, corrector, k, self.chunk_size)
+        rows, corrector = self._corrected_rows(resident.vectors, corrector, device)
+        return ScannedRows(rows, corrector, resident.row_ids, resident.procs, None)
 
     def _corrected_rows(
         self, rows, corrector, device
@@ -112,22 +127,22 @@ class RowSearch:
         self._h_cache = (key, [w.clone() for w in weights], corrected)
         return corrected, None
 
-    def _two_stage_topk(self, queries: Tensor, corrector, k: int) -> TopK:
-        resident, settings = self._resident_rows(), self.two_stage
+    def _first_stage(self, rows) -> tuple | None:
+        """Two-stage search's first stage: (faiss index over `rows` or None for a stale scan, candidates,
+        nprobe); None for exact search."""
+        settings = self.two_stage
+        if settings is None:
+            return None
         if settings.first_stage == "scan":
-            search = (None, settings.candidates, None)
-        else:
-            if self._index is None:
-                self._index = self._build_index(resident.vectors)
-            nprobe = settings.nprobe if "IVF" in self._index.factory else None
-            search = (self._index, settings.candidates, nprobe)
-        top = resident.topk(queries, corrector, k, self.chunk_size, two_stage=search)
-        if self._measure_overlap:
-            exact = resident.topk(queries, corrector, k, self.chunk_size)
-            same = (top.indices.unsqueeze(-1) == exact.indices.unsqueeze(-2)).any(-1) & (top.indices >= 0)
-            self.metrics[f"two_stage_overlap@{k}"] = float(same.float().sum(-1).mean() / k)
-            self._measure_overlap = False
-        return top
+            return (None, settings.candidates, None)
+        if self._index is None:
+            self._index = self._build_index(rows)
+        return (self._index, settings.candidates, settings.nprobe if "IVF" in self._index.factory else None)
+
+    def record_overlap(self, top: TopK, exact: TopK, k: int) -> None:
+        """Log the fraction of the exact top-k that two-stage search found."""
+        same = (top.indices.unsqueeze(-1) == exact.indices.unsqueeze(-2)).any(-1) & (top.indices >= 0)
+        self.metrics[f"two_stage_overlap@{k}"] = float(same.float().sum(-1).mean() / k)
 
     def _build_index(self, rows: PassageBuffer | Tensor):
         from retriever.index import PassageIndex

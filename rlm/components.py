@@ -18,7 +18,7 @@ from retriever.buffer import PassageBuffer, build_passage_buffer
 from retriever.corrector import CorrectorNetwork
 from retriever.distributed import Processes
 from retriever.encoder import DualEncoder, default_retriever_path
-from rlm.config import USES_CORRECTOR, ReaderConfig, TrainConfig
+from rlm.config import STRATEGY_FACTS, ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.qa import QAExample, load_qa_dataset
 from rlm.errors import UserError
@@ -241,7 +241,7 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
         reader = build_reader(cfg, corpus, train_examples, accelerator)
         collator = reader.collator  # carries the reader's own template and lengths (fid_config.json)
     corrector = None
-    if cfg.strategy.name in USES_CORRECTOR:
+    if STRATEGY_FACTS[cfg.strategy.name].uses_corrector:
         dim = buffer.dim
         corrector = CorrectorNetwork(
             dim,

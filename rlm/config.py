@@ -1,11 +1,17 @@
 """Run configuration: dataclasses loaded from YAML, overridable with `--set section.key=value`.
 
-Config is data. Every key is declared here with its type and default; a key that does not exist is an error
-(with the closest valid names), never silently ignored, and so is a value outside a key's choices (a
-`Literal`) or its range (`NUMERIC_RANGES`). Values from the command line are parsed as YAML scalars
-(`--set optim.lr_reader=3e-4`, `--set strategy.name=exhaustive`, `--set data.dev=null`). A config file may
-extend another with `base: FILE` (`read_config_file`). In each section the paper's settings come first; the
-engineering knobs (logging, saving, memory, devices) follow a `# Engineering` line.
+Config is data. Every key is declared here with its type and default, and a number with its range beside it
+(`beta: float = setting(20.0, gt=0)`); a key that does not exist is an error (with the closest valid names),
+never silently ignored, and so is a value outside a key's choices (a `Literal`) or its range. Values from the
+command line are parsed as YAML scalars (`--set optim.lr_reader=3e-4`, `--set strategy.name=exhaustive`,
+`--set data.dev=null`). A config file may extend another with `base: FILE` (`read_config_file`).
+
+The core config is short: in each section the paper's settings (Algorithm 2: k, beta, the corrector's size,
+weight and loss, the learning rates, steps, batch, the models, the strategy and its refresh) come first; what
+goes beyond the paper (DAFT's alignment, the regression baseline, the reader recipe's phases, a reader built
+here) follows a `# Beyond the paper` line, and the engineering knobs (logging, saving, memory, devices) a
+`# Engineering` line. What each strategy is (`STRATEGY_FACTS`) is written here too, once: the strategy classes
+read it, and loading a config checks against it without importing torch.
 """
 
 from __future__ import annotations
@@ -45,22 +51,118 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Yaml12BoolLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
-# The strategies (rlm.training.strategies.STRATEGY_CLASSES registers the same names: a test holds them equal).
-StrategyName = Literal[
-    "in_batch", "corrector", "stale", "exhaustive", "regression", "snm", "two_round", "frozen", "closed_book"
-]
-# What the cross-field checks in `TrainConfig.validate` need to know of the strategies, kept here so that
-# loading a config does not import the training code; the classes' own `algorithms` and `scans_fixed_buffer`
-# say the same (tests/test_train_config.py). The algorithms a strategy takes part in, where not both, and why:
-STRATEGY_ONLY_FOR = {
-    "in_batch": ((1,), "its S_x are the batch's gold passages"),
-    "frozen": ((2,), ""),
-    "closed_book": ((2,), ""),
+@dataclass(frozen=True)
+class StrategyFacts:
+    """What a strategy is, for everything outside its class: building the components, validation, the config's
+    checks. Written once, here, where loading a config reads it without importing torch; the strategy classes
+    (`rlm.training.strategies`) read their attributes of the same names from it (`StrategyFact`)."""
+
+    algorithms: tuple[int, ...] = (1, 2)  # the paper's algorithms it takes part in
+    algorithms_reason: str = ""  # why, where not both
+    trains_retriever: bool = True
+    uses_passages: bool = True  # False: the reader answers closed book (nothing selected, nothing retrieved)
+    uses_corrector: bool = False  # a corrector network h is built, trained and used for selection
+    scans_fixed_buffer: bool = (
+        True  # selects from B as built (never re-embedded): an index over B stays valid
+    )
+    shares_batch: bool = False  # every question of a batch scores the union of the batch's S_x
+    follows_refresh_every: bool = False  # `strategy.refresh_every` schedules its re-embedding
+
+
+# Every strategy, by the name `strategy.name` takes (the order is the one errors list them in).
+STRATEGY_FACTS: dict[str, StrategyFacts] = {
+    "in_batch": StrategyFacts(
+        algorithms=(1,),
+        algorithms_reason="its S_x are the batch's gold passages",
+        scans_fixed_buffer=False,
+        shares_batch=True,
+    ),
+    "corrector": StrategyFacts(uses_corrector=True),
+    "stale": StrategyFacts(),
+    "exhaustive": StrategyFacts(scans_fixed_buffer=False, follows_refresh_every=True),
+    "regression": StrategyFacts(scans_fixed_buffer=False, follows_refresh_every=True),
+    "snm": StrategyFacts(scans_fixed_buffer=False, follows_refresh_every=True),
+    "two_round": StrategyFacts(scans_fixed_buffer=False),
+    "frozen": StrategyFacts(algorithms=(2,), trains_retriever=False),
+    "closed_book": StrategyFacts(
+        algorithms=(2,), trains_retriever=False, uses_passages=False, scans_fixed_buffer=False
+    ),
 }
-# The strategies that select from B as built (never re-embedded), so an index over B stays valid.
-SCANS_FIXED_BUFFER = ("corrector", "stale", "frozen")
-# The strategies that build, train and select with a corrector network h (`components` builds it for them).
-USES_CORRECTOR = ("corrector",)
+StrategyName = Literal[tuple(STRATEGY_FACTS)]  # the loader refuses any other name, listing these
+
+
+class StrategyFact:
+    """A strategy class's attribute read from its row of `STRATEGY_FACTS` (by the class's `name`), so the class
+    and the config's checks cannot tell different stories: `uses_corrector = StrategyFact()`."""
+
+    def __set_name__(self, owner: type, attribute: str) -> None:
+        self.attribute = attribute
+
+    def __get__(self, instance: object, owner: type) -> Any:
+        return getattr(STRATEGY_FACTS[owner.name], self.attribute)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The numbers a setting accepts, from `low` to `high`, each end included or not. NaN is in none."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_included: bool = True
+    high_included: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        return (
+            isinstance(value, int | float)
+            and math.isfinite(value)
+            and (self.low <= value if self.low_included else self.low < value)
+            and (value <= self.high if self.high_included else value < self.high)
+        )
+
+    def __str__(self) -> str:  # "[0, 4294967295]", "(0, inf)"
+        opening, closing = "[" if self.low_included else "(", "]" if self.high_included else ")"
+        return f"{opening}{_number(self.low)}, {_number(self.high)}{closing}"
+
+    def check(self, key: str, value: Any, optional: bool) -> None:
+        """Refuse `value` of setting `key` unless it is inside (or None where the setting may be null)."""
+        if (value is None and optional) or value in self:
+            return
+        # An int field is never NaN or infinite; a float one is told why nan or inf is refused.
+        number = "a finite number " if isinstance(value, float) else ""
+        if self.high == math.inf:
+            wanted = f"{number}{'>=' if self.low_included else '>'} {_number(self.low)}"
+        else:
+            wanted = f"{number}in {self}"
+        raise UserError(f"{key} must be {wanted}{' (or null)' if optional else ''}, got {value!r}")
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if math.isfinite(bound) and bound == int(bound) else f"{bound:g}"
+
+
+def setting(
+    default: Any,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A numeric field and the range its values must lie in (ge: >=, gt: >, le: <=, lt: <), checked when a
+    config is loaded: `beta: float = setting(20.0, gt=0)`."""
+    if (ge is not None and gt is not None) or (le is not None and lt is not None):
+        raise TypeError("setting() takes one lower bound (ge or gt) and one upper bound (le or lt)")
+    interval = Interval(
+        low=-math.inf if ge is None and gt is None else (ge if ge is not None else gt),
+        high=math.inf if le is None and lt is None else (le if le is not None else lt),
+        low_included=gt is None,
+        high_included=le is not None,
+    )
+    return field(default=default, metadata={"range": interval})
+
+
+# accelerate's set_seed seeds numpy's legacy generator, which takes [0, 2^32).
+SEED_MAX = 2**32 - 1
 
 
 @dataclass
@@ -68,8 +170,8 @@ class DataToyWorldConfig:
     """`data.toy_world`: generate the offline toy world into `dir` when its files are missing (the generator's
     own settings are `rlm.data.toy_world.ToyWorldConfig`)."""
 
-    num_passages: int = 2000
-    seed: int = 0
+    num_passages: int = setting(2000, ge=100)  # the generator's own minimum, told before the run starts
+    seed: int = setting(0, ge=0, le=SEED_MAX)
     options: dict[str, Any] = field(default_factory=dict)  # other rlm.data.toy_world.ToyWorldConfig fields
     # Engineering
     dir: str = "runs/toy_world"
@@ -77,45 +179,49 @@ class DataToyWorldConfig:
 
 @dataclass
 class DataConfig:
+    # The paper's settings
     corpus: str | None = None  # corpus file (jsonl / dpr tsv / pyserini); None: the toy world's corpus
     train: str = "toy"  # dataset name in rlm.data.qa's registry, or a path to a local JSONL
     train_split: str = "train"
     dev: str | None = "toy"
     dev_split: str = "dev"
-    max_train_examples: int | None = None
+    max_train_examples: int | None = setting(None, ge=1)
+    # Beyond the paper: the offline toy world.
     toy_world: DataToyWorldConfig = field(default_factory=DataToyWorldConfig)
     # Engineering: what validation during training costs.
-    max_dev_examples: int | None = 200
+    max_dev_examples: int | None = setting(200, ge=1)
     # Validate during training on a hard subcorpus H_k (rlm.training.hard_subcorpus): an ids file, or "build" (H_k of
     # the initial retriever, from the fixed buffer, written once to <output_dir>/dev_subcorpus.txt). The
     # figure at the end of training is always on the whole corpus.
     dev_subcorpus: str | None = None
-    dev_subcorpus_k: int = 100  # top-k per dev question of a built H_k
+    dev_subcorpus_k: int = setting(100, ge=1)  # top-k per dev question of a built H_k
 
 
 @dataclass
 class RetrieverConfig:
+    # The paper's settings
     path: str | None = None  # sentence-transformers folder or hub name; None: the packaged all-MiniLM-L6-v2
+    shared_towers: bool = False
+    query_max_length: int = setting(64, ge=1)
+    passage_max_length: int = setting(128, ge=1)
+    # Beyond the paper: DAFT's light query tower and alignment stage, tower dropout.
     # The query tower, when it differs from the passage tower's model (DAFT's light query tower): a
     # sentence-transformers folder with the same output size, or "layers:N" for the first N layers of `path`.
     query_path: str | None = None
-    shared_towers: bool = False
-    query_max_length: int = 64
-    passage_max_length: int = 128
     # Training-time dropout of both towers; None keeps the checkpoint's (0.1 for MiniLM).
-    dropout: float | None = None
+    dropout: float | None = setting(None, ge=0, lt=1)
     # DAFT's alignment stage: the first `align_steps` steps that train the retriever update the query tower
     # alone (the passage tower is frozen, so the buffer is exact and the corrector is not trained); every
     # `align_every` steps the kNN KL between the towers' embeddings of the dev questions (or 256 training
     # questions) is measured, and the stage ends early once it falls below `align_kl` or has not fallen for
     # `align_patience` measurements. 0: no alignment stage (both towers train from the start).
-    align_steps: int = 0
-    align_kl: float | None = None
-    align_every: int = 10
-    align_patience: int = 3
+    align_steps: int = setting(0, ge=0)
+    align_kl: float | None = setting(None, ge=0)
+    align_every: int = setting(10, ge=1)
+    align_patience: int = setting(3, ge=1)
     # Engineering: a run stops when the mean pairwise cosine of the dev questions' query embeddings (logged at
     # every validation as dev_query_mean_cosine) exceeds this: the query tower has collapsed (DAFT). null: never.
-    collapse_cosine: float | None = 0.99
+    collapse_cosine: float | None = setting(0.99, gt=-1, le=1)
     # Activation checkpointing in both towers (Atlas' --use_gradient_checkpoint_retriever): each layer keeps
     # only its input for backward and recomputes the rest, about a third more tower compute. A passage of 256
     # tokens through GTR-base with gradient keeps 260 MiB (bf16 autocast) without it, 12 MiB with it
@@ -125,61 +231,67 @@ class RetrieverConfig:
 
 @dataclass
 class ReaderConfig:
+    # The paper's settings
+    path: str | None = None  # a saved FiD reader / HF seq2seq model; None: a small T5 from the fields below
+    tokenizer: str | None = None  # tokenizer folder; None: train a BPE tokenizer on the corpus + questions
+    max_passage_length: int = setting(96, ge=1)
+    max_answer_length: int = setting(16, ge=1)
+    num_passages: int | None = setting(
+        None, ge=1
+    )  # how many of the selected k the FiD reader reads; None: all k
+    # Beyond the paper: a reader built here (`path` unset), its input template, its scoring.
     # "t5": the small T5 below, trained from scratch; "warm_start": the first `warm_start_layers` layers of a
     # pretrained BERT-family encoder (`warm_start_path`, None: the packaged MiniLM) + a fresh decoder of
     # `num_decoder_layers` layers, `num_heads` heads, feed-forward `d_ff`, with the encoder's WordPiece
     # (see docs/reader_recipe.md). Ignored when `path` is set.
     arch: Literal["t5", "warm_start"] = "t5"
-    path: str | None = None  # a saved FiD reader / HF seq2seq model; None: a small T5 from the fields below
-    tokenizer: str | None = None  # tokenizer folder; None: train a BPE tokenizer on the corpus + questions
-    vocab_size: int = 8000
-    d_model: int = 128
-    d_ff: int = 512
-    num_layers: int = 2
-    num_decoder_layers: int = 2
-    num_heads: int = 4
-    d_kv: int = 32
-    dropout_rate: float = 0.0
-    max_passage_length: int = 96
-    max_answer_length: int = 16
+    vocab_size: int = setting(8000, ge=300)  # byte-level BPE: 256 bytes + the specials
+    d_model: int = setting(128, ge=1)
+    d_ff: int = setting(512, ge=1)
+    num_layers: int = setting(2, ge=1)
+    num_decoder_layers: int = setting(2, ge=1)
+    num_heads: int = setting(4, ge=1)
+    d_kv: int = setting(32, ge=1)
+    dropout_rate: float = setting(0.0, ge=0, lt=1)
     # What the encoder reads per passage (reader.formatting); None: FiD's "question: .. title: .. context: ..".
     # `{rank}` gives the reader each passage's place in the retriever's order (scoring reads each as rank 1).
     template: str | None = None
-    num_passages: int | None = None  # how many of the selected k the FiD reader reads; None: all k
     # P(a|y,x) from summed (the paper) or mean token log-likelihood.
     score_reduction: Literal["sum", "mean"] = "sum"
     warm_start_path: str | None = None
-    warm_start_layers: int = 2
+    warm_start_layers: int = setting(2, ge=1)
     warm_start_freeze_embeddings: bool = True  # keep the pretrained token embeddings (and tied output) fixed
 
 
 @dataclass
 class ScheduleConfig:
-    """Algorithm 2's phases, in optimizer steps (docs/reader_recipe.md): the reader alone on each question's
-    gold passage(s), the reader alone on the strategy's selection, the three losses together, and the reader
-    alone again on the trained retriever's selection. What is left of `optim.max_steps` after the three
-    reader-only phases is the joint phase. Algorithm 1 trains the retriever alone and ignores them."""
+    """Beyond the paper: Algorithm 2's phases, in optimizer steps (docs/reader_recipe.md): the reader alone on
+    each question's gold passage(s), the reader alone on the strategy's selection, the three losses together,
+    and the reader alone again on the trained retriever's selection. What is left of `optim.max_steps` after the
+    three reader-only phases is the joint phase (the paper's whole run). Algorithm 1 trains the retriever alone
+    and ignores them."""
 
     # The first N steps the reader reads each question's gold passage(s) alone, and only the reader trains:
     # a reader that cannot yet copy an answer from one passage does not learn to do it among K retrieved
     # ones. Needs gold_passage_ids in the training data.
-    gold_passage_steps: int = 0
+    gold_passage_steps: int = setting(0, ge=0)
     # The first N steps (counted from step 0, so they include the gold-passage steps) train the reader alone
     # on the strategy's selection (no retriever or corrector loss, no per-passage scoring): the reader learns
     # to read before its P(a|y,x) teaches the retriever. 0: joint from the first step.
-    reader_only_steps: int = 0
+    reader_only_steps: int = setting(0, ge=0)
     # The last N steps train the reader alone on the (by then trained) retriever's selection: the reader ends
     # on the passages it will read at prediction time. 0: joint until the end.
-    final_reader_only_steps: int = 0
+    final_reader_only_steps: int = setting(0, ge=0)
 
 
 @dataclass
 class BufferConfig:
+    # The paper's settings
     dtype: Literal["float16", "float32"] = "float16"  # the rows as stored (retriever.buffer.DTYPES)
     # Engineering
     dir: str | None = None  # None: <output_dir>/buffer; built with the initial passage tower when missing
-    batch_size: int = 64
-    chunk_size: int = 65536  # rows of B corrected per chunk in the streamed top-k
+    batch_size: int = setting(64, ge=1)
+    chunk_size: int = setting(65536, ge=1)  # rows of B corrected per chunk in the streamed top-k
     # Where the rows a process scans live: "host" (streamed from the memory-mapped buffer), "device" (copied
     # onto the accelerator, in the stored dtype), "auto" (the device when it is a GPU with room to spare).
     placement: Literal["auto", "host", "device"] = "auto"
@@ -187,41 +299,52 @@ class BufferConfig:
 
 @dataclass
 class CorrectorConfig:
-    hidden_dim: int | None = None  # None: hidden_mult * D
-    hidden_mult: int = 4
-    num_hidden_layers: int = 1
+    # The paper's settings
+    hidden_dim: int | None = setting(None, ge=1)  # None: hidden_mult * D
+    hidden_mult: int = setting(4, ge=1)
+    # 0: the residual and the optional linear term alone
+    num_hidden_layers: int = setting(1, ge=0)
     loss: Literal["ce", "mse"] = "ce"  # "ce" (Eq. 6, the paper's default) or "mse" (Eq. 5)
-    weight: float = 10.0  # Appendix B.1
-    linear: bool = False  # add a zero-initialised linear term A x to the residual MLP (not in the paper)
+    weight: float = setting(10.0, ge=0)  # Appendix B.1
+    # Beyond the paper
+    linear: bool = False  # add a zero-initialised linear term A x to the residual MLP
 
 
 @dataclass
 class RegressionConfig:
-    """`strategy.name: regression` (Dynnibal-style approximate re-encoding, `retriever/reencode.py`): every
-    `strategy.refresh_every` retriever updates, re-embed `samples` random passages, fit a Nystrom kernel ridge
-    regression from their stale rows to the fresh ones, and apply it to the whole buffer."""
+    """Beyond the paper: `strategy.name: regression` (Dynnibal-style approximate re-encoding,
+    `retriever/reencode.py`): every `strategy.refresh_every` retriever updates, re-embed `samples` random
+    passages, fit a Nystrom kernel ridge regression from their stale rows to the fresh ones, and apply it to the
+    whole buffer."""
 
-    samples: int = 8192  # s', passages re-embedded per refit (the paper's NQ and MSMARCO setting)
-    landmarks: int = 128  # d', random rows of B, fixed for the run (the paper: 128)
+    samples: int = setting(
+        8192, ge=1
+    )  # s', passages re-embedded per refit (the paper's NQ and MSMARCO setting)
+    landmarks: int = setting(128, ge=1)  # d', random rows of B, fixed for the run (the paper: 128)
     # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z> (retriever.reencode.KERNELS)
     kernel: Literal["rbf", "linear"] = "rbf"
-    gamma: float | None = None  # rbf width; None: 1 / (2 median squared sample-landmark distance), each refit
-    ridge: float | None = None  # per-sample ridge penalty; None: chosen at each refit on held-out samples
+    # rbf width; None: 1 / (2 median squared sample-landmark distance), each refit
+    gamma: float | None = setting(None, gt=0)
+    ridge: float | None = setting(
+        None, gt=0
+    )  # per-sample ridge penalty; None: chosen at each refit on held-out samples
 
 
 @dataclass
 class StrategyConfig:
+    # The paper's settings
     name: StrategyName = "corrector"
-    k: int = 32
-    refresh_every: int = 500  # R for exhaustive and snm
-    snm_size: int = 1_000_000  # M for snm (the paper: 1M; toy configs set their own)
-    num_random: int = 0  # uniform random passages added to S_x (Algorithm 1 uses 64)
+    k: int = setting(32, ge=1)
+    refresh_every: int = setting(500, ge=1)  # R for exhaustive, snm and regression
+    snm_size: int = setting(1_000_000, ge=1)  # M for snm (the paper: 1M; toy configs set their own)
+    num_random: int = setting(0, ge=0)  # uniform random passages added to S_x (Algorithm 1 uses 64)
     share_across_batch: bool = False  # Algorithm 1: every question scores the union of the batch's S_x
     # How the top-k is searched: "exact" (every row through h) or "two_stage" (Appendix B.2: the
     # `candidates` best rows by the stale buffer, re-scored with h; the fixed-buffer strategies only). Every
     # `overlap_every` steps the exact top-k is computed too and its overlap logged.
     search: Literal["exact", "two_stage"] = "exact"
-    candidates: int = 1024
+    candidates: int = setting(1024, ge=1)
+    # Beyond the paper: the regression baseline's settings.
     regression: RegressionConfig = field(default_factory=RegressionConfig)
     # Engineering
     # Data-parallel: each process scans (and re-embeds) 1/W of the rows and the top-k lists are merged across
@@ -232,30 +355,32 @@ class StrategyConfig:
     # read of the buffer per selection, cheap where the buffer is in accelerator memory).
     first_stage: Literal["index", "scan"] = "index"
     index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),SQfp16
-    nprobe: int = 64
-    overlap_every: int = 100
+    nprobe: int = setting(64, ge=1)
+    overlap_every: int = setting(100, ge=1)
     # h(B) is kept between steps while no corrector weight changes (the reader-only phases, where selection
     # would otherwise run every row through h again for the same result), when it fits this many MiB per
     # process (float32); 0: h runs over every row at every step.
-    cache_corrected_mb: int = 1024
+    cache_corrected_mb: int = setting(1024, ge=0)
 
 
 @dataclass
 class OptimConfig:
-    lr_reader: float = 1e-3
-    lr_retriever: float = 2e-5
-    lr_corrector: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 50
-    max_steps: int = 1000  # optimizer steps
+    # The paper's settings (a learning rate of 0 holds a component fixed)
+    lr_reader: float = setting(1e-3, ge=0)
+    lr_retriever: float = setting(2e-5, ge=0)
+    lr_corrector: float = setting(1e-3, ge=0)
+    weight_decay: float = setting(0.0, ge=0)
+    warmup_steps: int = setting(50, ge=0)
+    max_steps: int = setting(1000, ge=1)  # optimizer steps
     # Questions per optimizer step over all processes (the paper: 128). When set, the accumulation is derived
     # from it, questions_per_step / (batch_size x processes), so the effective batch does not change with the
     # process count; numbers that do not divide are refused.
-    questions_per_step: int | None = None
-    max_grad_norm: float = 1.0  # clipped per component (reader, retriever, corrector); 0: no clipping
+    questions_per_step: int | None = setting(None, ge=1)
+    # Clipped per component (reader, retriever, corrector); 0: no clipping
+    max_grad_norm: float = setting(1.0, ge=0)
     # Engineering: memory (questions_per_step, when set, keeps the effective batch).
-    batch_size: int = 8  # questions per process per micro-step
-    gradient_accumulation_steps: int = 1
+    batch_size: int = setting(8, ge=1)  # questions per process per micro-step
+    gradient_accumulation_steps: int = setting(1, ge=1)
 
     def accumulation_steps(self, num_processes: int) -> int:
         """Micro-steps per optimizer step with `num_processes` data-parallel processes."""
@@ -279,12 +404,14 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    # The paper's settings
     algorithm: Literal[1, 2] = (
         2  # 2: retrieval-augmented LM (reader + retriever); 1: supervised retrieval (gold passages)
     )
-    seed: int = 0
-    beta: float = 20.0  # temperature of the retriever softmax over <q, p>
-    reader_temperature: float = 1.0  # P_a(y|x) = softmax(log P(a|y,x) / T) (Eq. 8 is T = 1)
+    seed: int = setting(0, ge=0, le=SEED_MAX)
+    beta: float = setting(20.0, gt=0)  # temperature of the retriever softmax over <q, p>
+    # Beyond the paper: P_a(y|x) = softmax(log P(a|y,x) / T) (Eq. 8 is T = 1)
+    reader_temperature: float = setting(1.0, gt=0)
     # Engineering
     output_dir: str = "runs/train"
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # accelerate's
@@ -294,31 +421,31 @@ class TrainConfig:
     force_cpu_bf16: bool = False
     gradient_checkpointing: bool = False
     cpu: bool = False  # force CPU even when a GPU is visible
-    log_every: int = 10
-    eval_every: int = 0  # 0: only at the end
+    log_every: int = setting(10, ge=1)
+    eval_every: int = setting(0, ge=0)  # 0: only at the end
     # The final validation also answers from the strategy's own selection (`dev_selection_*`: top-k over h(B)
     # for the corrector, over the buffer as last refreshed for the others), what the reader read in its final
     # reader-only phase; `dev_*` stay on the corpus re-embedded with the trained passage tower (the paper).
     eval_selection: bool = False
-    save_every: int = 100
-    keep_last: int = 2
-    max_nonfinite_in_a_row: int = 10
+    save_every: int = setting(100, ge=0)  # 0: only at the end
+    keep_last: int = setting(2, ge=1)  # fewer would delete the checkpoint just written
+    max_nonfinite_in_a_row: int = setting(10, ge=1)
     # How long a process waits for the others at a collective before the run fails (every backend). Rank 0's
     # single-process work between collectives (hashing a 32 GB buffer, writing a checkpoint) must fit in it; a
     # dead or hung process ends the run after it instead of never.
-    dist_timeout_s: int = 3600
+    dist_timeout_s: int = setting(3600, ge=10)
     # Where metrics go besides log.jsonl: accelerate's trackers (TensorBoard under <output_dir>/rlm; Weights &
     # Biases with the `wandb` extra, its run id kept in the checkpoint so a resumed run continues the same run).
     report_to: Literal["tensorboard", "wandb", "all", "none"] = "tensorboard"
-    # Sections
+    # Sections: the paper's, then the reader recipe's phases (beyond the paper)
     data: DataConfig = field(default_factory=DataConfig)
     retriever: RetrieverConfig = field(default_factory=RetrieverConfig)
     reader: ReaderConfig = field(default_factory=ReaderConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     corrector: CorrectorConfig = field(default_factory=CorrectorConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     @property
     def reader_passages(self) -> int:
@@ -328,7 +455,8 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """The rules that combine keys (the loader has checked each value alone: its type, choices and range)."""
         name = self.strategy.name
-        only, why = STRATEGY_ONLY_FOR.get(name, ((1, 2), ""))
+        facts = STRATEGY_FACTS[name]
+        only, why = facts.algorithms, facts.algorithms_reason
         if self.algorithm not in only:
             raise UserError(
                 f"strategy {name!r} only makes sense for algorithm {' and '.join(map(str, only))}"
@@ -339,125 +467,30 @@ class TrainConfig:
                 f"force_cpu_bf16=true only applies to mixed_precision=bf16 (got {self.mixed_precision!r}); "
                 "set mixed_precision=bf16 or drop force_cpu_bf16"
             )
-        if self.strategy.search == "two_stage" and name not in SCANS_FIXED_BUFFER:
+        if self.strategy.search == "two_stage" and not facts.scans_fixed_buffer:
+            scanning = [other for other, its in STRATEGY_FACTS.items() if its.scans_fixed_buffer]
             raise UserError(
                 "strategy.search=two_stage searches an index over the fixed buffer: use it with a strategy that "
-                f"scans it ({', '.join(SCANS_FIXED_BUFFER)}), not {name!r}"
+                f"scans it ({', '.join(scanning)}), not {name!r}"
             )
         if self.retriever.align_steps and self.retriever.shared_towers:
             raise UserError("retriever.align_steps trains the query tower alone: not with shared_towers")
         return self
 
 
-# The range of every numeric setting, written as an interval ("[1, inf)": 1 and up; "(0, inf)": any positive
-# number). NaN is in none of them. A numeric field without an entry here fails tests/test_train_config.py.
-NUMERIC_RANGES: dict[str, str] = {
-    # accelerate's set_seed seeds numpy's legacy generator, which takes [0, 2^32).
-    "seed": "[0, 4294967295]",
-    "beta": "(0, inf)",
-    "reader_temperature": "(0, inf)",
-    "log_every": "[1, inf)",
-    "eval_every": "[0, inf)",  # 0: only at the end
-    "save_every": "[0, inf)",  # 0: only at the end
-    "keep_last": "[1, inf)",  # fewer would delete the checkpoint just written
-    "max_nonfinite_in_a_row": "[1, inf)",
-    "dist_timeout_s": "[10, inf)",
-    "data.max_train_examples": "[1, inf)",
-    "data.max_dev_examples": "[1, inf)",
-    "data.dev_subcorpus_k": "[1, inf)",
-    "data.toy_world.num_passages": "[100, inf)",  # the generator's own minimum, told before the run starts
-    "data.toy_world.seed": "[0, 4294967295]",
-    "retriever.collapse_cosine": "(-1, 1]",
-    "retriever.align_steps": "[0, inf)",
-    "retriever.align_kl": "[0, inf)",
-    "retriever.align_every": "[1, inf)",
-    "retriever.align_patience": "[1, inf)",
-    "retriever.query_max_length": "[1, inf)",
-    "retriever.passage_max_length": "[1, inf)",
-    "retriever.dropout": "[0, 1)",
-    "reader.vocab_size": "[300, inf)",  # byte-level BPE: 256 bytes + the specials
-    "reader.d_model": "[1, inf)",
-    "reader.d_ff": "[1, inf)",
-    "reader.num_layers": "[1, inf)",
-    "reader.num_decoder_layers": "[1, inf)",
-    "reader.num_heads": "[1, inf)",
-    "reader.d_kv": "[1, inf)",
-    "reader.dropout_rate": "[0, 1)",
-    "reader.max_passage_length": "[1, inf)",
-    "reader.max_answer_length": "[1, inf)",
-    "reader.num_passages": "[1, inf)",
-    "reader.warm_start_layers": "[1, inf)",
-    "schedule.gold_passage_steps": "[0, inf)",
-    "schedule.reader_only_steps": "[0, inf)",
-    "schedule.final_reader_only_steps": "[0, inf)",
-    "buffer.batch_size": "[1, inf)",
-    "buffer.chunk_size": "[1, inf)",
-    "corrector.hidden_dim": "[1, inf)",
-    "corrector.hidden_mult": "[1, inf)",
-    "corrector.num_hidden_layers": "[0, inf)",  # 0: the residual and the optional linear term alone
-    "corrector.weight": "[0, inf)",
-    "strategy.k": "[1, inf)",
-    "strategy.refresh_every": "[1, inf)",
-    "strategy.snm_size": "[1, inf)",
-    "strategy.num_random": "[0, inf)",
-    "strategy.candidates": "[1, inf)",
-    "strategy.nprobe": "[1, inf)",
-    "strategy.overlap_every": "[1, inf)",
-    "strategy.cache_corrected_mb": "[0, inf)",
-    "strategy.regression.samples": "[1, inf)",
-    "strategy.regression.landmarks": "[1, inf)",
-    "strategy.regression.gamma": "(0, inf)",
-    "strategy.regression.ridge": "(0, inf)",
-    # 0 is allowed: a learning rate of 0 holds a component fixed.
-    "optim.lr_reader": "[0, inf)",
-    "optim.lr_retriever": "[0, inf)",
-    "optim.lr_corrector": "[0, inf)",
-    "optim.weight_decay": "[0, inf)",
-    "optim.warmup_steps": "[0, inf)",
-    "optim.max_steps": "[1, inf)",
-    "optim.batch_size": "[1, inf)",
-    "optim.gradient_accumulation_steps": "[1, inf)",
-    "optim.questions_per_step": "[1, inf)",
-    "optim.max_grad_norm": "[0, inf)",  # 0: no clipping
-}
-
-_INTERVAL = re.compile(r"([\[(])(-?[\d.]+|-inf), (-?[\d.]+|inf)([\])])")
-
-
-def numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, bool]]:
-    """(dotted name, may be null) of every int or float field of dataclass `cls` and its sections."""
+def settings(cls: type | None = None, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, type) of every setting a user can give (`--set key=value`): each field of `cls`
+    (default TrainConfig) and of its sections, a section's own fields instead of the section."""
+    cls = TrainConfig if cls is None else cls
+    hints = typing.get_type_hints(cls)
     found = []
-    for name, tp in typing.get_type_hints(cls).items():
+    for each in dataclasses.fields(cls):
+        tp = hints[each.name]
         if _is_dataclass_type(tp):
-            found += numeric_fields(tp, f"{prefix}{name}.")
-            continue
-        args = set(typing.get_args(tp)) if typing.get_origin(tp) in (typing.Union, types.UnionType) else {tp}
-        kinds = args - {type(None)}
-        if kinds and kinds <= {int, float}:
-            found.append((f"{prefix}{name}", type(None) in args))
+            found += settings(tp, f"{prefix}{each.name}.")
+        else:
+            found.append((f"{prefix}{each.name}", each, tp))
     return found
-
-
-def _check_range(name: str, value: Any, interval: str, optional: bool) -> None:
-    if value is None and optional:
-        return
-    opening, low, high, closing = _INTERVAL.fullmatch(interval).groups()
-    low, high = float(low), float(high)
-    inside = (
-        isinstance(value, int | float)
-        and math.isfinite(value)
-        and (low <= value if opening == "[" else low < value)
-        and (value <= high if closing == "]" else value < high)
-    )
-    if inside:
-        return
-    # An int field is never NaN or infinite; a float one is told why nan or inf is refused.
-    number = "a finite number " if isinstance(value, float) else ""
-    if high == math.inf:
-        wanted = f"{number}{'>=' if opening == '[' else '>'} {low:g}"
-    else:
-        wanted = f"{number}in {interval}"
-    raise UserError(f"{name} must be {wanted}{' (or null)' if optional else ''}, got {value!r}")
 
 
 def _is_dataclass_type(tp: Any) -> bool:
@@ -519,9 +552,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 def from_dict(cls: type, data: dict, where: str = "config") -> Any:
     """Build dataclass `cls` from a nested dict, refusing unknown keys, wrongly typed values, values outside a
-    `Literal`'s choices and numbers outside their `NUMERIC_RANGES` interval."""
+    `Literal`'s choices and numbers outside the range their field carries (`setting`)."""
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    names = list(fields)
     kwargs = {}
     for key, value in data.items():
         if key not in names:
@@ -529,10 +563,10 @@ def from_dict(cls: type, data: dict, where: str = "config") -> Any:
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (valid: {', '.join(names)})"
             raise UserError(f"unknown config key {where}.{key}{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-        dotted = _key(f"{where}.{key}")
-        if dotted in NUMERIC_RANGES:
+        interval = fields[key].metadata.get("range")
+        if interval is not None:
             optional = type(None) in typing.get_args(hints[key])
-            _check_range(dotted, kwargs[key], NUMERIC_RANGES[dotted], optional)
+            interval.check(_key(f"{where}.{key}"), kwargs[key], optional)
     return cls(**kwargs)
 
 

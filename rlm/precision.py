@@ -1,9 +1,9 @@
 """Whether this CPU runs bf16 natively, and what `mixed_precision=bf16` should become on it.
 
 On x86 CPUs with AVX512-BF16 or AMX, PyTorch's bf16 matmuls (oneDNN) run on bf16 instructions and bf16
-autocast is faster than float32. Elsewhere (e.g. AVX2-only CPUs) they are emulated: measured on an AVX2-only
-AMD EPYC, a 6144x384 @ 384x384 bf16 matmul took 741 ms against tens of ms in float32, and an Algorithm 1
-step 95 s against 5 s. So training on CPU asks this module before it turns bf16 on (`rlm.training.accelerator.make_accelerator`).
+autocast is faster than float32. Elsewhere (e.g. AVX2-only CPUs) they are emulated, many times slower than
+float32 (figures in docs/training.md, "Precision"). So training on CPU asks this module before it turns bf16 on
+(`rlm.training.accelerator.make_accelerator`).
 
 The decision comes from the CPU flags (`/proc/cpuinfo`), so every process on a machine takes the same one;
 the timed probe (`probe_ratio`) is reported in the messages, and decides only where no flags can be read.
@@ -26,7 +26,8 @@ NO_AVX512_CAPABILITIES = ("DEFAULT", "NO AVX", "AVX", "AVX2")
 # compute on one machine what a machine with fewer instruction sets computes.
 ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "ALL")
 # Where flags are unreadable, bf16 counts as native when the probe's bf16 matmul is at most this many times
-# slower than float32: native kernels measure ~0.3-1x, emulated ones 10x and more.
+# slower than float32: between native kernels (about float32's time or less) and emulated ones (an order of
+# magnitude slower and more; docs/training.md, "Precision").
 PROBE_NATIVE_MAX_RATIO = 2.0
 
 
@@ -74,10 +75,10 @@ def probe_ratio(rows: int = 256, dim: int = 384, repeats: int = 5, slow_s: float
     """bf16 time / float32 time of one [rows, dim] @ [dim, dim] matmul (MiniLM's width), best of `repeats`
     after a warm-up, on one thread.
 
-    One thread because on a shared machine a multi-threaded call of ~1 ms waits for scheduler ticks (4-16 ms
-    measured with 2 threads on 2 busy cores), which drowns the ratio. About 1 ms a call where bf16 is native;
-    where it is emulated a bf16 call takes tens of ms, so the repeats stop at the first call slower than
-    `slow_s` (the ratio is then far above any threshold anyway)."""
+    One thread because on a shared machine a multi-threaded call this short waits for scheduler ticks longer
+    than the call itself, which drowns the ratio. An emulated bf16 call is many times a native one, so the
+    repeats stop at the first call slower than `slow_s` (the ratio is then far above any threshold anyway;
+    the timings behind `slow_s` are in docs/training.md, "Precision")."""
     import torch
 
     gen = torch.Generator().manual_seed(0)

@@ -9,10 +9,12 @@ schedule), logging, validation, checkpoints, stop signals. The algorithm itself 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 if __name__ == "__main__":
@@ -43,51 +45,45 @@ from rlm.training.accelerator import (
 from rlm.training.alignment_stage import check_collapse
 from rlm.training.model_card import write_model_card
 from rlm.training.preemption import Preempted, StopSignals
-from rlm.training.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps
 from rlm.training.run import NonFiniteLossError, TrainRun, build_run
 from rlm.training.schedule import reader_only_step
 from rlm.training.throughput import Throughput
 
 
 def train(
-    cfg: TrainConfig,
-    resume: bool = False,
-    accelerator=None,
-    prefix: str | Path | None = None,
-    prefix_out: str | Path | None = None,
-    overwrite: bool = False,
-    allow_changed=(),
+    cfg: TrainConfig, resume: bool = False, accelerator=None, overwrite: bool = False, allow_changed=()
 ) -> dict:
     """Train `cfg`'s run to `optim.max_steps`, validate on dev, save `final/`; returns the summary.
 
     A folder that holds a run needs `resume` (continue its newest complete checkpoint, with the same settings
-    but those in `allow_changed`) or `overwrite` (start over). `prefix`: a shared prefix (`rlm.training.prefix`:
-    the gold-passage steps, which every strategy trains alike) that a fresh run continues from instead of
-    training those steps; `prefix_out`: train only those steps and save them there as a prefix. SIGTERM or
-    SIGUSR1 ends the run after the current step with a checkpoint, raising `Preempted`."""
-    accelerator = accelerator or make_accelerator(cfg)
-    if prefix is not None and accelerator.is_main_process:
-        place_tokenizer(prefix, cfg)  # the other processes load it when they build the reader
+    but those in `allow_changed`) or `overwrite` (start over). SIGTERM or SIGUSR1 ends the run after the
+    current step with a checkpoint, raising `Preempted`."""
+    with training_run(cfg, resume, accelerator, overwrite, allow_changed) as run:
+        return train_loop(run)
+
+
+@contextlib.contextmanager
+def training_run(
+    cfg: TrainConfig, resume: bool = False, accelerator=None, overwrite: bool = False, allow_changed=()
+) -> Iterator[TrainRun]:
+    """The run `cfg` describes, built and resumed (`rlm.training.run.build_run`); while it is open SIGTERM and
+    SIGUSR1 ask it to stop after the current step."""
     stops = StopSignals()
     with stops.installed():
-        run = build_run(cfg, accelerator, resume, overwrite, allow_changed, stops)
-        return train_loop(run, prefix, prefix_out)
+        yield build_run(cfg, accelerator or make_accelerator(cfg), resume, overwrite, allow_changed, stops)
 
 
-def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
-    """The steps from where `run` stands to the end, then the final validation and `final/`."""
+def train_loop(run: TrainRun, until: int | None = None) -> dict:
+    """The steps from where `run` stands to step `until` (default: the last one); after the last one, the final
+    validation and `final/` (`finish`). Returns the summary (`{"steps": ...}` when stopped at `until`)."""
     cfg, acc, state = run.cfg, run.accelerator, run.state
-    stop = shared_steps(cfg) if prefix_out is not None else cfg.optim.max_steps
-    log = RunLog(run, stop, prefix)
+    until = cfg.optim.max_steps if until is None else until
+    log = RunLog(run, until)
     run.model.train()
-    while state.step < stop:
-        try:
-            with log.throughput.step():
-                record = train_step(run)
-        except Preempted as err:  # mid-refresh; one process is at a point a checkpoint can be made from
-            if acc.num_processes > 1:
-                raise
-            raise Preempted(err.signum, state.step, run.save()) from None
+    stop_signal = None
+    while state.step < until and stop_signal is None:
+        with log.throughput.step():
+            record = train_step(run)
         if record is None:  # a non-finite loss somewhere: skipped on every process
             skipped_step(run)
             continue
@@ -96,21 +92,13 @@ def train_loop(run: TrainRun, prefix=None, prefix_out=None) -> dict:
             record.update(run.validate())  # on the hard subcorpus when configured
             check_collapse(cfg.retriever, record, state.step)
         log.write(record)
-        signum = run.stops.requested_anywhere(acc)
-        if signum is not None:
-            log.close()
-            raise Preempted(signum, state.step, run.save())
-        if cfg.save_every and state.step % cfg.save_every == 0:
+        stop_signal = run.stops.requested_anywhere(acc)  # SIGTERM / SIGUSR1 on any process
+        if stop_signal is None and cfg.save_every and state.step % cfg.save_every == 0:
             run.save()
-        if acc.is_main_process:  # refreshed rows that no kept checkpoint and not this step needs
-            kept = [checkpointing.checkpoint_step(p) for p in checkpointing.checkpoints(Path(cfg.output_dir))]
-            run.strategy.prune_refreshes(kept, state.step)
     log.close()
-    if prefix_out is not None:
-        save_prefix(run, prefix_out, log.path)
-        acc.end_training()
-        return {"steps": state.step, "prefix": str(prefix_out)}
-    return finish(run, prefix if log.prefix_log is not None else None)
+    if stop_signal is not None:
+        raise Preempted(stop_signal, state.step, run.save())
+    return finish(run) if state.step == cfg.optim.max_steps else {"steps": state.step}
 
 
 def train_step(run: TrainRun) -> dict | None:
@@ -121,9 +109,11 @@ def train_step(run: TrainRun) -> dict | None:
     before = strategy.state_dict()
     try:
         strategy.before_step(state.step, run.reembed)
-    except Preempted:
+    except Preempted as err:  # stopped mid-refresh
         strategy.load_state_dict(before)  # as after the last step: a checkpoint now redoes the refresh
-        raise
+        if acc.num_processes > 1:  # the others are elsewhere in the refresh: no collective checkpoint
+            raise
+        raise Preempted(err.signum, state.step, run.save()) from None
     sums, finite = accumulation_window(run, reader_only_step(cfg, state.step))
     if not finite:
         run.optimizer.zero_grad(set_to_none=True)
@@ -200,11 +190,10 @@ def skipped_step(run: TrainRun) -> None:
 class RunLog:
     """`log.jsonl`, the trackers (TensorBoard / W&B) and the progress bar of a run that trains to step `stop`."""
 
-    def __init__(self, run: TrainRun, stop: int, prefix=None):
+    def __init__(self, run: TrainRun, stop: int):
         self.run, self.stop, cfg, acc, state = run, stop, run.cfg, run.accelerator, run.state
         self.path = Path(cfg.output_dir) / "log.jsonl"
-        self.prefix_log = load_prefix(run, prefix) if prefix is not None and state.step == 0 else None
-        if state.tracker_run_id is None or self.prefix_log is not None:  # a resumed run keeps its W&B run
+        if state.tracker_run_id is None:  # a resumed run keeps its W&B run
             state.tracker_run_id = uuid.uuid4().hex[:12]
         if acc.is_main_process:
             acc.init_trackers(
@@ -214,10 +203,7 @@ class RunLog:
                     "wandb": {"id": state.tracker_run_id, "resume": "allow", "dir": str(cfg.output_dir)}
                 },
             )
-            if self.prefix_log is None:
-                checkpointing.repair_log(self.path, state.step)
-            else:
-                atomic_write_text(self.path, "".join(line + "\n" for line in self.prefix_log))
+            checkpointing.repair_log(self.path, state.step)
         self.progress = tqdm(
             total=cfg.optim.max_steps,
             initial=state.step,
@@ -270,14 +256,14 @@ def progress_postfix(record: dict) -> dict[str, str]:
     return shown
 
 
-def finish(run: TrainRun, prefix) -> dict:
+def finish(run: TrainRun) -> dict:
     """After the last step: validate on the whole corpus, write `final/` and `summary.json`, end together."""
     cfg, acc, state, output_dir = run.cfg, run.accelerator, run.state, Path(run.cfg.output_dir)
     summary = {
         "steps": state.step,
         "reembedded": run.strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
-        **({"prefix": str(prefix)} if prefix is not None else {}),
+        **({"prefix": state.prefix} if state.prefix is not None else {}),
     }
     if run.dev_examples:
         summary.update(run.validate(subcorpus=False))  # the whole corpus, sharded

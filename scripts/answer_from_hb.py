@@ -23,6 +23,7 @@ from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.experiments import reporting
 from rlm.inference import evaluation, indexing
+from rlm.inference.checkpoint import load_checkpoint, reader_passages_from_config
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir
 
 METRICS = ("exact_match", "f1", "recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@5")
@@ -62,11 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus = load_corpus(args.corpus or Path(args.data_path) / "corpus.jsonl")
     examples = load_qa_dataset(args.dataset, args.split, args.data_path)
-    retriever, reader, config = evaluation.load_checkpoint(
-        args.checkpoint, need_reader=not args.retrieval_only
-    )
+    retriever, reader, config = load_checkpoint(args.checkpoint, need_reader=not args.retrieval_only)
     retriever.eval()
-    k, num_passages = min(args.k, len(corpus)), evaluation.reader_passages_from_config(config)
+    k, num_passages = min(args.k, len(corpus)), reader_passages_from_config(config)
     rows = []
     for name, index, seconds, cost in indexes(args, corpus, retriever):
         result = evaluation.run_evaluation(

@@ -30,8 +30,11 @@ def reader_rows(checkpoint: Path, world: Path, k: int) -> dict:
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
     from rlm.inference import evaluation, indexing
+    from rlm.inference.checkpoint import load_checkpoint
+    from rlm.inference.reading import read
+    from rlm.inference.retrieval import retrieve
 
-    retriever, reader, _ = evaluation.load_checkpoint(checkpoint)
+    retriever, reader, _ = load_checkpoint(checkpoint)
     corpus, dev = load_corpus(world / "corpus.jsonl"), load_qa_dataset("toy", "dev", str(world))
     embeddings = indexing.embed_corpus(retriever.passage_tower, corpus.retrieval_texts())
     index = indexing.build_index(embeddings, corpus.ids)
@@ -39,10 +42,10 @@ def reader_rows(checkpoint: Path, world: Path, k: int) -> dict:
     top = evaluation.run_evaluation(dev, retriever=retriever, **common)
     swapped = evaluation.run_evaluation(dev, retriever=retriever, gold_passages=True, **common)
     alone = evaluation.run_evaluation(dev, retriever=None, gold_passages=True, **{**common, "index": None})
-    retrieved = evaluation.retrieve(retriever.query_tower, index, [q.question for q in dev], 20)
+    retrieved = retrieve(retriever.query_tower, index, [q.question for q in dev], 20)
     gold = [ex.gold_passage_ids[0] for ex in dev]
     last = [[p for p in ids if p != g][: k - 1] + [g] for g, ids in zip(gold, retrieved.ids)]
-    answers = evaluation.read(reader, dev, corpus, None, num_passages=k, passage_ids=last)
+    answers = read(reader, dev, corpus, None, num_passages=k, passage_ids=last)
     return {
         f"the trained retriever's top-{k}": top.metrics["exact_match"],
         f"top-{k} with the gold passage swapped in": swapped.metrics["exact_match"],
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from app.service import corpus_from_config
-    from rlm.inference.evaluation import reader_passages_from_config
+    from rlm.inference.checkpoint import reader_passages_from_config
 
     parser = arguments(__doc__)
     parser.add_argument("--checkpoint", required=True, type=Path)

@@ -9,7 +9,7 @@ unit vectors of the passage tower's dimension (`rlm.experiments.benchmarking.clu
 not embeddings of the texts: the answers are meaningless, what is measured is memory and time.
 
 Measured: the service started as `rlm demo --checkpoint C --corpus X --index I` starts it (one torch thread,
-`QAService.from_checkpoint(C, corpus_path=X, index_path=I, ...)`) in a fresh process, twice: a first start
+`QAService.from_checkpoint(C, X, ServiceOptions(index_path=I, ...))`) in a fresh process, twice: a first start
 (no corpus fingerprint remembered beside the checkpoint: the scan also hashes the file) and a second (the
 fingerprint cached), each `--repeats` times (the fastest reported). The checkpoint is copied into the work
 folder first, so its own folder is not written to.
@@ -224,7 +224,7 @@ def timed_phases(phases: dict) -> Iterator[None]:
     adds its seconds to `phases[name]` and records the RSS after it; the originals are restored on exit."""
     import app.service
     import rlm.data.corpus
-    import rlm.inference.evaluation
+    import rlm.inference.checkpoint
     import rlm.inference.indexing
     from retriever.encoder import SentenceEncoder
     from retriever.index import PassageIndex
@@ -241,7 +241,7 @@ def timed_phases(phases: dict) -> Iterator[None]:
         return timed
 
     targets = [
-        (rlm.inference.evaluation, "load_checkpoint", "models"),
+        (rlm.inference.checkpoint, "load_checkpoint", "models"),
         (rlm.data.corpus, "load_corpus", "corpus scan"),
         (rlm.inference.indexing, "prebuilt_index", "index read and checks"),
         (app.service.QAService, "warm_up", "warm-up"),
@@ -357,7 +357,7 @@ def retrieval(service) -> Callable[[str], dict]:
     searched, the passages read by offset."""
     import torch
 
-    from rlm.inference.evaluation import autocast
+    from rlm.inference.device import autocast
 
     def retrieve(question: str) -> dict:
         with torch.inference_mode(), autocast(service.reader.device, service.bf16):
@@ -443,7 +443,7 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     """In the fresh process: start the service as `rlm demo` does, then measure it (with `--latency`)."""
     import torch
 
-    from app.service import QAService
+    from app.service import QAService, ServiceOptions
     from rlm.data.qa import read_qa_jsonl
     from rlm.experiments.benchmarking import PeakRSS
 
@@ -455,13 +455,8 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     imported = time.time()
     phases: dict = {}
     with timed_phases(phases), PeakRSS() as peak:
-        service = QAService.from_checkpoint(
-            args.checkpoint,
-            corpus_path=args.corpus,
-            examples_path=args.questions,
-            index_path=args.index,
-            device=args.device,
-        )
+        options = ServiceOptions(device=args.device, index_path=args.index, examples_path=args.questions)
+        service = QAService.from_checkpoint(args.checkpoint, args.corpus, options)
     ready = time.time()
     read = phases.pop("index read")
     checks = phases.pop("index read and checks")

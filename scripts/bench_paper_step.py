@@ -13,7 +13,7 @@ Each strategy (corrector h2048 / h4096 / h8192, stale, exhaustive) runs the real
 on `configs/base_gpu.yaml` (bf16 autocast on CUDA, the reader gradient-checkpointed as that config says, AdamW
 per component, the buffer placed as training places it) with these components in place of the hub's, then
 `rlm.train.train_step` (refresh if due, the accumulation window through `algorithm2_step`, clipping, the
-optimizer step). Reported per strategy: seconds per phase (the step's `model.timer` hooks, the GPU synchronised
+optimizer step). Reported per strategy: seconds per phase (the step's `model.timer` laps, CUDA events
 at each), peak accelerator memory, steps/s; the analogue of the paper's Table 2 (exhaustive's re-embedding of
 the N rows every R = 500 steps amortised at the measured passage-embedding rate); and a projection to 8 GPUs:
 the measured per-device step plus a ring all-reduce of the trainable parameters' gradients at an assumed bus
@@ -39,7 +39,6 @@ from typing import NamedTuple
 from rlm.experiments.benchmarking import (
     T5_BASE,
     TINY_T5,
-    PhaseTimer,
     SyntheticCorpus,
     TimeLimitExceeded,
     clustered_buffer,
@@ -238,7 +237,7 @@ def build_paper_run(name: str, args, world: World):
     from retriever.corrector import CorrectorNetwork
     from retriever.encoder import DualEncoder
     from rlm import components
-    from rlm.config import USES_CORRECTOR
+    from rlm.config import STRATEGY_FACTS
     from rlm.training import run as run_module
 
     shape, tok = MODELS[args.model], world.tokenizer
@@ -258,7 +257,7 @@ def build_paper_run(name: str, args, world: World):
             retriever = components.build_retriever(cfg)
             fid = components.build_reader(cfg, world.corpus, world.examples, accelerator)
             corrector = None
-            if cfg.strategy.name in USES_CORRECTOR:  # as build_components makes it
+            if STRATEGY_FACTS[cfg.strategy.name].uses_corrector:  # as build_components makes it
                 c = cfg.corrector
                 hidden = c.hidden_dim or c.hidden_mult * world.buffer.dim
                 corrector = CorrectorNetwork(world.buffer.dim, hidden, c.num_hidden_layers, linear=c.linear)
@@ -312,7 +311,9 @@ def timed_steps(run, args, record: dict, results: dict) -> None:
     if "shapes" not in results:
         results["shapes"] = batch_shapes(run, args)
     sync = synchronizer(run)
-    run.raw.timer = timer = PhaseTimer(sync)
+    from rlm.training.throughput import PhaseTimer
+
+    run.raw.timer = timer = PhaseTimer(run.accelerator.device)
     run.model.train()
     if cuda:
         record["memory_after_build_gib"] = torch.cuda.memory_allocated() / GIB
@@ -322,8 +323,7 @@ def timed_steps(run, args, record: dict, results: dict) -> None:
         start = time.perf_counter()
         finite = train_step(run) is not None
         sync()
-        total, phases = time.perf_counter() - start, dict(timer)
-        timer.clear()
+        total, phases = time.perf_counter() - start, timer.take()
         phases[OTHER] = total - sum(phases.values())
         warmup = step < args.warmup  # kept: a strategy cut short after it still has a figure
         record["steps"].append({"step_s": total, "phases": phases, "finite": finite, "warmup": warmup})
@@ -588,7 +588,7 @@ def markdown(results: dict) -> str:
             f"## Seconds per phase of one optimizer step (the median of {args['steps']}, after {args['warmup']} "
             "warm-up)",
             phase_table(results),
-            "Phases are the step's `model.timer` hooks summed over the micro-steps (on a GPU, synchronised at each "
+            "Phases are the step's `model.timer` laps summed over the micro-steps (on a GPU, CUDA events at each "
             f"boundary); `{OTHER}` is the rest of `train_step`: backward, clipping, AdamW, the batches. Peak memory: "
             "`torch.cuda.max_memory_allocated` over the steps (null on a CPU).",
             f"## Table 2 analogue on this device (exhaustive: {results['buffer']['rows']:,} rows re-embedded every "

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 
 from rlm.config import load_config
-from rlm.experiments.benchmarking import PhaseTimer, median_of
+from rlm.experiments.benchmarking import median_of
 from rlm.experiments.reporting import ROOT, arguments, int_list, results_path, table, write_report
 
 # torch and the training code are imported where they run: `--help` needs neither (~8 CPU-s).
@@ -35,16 +35,16 @@ PHASES = ["select", "retriever", "reader_scoring", "reader", "corrector", "backw
 def step_phases(run, args) -> dict:
     """Median seconds per phase of the measured steps; the time no phase timed is `backward+optimizer`."""
     from rlm.train import train_step
+    from rlm.training.throughput import PhaseTimer
 
-    run.raw.timer = timer = PhaseTimer()
+    run.raw.timer = timer = PhaseTimer(run.accelerator.device)
     run.strategy.before_step = timer("reembed")(run.strategy.before_step)  # refreshes timed as "reembed"
     run.model.train()
     steps = []
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
         train_step(run)
-        total, phases = time.perf_counter() - start, dict(timer)
-        timer.clear()
+        total, phases = time.perf_counter() - start, timer.take()
         phases["backward+optimizer"] = total - sum(phases.values())
         phases["step_total"] = total - phases.get("reembed", 0.0)
         if step >= args.warmup:

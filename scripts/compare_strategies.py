@@ -158,7 +158,7 @@ def effective_precision(cfg) -> str:
 
 def run_precision(cfg):
     """The autocast the runs' forward passes use (`effective_precision`), for what is measured outside."""
-    from rlm.inference.evaluation import autocast
+    from rlm.inference.device import autocast
 
     return autocast("cpu" if cfg.cpu else None, effective_precision(cfg) == "bf16")
 
@@ -228,7 +228,9 @@ def gold_passage_em(cfg, out_dir: Path) -> float:
     retrieval were perfect (the paper's 'reader EM with gold passages')."""
     from rlm.components import load_dev_examples, resolve_data
     from rlm.data.corpus import load_corpus
-    from rlm.inference.evaluation import evaluate_reader, load_checkpoint, read, with_gold_passages
+    from rlm.inference.checkpoint import load_checkpoint
+    from rlm.inference.evaluation import evaluate_reader
+    from rlm.inference.reading import read, with_gold_passages
 
     dev, reader = load_dev_examples(cfg), load_checkpoint(out_dir / "final", need_retriever=False)[1]
     gold = with_gold_passages(dev, None, num_passages=0)

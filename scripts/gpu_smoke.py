@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from accelerate.state import AcceleratorState
 
-from app.service import QAService
+import rlm.inference.checkpoint
+from app.service import QAService, ServiceOptions
 from retriever.buffer import resolve_precision
 from retriever.index import PassageIndex
 from retriever.search import corrected_topk
@@ -48,7 +49,6 @@ from rlm import cli, train
 from rlm.config import BufferConfig, load_config
 from rlm.experiments import reporting
 from rlm.experiments.benchmarking import corrector_moving, overlap
-from rlm.inference import evaluation
 from rlm.precision import cpu_bf16_support
 from rlm.training.accelerator import LOSS_KEYS
 from rlm.training.run import build_run
@@ -525,7 +525,7 @@ class Smoke:
         args += ["--k", "5"]
         args += ["--data-path", str(self.work / "toy"), "--index", "corrected", "--device", str(self.device)]
         args += ["--out", str(out), "--no-progress", *(["--bf16"] if bf16 else [])]
-        with recording(evaluation, "load_checkpoint") as loaded:
+        with recording(rlm.inference.checkpoint, "load_checkpoint") as loaded:
             code, printed = echoed(cli.main, args)
         check(code == 0, f"rlm evaluate exited {code}")
         retriever, reader, _ = loaded[0]
@@ -544,7 +544,8 @@ class Smoke:
 
     def qa_service_stage(self) -> tuple[str, dict]:
         bf16 = self.cuda
-        service = QAService.from_checkpoint(self.checkpoint, device=self.device, bf16=bf16)
+        options = ServiceOptions(device=str(self.device), bf16=bf16)
+        service = QAService.from_checkpoint(self.checkpoint, options=options)
         self.check_on_device("QAService models", service.retriever, service.reader)
         check(service.bf16 == bf16, f"QAService bf16={service.bf16}, asked {bf16}")
         question = service.examples[0] if service.examples else "Where was the founder born?"

@@ -63,17 +63,65 @@ def hashed_files(monkeypatch) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def tiny_world(tmp_path_factory) -> Path:
+    """A folder holding the tiny training run's inputs (tests/tiny_run.py): its 120-passage toy world (`toy/`),
+    the tiny retriever (`tiny_retriever/`) and the buffer that retriever embeds (`buffer/`), built once per
+    pytest-xdist worker for every test file that reads them. Shared, so read-only: a run over it writes its
+    own folder (`tiny_overrides(tiny_world, tmp_path / "run")`)."""
+    from tiny_run import tiny_overrides
+
+    from rlm.components import build_components
+    from rlm.config import load_config
+
+    root = tmp_path_factory.mktemp("tiny_world")
+    parts = build_components(load_config(None, tiny_overrides(root, root / "run", "cpu=true")))
+    assert len(parts.buffer) == len(parts.corpus) == 120
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_quickstart(tmp_path_factory) -> Path:
+    """The run folder of a tiny `rlm quickstart --no-serve --no-baselines` (tests/tiny_run.py's
+    TINY_QUICKSTART: 150 passages, 3 steps, 8 dev questions), run once per pytest-xdist worker for the
+    quickstart, app, answer-policy and corrected-index tests; what it printed is in `printed.txt`. Shared: a
+    test adds files of its own to it (an evaluation's output, the index the app caches beside the checkpoint)
+    and changes a file of the run only in a copy."""
+    import contextlib
+    import io
+
+    from tiny_run import TINY_QUICKSTART, as_set_args
+
+    from rlm.cli import main
+
+    out = tmp_path_factory.mktemp("tiny_quickstart") / "quickstart"
+    argv = [
+        "quickstart",
+        "--no-serve",
+        "--no-baselines",
+        "--output-dir",
+        str(out),
+        *as_set_args(TINY_QUICKSTART),
+    ]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    (out / "printed.txt").write_text(printed.getvalue())
+    return out
+
+
+@pytest.fixture(scope="session")
 def two_process_run(tmp_path_factory) -> Path:
-    """A root holding tests/test_run_lifecycle.py's uninterrupted 6-step run on two processes of one machine
-    (`accelerate launch`, cpu_2proc.yaml) in `reference/`, with the toy world, tiny retriever and buffer it
-    built. Launched once for the two tests that compare with it: a run stopped by SIGTERM and resumed
-    (test_run_lifecycle.py) and a run over two machines of one process each (test_multinode.py); once for
-    all pytest-xdist workers too (the first to ask launches it, under a lock, in their common folder)."""
+    """A root holding the tiny run (tests/tiny_run.py's `train_args`) trained uninterrupted for 6 steps on two
+    processes of one machine (`accelerate launch`, cpu_2proc.yaml) in `reference/`, with the toy world, tiny
+    retriever and buffer it built. Launched once for the two tests that compare with it: a run stopped by
+    SIGTERM and resumed (test_run_lifecycle.py) and a run over two machines of one process each
+    (test_multinode.py); once for all pytest-xdist workers too (the first to ask launches it, under a lock, in
+    their common folder). Tests add runs of their own beside `reference/`, which none changes."""
     import subprocess
 
     from filelock import FileLock  # a dependency of torch
-    from test_run_lifecycle import launch_two
-    from test_train_multiprocess import env
+    from local_port import launch_env
+    from tiny_run import launch_two
 
     base = shared_basetemp(tmp_path_factory)
     root = base / "two_processes"
@@ -82,7 +130,7 @@ def two_process_run(tmp_path_factory) -> Path:
             shutil.rmtree(root, ignore_errors=True)  # a launch that failed before
             root.mkdir()
             done = subprocess.run(
-                launch_two(root, "reference"), capture_output=True, text=True, env=env(), timeout=600
+                launch_two(root, "reference"), capture_output=True, text=True, env=launch_env(), timeout=600
             )
             assert done.returncode == 0, done.stderr[-3000:]
     return root

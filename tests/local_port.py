@@ -6,11 +6,14 @@ in use. tests/test_layering.py holds the tests to building their launches here."
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+CPU_2PROC = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")  # Linux; elsewhere its default, 32768
 
 
@@ -43,3 +46,20 @@ def torchrun(processes: int, *args: str) -> list[str]:
     """`torchrun --nproc_per_node PROCESSES ARGS` on a free port."""
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     return [*run, "--master_port", str(free_port()), *args]
+
+
+def two_processes(*program: str) -> list[str]:
+    """`accelerate launch` of PROGRAM on two CPU processes of one machine (cpu_2proc.yaml), as the README
+    launches it."""
+    return accelerate_launch(CPU_2PROC, *program)
+
+
+def launch_env() -> dict:
+    """The environment a launch runs in: offline, one torch thread per process, this checkout importable."""
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None, end_training: bool = True) -> None:
             embedded = []
             for s in range(step + 1):
                 strategy.before_step(s, lambda rows, embedded=embedded: _count(embedded, run.reembed(rows)))
-            top = strategy.select(queries, model.corrector, num_random=3 if forced else 0, **extra)
+            h = model.corrector if strategy.uses_corrector else None
+            top = strategy.select(queries, h, num_random=3 if forced else 0, **extra)
             record[mode] = {
                 "rows": top.indices.tolist(),
                 "scores": top.scores.tolist(),
@@ -101,11 +102,11 @@ def main(argv: list[str] | None = None, end_training: bool = True) -> None:
             }
             if mode == "sharded":
                 # A resumed process reads the refreshed rows back from the run folder: the same selection.
-                plain = strategy.select(queries, model.corrector, **extra)
+                plain = strategy.select(queries, h, **extra)
                 again = make_strategy(scfg, run.strategy.buffer, max_steps=4, seed=cfg.seed)
                 again.distribute(procs, True, None, refresh_dir=folder)
                 again.load_state_dict(strategy.state_dict())
-                resumed = again.select(queries, model.corrector, **extra)
+                resumed = again.select(queries, h, **extra)
                 record["resumed_same"] = bool(torch.equal(plain.indices, resumed.indices))
         results.append(record)
     # Validation, sharded (each process embeds half the passages and reads half the questions) and whole.

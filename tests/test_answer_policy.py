@@ -10,7 +10,6 @@ import shutil
 import numpy as np
 import pytest
 from local_port import free_port
-from test_quickstart import build_tiny_quickstart
 
 from rlm.errors import UserError
 from rlm.inference.answer_policy import (
@@ -160,7 +159,7 @@ def test_fitting_needs_right_and_wrong_answers():
 
 
 @pytest.fixture(scope="module")
-def calibrated(tmp_path_factory):
+def calibrated(tmp_path_factory, tiny_quickstart):
     """(checkpoint folder, toy world folder): a copy of the tiny quickstart's checkpoint with an answer policy
     fitted on its real answer signals (dev questions and dev_unanswerable). The tiny reader answers no dev
     question right, so the labels are stand-ins (every other answerable question counts as right): what these
@@ -168,7 +167,7 @@ def calibrated(tmp_path_factory):
     from app.service import QAService
     from rlm.commands.calibrate import fit_questions
 
-    run = build_tiny_quickstart(tmp_path_factory.getbasetemp())
+    run = tiny_quickstart
     final = tmp_path_factory.mktemp("calibrated") / "final"
     shutil.copytree(run / "final", final)
     examples, extra, _ = fit_questions(final, "toy", "dev", str(run / "toy_world"), "auto", 40)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 from local_port import free_port
-from test_quickstart import build_tiny_quickstart
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +39,10 @@ CHROMIUM_FLAGS = [
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(request) -> Path:
     if os.environ.get("RLM_DEMO_CHECKPOINT"):
         return Path(os.environ["RLM_DEMO_CHECKPOINT"])
-    return build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+    return request.getfixturevalue("tiny_quickstart") / "final"
 
 
 @pytest.fixture(scope="module")

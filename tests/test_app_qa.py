@@ -7,17 +7,17 @@ import re
 import shutil
 
 import pytest
-from test_quickstart import build_tiny_quickstart
 
 from app.demo import highlight, launch_kwargs, passages_html, render, respond
-from app.service import INDEX_CACHE, InvalidQuestion, QAService, corpus_from_config
+from app.service import INDEX_CACHE, InvalidQuestion, QAService, ServiceOptions, corpus_from_config
+from rlm.errors import UserError
 
 pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
 
 
 @pytest.fixture(scope="session")
-def service(tmp_path_factory) -> QAService:
-    run = build_tiny_quickstart(tmp_path_factory.getbasetemp())
+def service(tiny_quickstart) -> QAService:
+    run = tiny_quickstart
     return QAService.from_checkpoint(run / "final")
 
 
@@ -53,10 +53,10 @@ def test_answer_carries_the_readers_confidence_and_the_page_warns_when_it_is_low
     assert sure.startswith("confidence 93% (chance of being right) · ") and "⚠️" not in sure
 
 
-def test_gold_passage_is_retrieved_for_a_dev_question(service, tmp_path_factory):
+def test_gold_passage_is_retrieved_for_a_dev_question(service, tiny_quickstart):
     from rlm.data.qa import read_qa_jsonl
 
-    run = build_tiny_quickstart(tmp_path_factory.getbasetemp())
+    run = tiny_quickstart
     example = read_qa_jsonl(run / "toy_world" / "dev.jsonl")[0]
     assert example.question == service.examples[0]  # examples come from the dev split next to the corpus
     ids = [p["id"] for p in service.answer(example.question, 5)["passages"]]
@@ -78,8 +78,8 @@ def test_empty_and_oversized_questions_are_refused_with_a_message(service):
     assert "limit" in respond(service, "y" * 1000, 3)[1]
 
 
-def test_index_is_cached_in_the_checkpoint_and_reused(service, tmp_path_factory):
-    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+def test_index_is_cached_in_the_checkpoint_and_reused(service, tiny_quickstart):
+    final = tiny_quickstart / "final"
     # The checkpoint is shared by the session's tests: an h(B) index (corrected-*) may sit beside this one.
     cached = [d for d in (final / INDEX_CACHE).iterdir() if not d.name.startswith("corrected-")]
     assert len(cached) == 1 and (cached[0] / "index.faiss").is_file()
@@ -128,8 +128,8 @@ def test_launch_policy_binds_localhost_and_serves_no_files(tmp_path):
     assert str(tmp_path.resolve()) in kwargs["blocked_paths"]
 
 
-def test_service_survives_a_deleted_index_cache(service, tmp_path_factory):
-    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+def test_service_survives_a_deleted_index_cache(service, tiny_quickstart):
+    final = tiny_quickstart / "final"
     shutil.rmtree(final / INDEX_CACHE)
     rebuilt = QAService.from_checkpoint(final)
     assert rebuilt.answer(service.examples[1], 2)["k"] == 2
@@ -197,39 +197,38 @@ def test_a_question_that_breaks_the_service_fails_only_its_own_row(service, monk
         assert results[row]["question"] == questions[row] and passages[row].count('class="passage"') == 2
 
 
-def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tmp_path_factory, tmp_path):
+def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tiny_quickstart, tmp_path):
     import numpy as np
 
     from retriever.index import PassageIndex
 
-    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+    final = tiny_quickstart / "final"
     prebuilt = tmp_path / "index"
     service.index.save(prebuilt)
-    reused = QAService.from_checkpoint(final, index_path=prebuilt)
+    reused = QAService.from_checkpoint(final, options=ServiceOptions(index_path=prebuilt))
     assert reused.index.ids == service.index.ids
     # A compressed index keeps its tuned search parameters; the service's own override wins.
     embeddings = np.stack([service.index.index.reconstruct(i) for i in range(service.index.ntotal)])
     ivf = PassageIndex.build(embeddings, service.index.ids, factory="IVF8,Flat")
     ivf.set_search_params({"nprobe": 4})
     ivf.save(tmp_path / "ivf")
-    assert QAService.from_checkpoint(final, index_path=tmp_path / "ivf").index.search_params == {"nprobe": 4}
-    wider = QAService.from_checkpoint(final, index_path=tmp_path / "ivf", index_search={"nprobe": 8})
-    assert wider.index.search_params == {"nprobe": 8}
+    ivf_options = ServiceOptions(index_path=tmp_path / "ivf")
+    assert QAService.from_checkpoint(final, options=ivf_options).index.search_params == {"nprobe": 4}
+    wider = ServiceOptions(index_path=tmp_path / "ivf", index_search={"nprobe": 8})
+    assert QAService.from_checkpoint(final, options=wider).index.search_params == {"nprobe": 8}
 
     other = PassageIndex.build(np.eye(3, service.index.dim, dtype=np.float32), ["a", "b", "c"])
     other.save(tmp_path / "other")
     with pytest.raises(ValueError, match="holds 3 passages but the corpus has"):
-        QAService.from_checkpoint(final, index_path=tmp_path / "other")
+        QAService.from_checkpoint(final, options=ServiceOptions(index_path=tmp_path / "other"))
 
 
-def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(
-    service, tmp_path_factory, hashed_files
-):
+def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(service, tiny_quickstart, hashed_files):
     import os
 
     from app.service import FINGERPRINT_CACHE
 
-    final = build_tiny_quickstart(tmp_path_factory.getbasetemp()) / "final"
+    final = tiny_quickstart / "final"
     assert (final / FINGERPRINT_CACHE).is_file()  # written by the first start
     hashed = hashed_files
     index_file = next((final / INDEX_CACHE).glob("*/index.faiss"))
@@ -246,3 +245,41 @@ def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(
     assert hashed == [str(corpus_file)], "a changed mtime is rehashed"
     assert touched.corpus.fingerprint == service.corpus.fingerprint
     assert index_file.stat().st_mtime_ns == stamp  # same bytes, same key: the cached index is reused
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (
+            {"index_path": "index", "corrected_buffer": True},
+            "--index and --corrected-buffer exclude each other",
+        ),
+        ({"buffer_path": "buffer"}, "--buffer only goes with --corrected-buffer"),
+        ({"index_search": {"nprobe": 8}}, "--nprobe and --ef-search go with --index"),
+        ({"num_examples": -1}, "num_examples must be a whole number >= 0, got -1"),
+        ({"device": "gpu"}, "unknown device 'gpu': use cpu, cuda or cuda:N"),
+    ],
+)
+def test_service_options_refuse_what_cannot_run_when_made(options, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        ServiceOptions(**options)
+
+
+def test_the_service_loads_through_the_checkpoint_module_and_never_imports_the_evaluation(tiny_quickstart):
+    """What the demo imports to answer is loading, device, indexing and the answer policy: not `rlm evaluate`'s
+    metrics and records (a fresh process, so nothing another test imported counts)."""
+    import subprocess
+    import sys
+
+    final = tiny_quickstart / "final"
+    script = (
+        "import sys\n"
+        "from app.service import QAService\n"
+        f"service = QAService.from_checkpoint({str(final)!r})\n"
+        "assert service.answer(service.examples[0], 2)['passages']\n"
+        "print(sorted(m for m in sys.modules if m.startswith('rlm.inference')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = done.stdout.strip().splitlines()[-1]
+    assert "'rlm.inference.checkpoint'" in loaded and "'rlm.inference.evaluation'" not in loaded, loaded

@@ -14,7 +14,6 @@ from script_loader import load_script
 from rlm.config import load_config
 from rlm.experiments.benchmarking import (
     T5_BASE,
-    PhaseTimer,
     SyntheticCorpus,
     TimeLimitExceeded,
     ring_allreduce_seconds,
@@ -141,17 +140,6 @@ def test_time_limit_interrupts_a_long_block_even_one_that_catches_exceptions():
             # What library code does to carry on past an error must not swallow the limit.
             with contextlib.suppress(Exception, OSError):
                 sum(range(1000))
-
-
-def test_phase_timer_synchronizes_at_both_ends_of_a_phase():
-    calls = []
-    timer = PhaseTimer(lambda: calls.append("sync"))
-    with timer("select"):
-        calls.append("work")
-    with timer("select"):
-        pass
-    assert calls == ["sync", "work", "sync", "sync", "sync"]
-    assert set(timer) == {"select"} and timer["select"] >= 0
 
 
 def test_ring_allreduce_moves_each_byte_over_two_p_minus_one_over_p_links():

@@ -8,20 +8,19 @@ import shutil
 
 import pytest
 import torch
-from test_quickstart import build_tiny_quickstart
 
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from retriever.search import corrected_topk
 from rlm.cli import main
 from rlm.data.corpus import load_corpus
+from rlm.inference.checkpoint import load_checkpoint
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir
-from rlm.inference.evaluation import load_checkpoint
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return build_tiny_quickstart(tmp_path_factory.getbasetemp())
+def run(tiny_quickstart):
+    return tiny_quickstart
 
 
 def with_moving_corrector(run, tmp_path):
@@ -102,7 +101,7 @@ def test_a_buffer_of_another_corpus_or_a_run_without_corrector_is_refused(run, t
 
 
 def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
-    from app.service import INDEX_CACHE, QAService
+    from app.service import INDEX_CACHE, QAService, ServiceOptions
 
     final = run / "final"
     out = run / "evaluate_corrected"
@@ -121,12 +120,13 @@ def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
     assert metrics["num_questions"] == 8 and 0.0 <= metrics["exact_match"] <= 1.0 and "recall@5" in metrics
     assert main([*argv, "--buffer", str(run)]) == 2  # --buffer without --index corrected
 
-    service = QAService.from_checkpoint(final, corrected_buffer=True)
+    over_hb = ServiceOptions(corrected_buffer=True)
+    service = QAService.from_checkpoint(final, options=over_hb)
     result = service.answer(service.examples[0], 3)
     assert len(result["passages"]) == 3 and isinstance(result["answer"], str)
     cached = [p.name for p in (final / INDEX_CACHE).iterdir() if p.name.startswith("corrected-")]
     assert len(cached) == 1
-    again = QAService.from_checkpoint(final, corrected_buffer=True)  # from the cache: the same passages
+    again = QAService.from_checkpoint(final, options=over_hb)  # from the cache: the same passages
     assert [p["id"] for p in again.answer(service.examples[0], 3)["passages"]] == [
         p["id"] for p in result["passages"]
     ]

@@ -9,24 +9,27 @@ from rlm.inference.metrics import has_answer
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def toy_world_3000(tmp_path_factory):
+    """The generator's world at its default options and 3000 passages, seed 3: large enough for the statistics
+    tested here (split sizes, near-twin names, question types) to hold. Its own, not the session's tiny world,
+    since what is tested is the generator itself."""
     return build_toy_world(tmp_path_factory.mktemp("toy"), num_passages=3000, seed=3)
 
 
-def test_exact_size_and_deterministic(world, tmp_path):
-    corpus = load_corpus(world.corpus)
+def test_exact_size_and_deterministic(toy_world_3000, tmp_path):
+    corpus = load_corpus(toy_world_3000.corpus)
     assert len(corpus) == 3000
     again = build_toy_world(tmp_path / "again", num_passages=3000, seed=3)
     for name in ("corpus.jsonl", "train.jsonl", "dev.jsonl", "test.jsonl", "world.json"):
-        assert (world.root / name).read_bytes() == (again.root / name).read_bytes(), name
+        assert (toy_world_3000.root / name).read_bytes() == (again.root / name).read_bytes(), name
     other = build_toy_world(tmp_path / "other", num_passages=3000, seed=4)
-    assert other.corpus.read_bytes() != world.corpus.read_bytes()
+    assert other.corpus.read_bytes() != toy_world_3000.corpus.read_bytes()
 
 
-def test_gold_passages_support_the_answer(world):
-    corpus = load_corpus(world.corpus)
+def test_gold_passages_support_the_answer(toy_world_3000):
+    corpus = load_corpus(toy_world_3000.corpus)
     for split in ("train", "dev", "test"):
-        for q in load_qa_dataset("toy", split, world.root):
+        for q in load_qa_dataset("toy", split, toy_world_3000.root):
             gold = [corpus[corpus.index_of(pid)] for pid in q.gold_passage_ids]
             assert len(gold) == q.meta["hops"]
             # The answer is in the last hop's passage; the first hop names the bridge entity.
@@ -36,9 +39,9 @@ def test_gold_passages_support_the_answer(world):
             assert not has_answer(q.question, q.answers)
 
 
-def test_dev_and_test_use_held_out_entities(world):
-    corpus = load_corpus(world.corpus)
-    splits = {s: load_qa_dataset("toy", s, world.root) for s in ("train", "dev", "test")}
+def test_dev_and_test_use_held_out_entities(toy_world_3000):
+    corpus = load_corpus(toy_world_3000.corpus)
+    splits = {s: load_qa_dataset("toy", s, toy_world_3000.root) for s in ("train", "dev", "test")}
     titles = {
         s: {corpus[corpus.index_of(pid)].title for q in qs for pid in q.gold_passage_ids}
         for s, qs in splits.items()
@@ -49,8 +52,8 @@ def test_dev_and_test_use_held_out_entities(world):
     assert 0.05 < len(splits["dev"]) / len(splits["train"]) < 0.25
 
 
-def test_passages_are_short_and_twins_exist(world):
-    corpus = load_corpus(world.corpus)
+def test_passages_are_short_and_twins_exist(toy_world_3000):
+    corpus = load_corpus(toy_world_3000.corpus)
     lengths = [len(text.split()) for text in corpus.retrieval_texts()]
     assert min(lengths) >= 8 and max(lengths) <= 40
     assert 12 <= sum(lengths) / len(lengths) <= 25
@@ -68,8 +71,8 @@ def test_passages_are_short_and_twins_exist(world):
     assert near > 0.1 * len(names)
 
 
-def test_manifest_and_options(world, tmp_path):
-    manifest = json.loads(world.manifest.read_text())
+def test_manifest_and_options(toy_world_3000, tmp_path):
+    manifest = json.loads(toy_world_3000.manifest.read_text())
     assert manifest["counts"]["passages"] == 3000
     assert len(manifest["answer_vocab"]["cities"]) == 24
     small = build_toy_world(
@@ -111,8 +114,10 @@ def _by_title(corpus) -> dict:
     return by_title
 
 
-def test_kin_facts_restate_each_asked_relation_about_a_relative_never_with_the_answer(world, tmp_path):
-    plain = load_corpus(world.corpus)
+def test_kin_facts_restate_each_asked_relation_about_a_relative_never_with_the_answer(
+    toy_world_3000, tmp_path
+):
+    plain = load_corpus(toy_world_3000.corpus)
     by_title = _by_title(plain)
     assert not any(_kin_passages(plain, p.title, by_title) for p in list(plain)[:300])
     types = ("born_in", "occupation", "located_in")

@@ -44,24 +44,21 @@ def reader():
 
 
 @pytest.fixture(scope="module")
-def retriever(tmp_path_factory):
+def retriever(tiny_world):
     """The tiny retriever in MiniLM's layout (tests/tiny_run.py): placement does not depend on the weights."""
-    from tiny_run import tiny_retriever
-
     from retriever.encoder import DualEncoder
 
-    folder = tiny_retriever(tmp_path_factory.mktemp("retriever") / "tiny")
-    return DualEncoder.from_pretrained(str(folder), max_length=32).eval()
+    return DualEncoder.from_pretrained(str(tiny_world / "tiny_retriever"), max_length=32).eval()
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def corpus_and_dev(tiny_world):
+    """The tiny world's corpus and 3 of its dev questions."""
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
-    from rlm.data.toy_world import build_toy_world
 
-    paths = build_toy_world(tmp_path_factory.mktemp("world"), num_passages=100, max_questions={"dev": 3})
-    return load_corpus(paths.corpus), load_qa_dataset("toy", "dev", paths.root)
+    toy = tiny_world / "toy"
+    return load_corpus(toy / "corpus.jsonl"), load_qa_dataset("toy", "dev", toy)[:3]
 
 
 def search_inputs(dim=8, n=90, batch=3, seed=0):
@@ -241,10 +238,10 @@ def test_encoder_moves_tokens_to_its_towers(retriever):
 # ---- evaluation, validation and the demo ----------------------------------------------------------
 
 
-def test_run_evaluation_with_towers_and_reader_on_a_device(retriever, reader, world):
+def test_run_evaluation_with_towers_and_reader_on_a_device(retriever, reader, corpus_and_dev):
     from rlm.inference.evaluation import run_evaluation
 
-    corpus, dev = world
+    corpus, dev = corpus_and_dev
     ref = run_evaluation(dev, corpus, retriever, reader, k=5, num_passages=2, batch_size=2)
     with simulated_accelerator(retriever, reader):
         got = run_evaluation(dev, corpus, retriever, reader, k=5, num_passages=2, batch_size=2)
@@ -255,11 +252,11 @@ def test_run_evaluation_with_towers_and_reader_on_a_device(retriever, reader, wo
     assert [r["prediction"] for r in got.records] == [r["prediction"] for r in ref.records]
 
 
-def test_validate_with_towers_and_reader_on_a_device(retriever, reader, world):
+def test_validate_with_towers_and_reader_on_a_device(retriever, reader, corpus_and_dev):
     from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
     from rlm.training.validation import validate
 
-    corpus, dev = world
+    corpus, dev = corpus_and_dev
     model = SimpleNamespace(retriever=retriever, reader=reader)
     cfg = TrainConfig(
         strategy=StrategyConfig(name="corrector", k=3),
@@ -272,14 +269,14 @@ def test_validate_with_towers_and_reader_on_a_device(retriever, reader, world):
     assert got == pytest.approx(ref) and "dev_exact_match" in got and "dev_recall@5" in got
 
 
-def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retriever, reader, world):
+def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retriever, reader, corpus_and_dev):
     """`eval_selection`: dev questions answered from the corrector's <q, h(B)> with h, the towers and the reader
     on the accelerator and B on the host: the figures of a host run."""
     from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
     from rlm.training.strategies import make_strategy
     from rlm.training.validation import validate
 
-    corpus, dev = world
+    corpus, dev = corpus_and_dev
     buffer = PassageBuffer.from_embeddings(
         corpus.ids, retriever.passage_tower.encode(corpus.retrieval_texts()).half()
     )
@@ -306,11 +303,11 @@ def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retrie
     )
 
 
-def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, world):
+def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, corpus_and_dev):
     from app.service import QAService
     from rlm.inference.indexing import build_index, embed_corpus
 
-    corpus, dev = world
+    corpus, dev = corpus_and_dev
     index = build_index(embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids)
     service = QAService(retriever, reader, corpus, index, default_k=3)
     ref = service.answer(dev[0].question)

@@ -11,6 +11,8 @@ from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
 from rlm.inference import evaluation, indexing
+from rlm.inference.reading import with_gold_passages
+from rlm.inference.retrieval import Retrieved, retrieve
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +85,8 @@ def test_saved_index_is_reused_and_checked(setup, tmp_path):
     index = indexing.build_index(embeddings, corpus.ids)
     index.save(tmp_path / "index")
     loaded = indexing.load_index_for(tmp_path / "index", corpus.ids)
-    a = evaluation.retrieve(retriever.query_tower, index, [q.question for q in dev], k=5)
-    b = evaluation.retrieve(retriever.query_tower, loaded, [q.question for q in dev], k=5)
+    a = retrieve(retriever.query_tower, index, [q.question for q in dev], k=5)
+    b = retrieve(retriever.query_tower, loaded, [q.question for q in dev], k=5)
     assert a.ids == b.ids
     with pytest.raises(ValueError, match="row 3 is passage 'tw0000003' but the corpus has 'x'"):
         indexing.load_index_for(tmp_path / "index", [*corpus.ids[:3], "x", *corpus.ids[4:]])
@@ -122,14 +124,12 @@ def test_gold_passages_swapped_into_the_reading_list():
     from rlm.data.qa import QAExample
 
     examples = [QAExample("a", "q", ["x"], ["g1"]), QAExample("b", "q", ["x"], ["g2", "g3"])]
-    retrieved = evaluation.Retrieved(
-        ids=[["p1", "g1", "p2", "p3"], ["p4", "p5", "g3", "p6"]], scores=[[], []]
-    )
-    assert evaluation.with_gold_passages(examples, retrieved, 3) == [["p1", "g1", "p2"], ["p4", "g2", "g3"]]
-    assert evaluation.with_gold_passages(examples, None, 3) == [["g1"], ["g2", "g3"]]
-    assert evaluation.with_gold_passages(examples, retrieved, 1) == [["g1"], ["g2"]]
+    retrieved = Retrieved(ids=[["p1", "g1", "p2", "p3"], ["p4", "p5", "g3", "p6"]], scores=[[], []])
+    assert with_gold_passages(examples, retrieved, 3) == [["p1", "g1", "p2"], ["p4", "g2", "g3"]]
+    assert with_gold_passages(examples, None, 3) == [["g1"], ["g2", "g3"]]
+    assert with_gold_passages(examples, retrieved, 1) == [["g1"], ["g2"]]
     with pytest.raises(ValueError, match="question c has no gold passage ids"):
-        evaluation.with_gold_passages([QAExample("c", "q", ["x"])], None, 3)
+        with_gold_passages([QAExample("c", "q", ["x"])], None, 3)
 
 
 def test_gold_passage_mode_reads_gold(setup, tmp_path, capsys):

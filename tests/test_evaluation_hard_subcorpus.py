@@ -21,7 +21,11 @@ from rlm.training.hard_subcorpus import (
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, minilm_path):
+def world_and_minilm(tmp_path_factory, minilm_path):
+    """(paths, corpus, dev, MiniLM, folder) of a 200-passage world with 16 dev questions: its own, not the
+    session's tiny world (11 dev questions over 120 passages), so that H_5 stays a strict subset and a noisy
+    query tower's drop in gold recall@1 shows over enough questions. The test that changes MiniLM's weights
+    puts them back."""
     from retriever.encoder import DualEncoder
 
     root = tmp_path_factory.mktemp("hard")
@@ -30,8 +34,8 @@ def world(tmp_path_factory, minilm_path):
     return paths, load_corpus(paths.corpus), load_qa_dataset("toy", "dev", paths.root), retriever, root
 
 
-def test_hard_subcorpus_keeps_gold_and_initial_top_k(world, tmp_path):
-    paths, corpus, dev, retriever, _ = world
+def test_hard_subcorpus_keeps_gold_and_initial_top_k(world_and_minilm, tmp_path):
+    paths, corpus, dev, retriever, _ = world_and_minilm
     index = indexing.build_index(
         indexing.embed_corpus(retriever.passage_tower, corpus.retrieval_texts()), corpus.ids
     )
@@ -49,8 +53,8 @@ def test_hard_subcorpus_keeps_gold_and_initial_top_k(world, tmp_path):
         assert hard[key] == pytest.approx(full[key]), key
 
 
-def test_load_subcorpus_errors_name_the_line(world, tmp_path):
-    _, corpus, _, _, _ = world
+def test_load_subcorpus_errors_name_the_line(world_and_minilm, tmp_path):
+    _, corpus, _, _, _ = world_and_minilm
     bad = tmp_path / "ids.txt"
     bad.write_text("tw0000001\nnope\n")
     with pytest.raises(ValueError, match=r"ids\.txt:2: passage id 'nope' is not in"):
@@ -71,8 +75,8 @@ def test_rank_correlation():
 
 
 @pytest.mark.slow
-def test_track_checkpoints_and_script(world, tmp_path, capsys):
-    paths, corpus, dev, retriever, _ = world
+def test_track_checkpoints_and_script(world_and_minilm, tmp_path, capsys):
+    paths, corpus, dev, retriever, _ = world_and_minilm
     # Two checkpoints: the pretrained query tower and a noisy copy of it.
     clean = {k: v.clone() for k, v in retriever.query_tower.state_dict().items()}
     ckpts = []

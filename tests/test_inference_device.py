@@ -12,10 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from device_check import ACCELERATOR, simulated_accelerator
-from test_retriever_index_gpu import FakeGpu
+from faiss_gpu_fakes import FakeGpu
 
 from rlm.cli import main
-from rlm.inference import evaluation, indexing
+from rlm.inference import checkpoint, evaluation, indexing
+from rlm.inference.device import index_on_gpu, inference_bf16, inference_device
+from rlm.inference.reading import read
+from rlm.inference.retrieval import Retrieved
 from rlm.precision import Bf16Support, CpuBf16Warning
 
 META = torch.device("meta")
@@ -75,23 +78,23 @@ def tensor_devices(args, kwargs) -> set[torch.device]:
 
 
 def test_load_checkpoint_puts_the_towers_and_the_reader_on_the_requested_device(run, monkeypatch):
-    retriever, reader, config = evaluation.load_checkpoint(run.ckpt, device="meta")
+    retriever, reader, config = checkpoint.load_checkpoint(run.ckpt, device="meta")
     assert parameter_devices(retriever, reader) == {META} and config["reader"]["num_passages"] == 2
     # The default: the accelerator when there is one.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert evaluation.inference_device(None) == torch.device("cuda")
+    assert inference_device(None) == torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert evaluation.inference_device(None) == torch.device("cpu")
-    assert parameter_devices(*evaluation.load_checkpoint(run.ckpt)[:2]) == {torch.device("cpu")}
+    assert inference_device(None) == torch.device("cpu")
+    assert parameter_devices(*checkpoint.load_checkpoint(run.ckpt)[:2]) == {torch.device("cpu")}
 
 
 def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(run, monkeypatch):
     """Every tensor the towers and the reader get is on the device asked for: a CPU tensor there (the
     collator's, the tokenizer's) would fail on a GPU."""
-    from app.service import QAService
+    from app.service import QAService, ServiceOptions
 
     seen: dict[str, set] = {}
-    load = evaluation.load_checkpoint
+    load = checkpoint.load_checkpoint
 
     def stop_at(name):
         def hook(module, args, kwargs):
@@ -106,10 +109,10 @@ def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(
         retriever.query_tower.model.register_forward_pre_hook(stop_at("query tower"), with_kwargs=True)
         return retriever, reader, config
 
-    monkeypatch.setattr(evaluation, "load_checkpoint", hooked)
+    monkeypatch.setattr(checkpoint, "load_checkpoint", hooked)
     # The warm-up question is the first to reach the query tower.
     with pytest.raises(Reached, match="query tower"):
-        QAService.from_checkpoint(run.ckpt, index_path=run.index, device="meta")
+        QAService.from_checkpoint(run.ckpt, options=ServiceOptions(index_path=run.index, device="meta"))
     assert seen == {"parameters": {META}, "query tower": {META}}
 
     _, reader, _ = load(run.ckpt, need_retriever=False, device="meta")
@@ -119,9 +122,9 @@ def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(
         raise Reached("reader")
 
     monkeypatch.setattr(reader, "encode", encode)
-    retrieved = evaluation.Retrieved([list(run.corpus.ids[:2])], [[1.0, 0.5]])
+    retrieved = Retrieved([list(run.corpus.ids[:2])], [[1.0, 0.5]])
     with pytest.raises(Reached, match="reader"):
-        evaluation.read(reader, run.dev[:1], run.corpus, retrieved, num_passages=2)
+        read(reader, run.dev[:1], run.corpus, retrieved, num_passages=2)
     assert seen["reader"] == {META}
 
 
@@ -149,16 +152,16 @@ def test_h_of_b_runs_on_the_correctors_device_and_lands_on_the_host():
 
 
 def test_bf16_runs_on_an_accelerator_and_on_cpu_only_where_it_is_native():
-    assert evaluation.inference_bf16("cuda", True) is True
-    assert evaluation.inference_bf16("cpu", True, support=NATIVE) is True
+    assert inference_bf16("cuda", True) is True
+    assert inference_bf16("cpu", True, support=NATIVE) is True
     with pytest.warns(CpuBf16Warning, match="--bf16 ignored: bf16 is slow on this CPU.*float32"):
-        assert evaluation.inference_bf16("cpu", True, support=EMULATED) is False
-    assert evaluation.inference_bf16("cpu", False, support=NATIVE) is False
+        assert inference_bf16("cpu", True, support=EMULATED) is False
+    assert inference_bf16("cpu", False, support=NATIVE) is False
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "emulated"])
 def test_the_demo_service_answers_under_bf16_autocast_only_where_it_pays(run, monkeypatch, native):
-    from app.service import QAService
+    from app.service import QAService, ServiceOptions
 
     monkeypatch.setattr("rlm.precision.cpu_bf16_support", lambda probe=True: NATIVE if native else EMULATED)
     autocast: dict[str, tuple] = {}
@@ -169,7 +172,7 @@ def test_the_demo_service_answers_under_bf16_autocast_only_where_it_pays(run, mo
 
         return hook
 
-    load = evaluation.load_checkpoint
+    load = checkpoint.load_checkpoint
 
     def hooked(*args, **kwargs):
         retriever, reader, config = load(*args, **kwargs)
@@ -177,12 +180,13 @@ def test_the_demo_service_answers_under_bf16_autocast_only_where_it_pays(run, mo
         reader.model.get_encoder().register_forward_pre_hook(watch("reader"))
         return retriever, reader, config
 
-    monkeypatch.setattr(evaluation, "load_checkpoint", hooked)
+    monkeypatch.setattr(checkpoint, "load_checkpoint", hooked)
+    options = ServiceOptions(index_path=run.index, device="cpu", bf16=True)
     if native:
-        service = QAService.from_checkpoint(run.ckpt, index_path=run.index, device="cpu", bf16=True)
+        service = QAService.from_checkpoint(run.ckpt, options=options)
     else:
         with pytest.warns(CpuBf16Warning):
-            service = QAService.from_checkpoint(run.ckpt, index_path=run.index, device="cpu", bf16=True)
+            service = QAService.from_checkpoint(run.ckpt, options=options)
     assert service.bf16 is native
     assert autocast["query tower"][0] is autocast["reader"][0] is native  # the warm-up question
     if native:
@@ -192,19 +196,34 @@ def test_the_demo_service_answers_under_bf16_autocast_only_where_it_pays(run, mo
 # ---- the faiss index follows the models ---------------------------------------------------------------
 
 
+def test_the_faiss_index_follows_the_one_default_device_of_the_models(monkeypatch):
+    """`index_on_gpu(None)` asks `inference_device` where the models go: one default, not two to keep equal."""
+    from rlm.inference import device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # None: the index on a GPU when faiss sees one.
+    assert inference_device(None).type == "cuda" and index_on_gpu(None) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert inference_device(None).type == "cpu" and index_on_gpu(None) is False
+    monkeypatch.setattr(device, "inference_device", lambda d=None: torch.device(d or "cuda"))
+    # The models' default moved to the accelerator: the index goes with them.
+    assert index_on_gpu(None) is None
+    assert index_on_gpu("cpu") is False
+
+
 def test_the_index_goes_to_the_gpu_only_with_models_on_one(run, monkeypatch):
     """With faiss-gpu seeing a GPU, `rlm evaluate --device cpu` (models on the host) keeps its index on the
     host; models on the accelerator get it on the GPU."""
-    retriever, reader, _ = evaluation.load_checkpoint(run.ckpt, device="cpu")
+    retriever, reader, _ = checkpoint.load_checkpoint(run.ckpt, device="cpu")
     fake = FakeGpu(monkeypatch, ngpu=1)
     ref = evaluation.run_evaluation(run.dev, run.corpus, retriever, None, k=5)
     assert fake.all_gpus_calls == 0
-    assert indexing.load_index_for(run.index, run.corpus.ids, indexing.index_on_gpu("cpu")).on_gpu is False
+    assert indexing.load_index_for(run.index, run.corpus.ids, index_on_gpu("cpu")).on_gpu is False
     with simulated_accelerator(retriever):
         got = evaluation.run_evaluation(run.dev, run.corpus, retriever, None, k=5)
     assert fake.all_gpus_calls == 1
     assert [r["retrieved_ids"] for r in got.records] == [r["retrieved_ids"] for r in ref.records]
-    assert indexing.load_index_for(run.index, run.corpus.ids, indexing.index_on_gpu(ACCELERATOR)).on_gpu
+    assert indexing.load_index_for(run.index, run.corpus.ids, index_on_gpu(ACCELERATOR)).on_gpu
 
 
 # ---- the commands -------------------------------------------------------------------------------------
@@ -253,8 +272,8 @@ def test_rlm_demo_device_and_bf16_reach_the_service(monkeypatch, tmp_path):
 
     seen = {}
 
-    def from_checkpoint(checkpoint, *args, **kwargs):
-        seen.update(kwargs)
+    def from_checkpoint(checkpoint, corpus_path=None, options=None):
+        seen.update(vars(options))
         raise Reached("service")
 
     monkeypatch.setattr(QAService, "from_checkpoint", from_checkpoint)
@@ -265,6 +284,20 @@ def test_rlm_demo_device_and_bf16_reach_the_service(monkeypatch, tmp_path):
     with pytest.raises(Reached):
         main(["demo", "--checkpoint", str(tmp_path)])
     assert (seen["device"], seen["bf16"], seen["show_progress"]) == (None, False, True)
+
+
+def test_a_device_torch_does_not_know_is_one_error_line_before_anything_loads(run, monkeypatch, capsys):
+    from app.service import QAService
+
+    def from_checkpoint(*args, **kwargs):
+        raise AssertionError("the demo loaded a checkpoint for a device it cannot run on")
+
+    monkeypatch.setattr(QAService, "from_checkpoint", from_checkpoint)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    assert main(["demo", "--checkpoint", str(run.ckpt), "--device", "gpu"]) == 2
+    assert main(evaluate_argv(run, "--device", "gpu")) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: unknown device 'gpu': use cpu, cuda or cuda:N") == 2 and "Traceback" not in err
 
 
 # ---- progress bars ------------------------------------------------------------------------------------
@@ -286,8 +319,8 @@ def test_rlm_evaluate_shows_progress_over_the_corpus_the_index_and_the_reading_u
 
 
 def test_reading_batch_by_batch_answers_as_the_reader_does(run):
-    _, reader, _ = evaluation.load_checkpoint(run.ckpt, need_retriever=False, device="cpu")
+    _, reader, _ = checkpoint.load_checkpoint(run.ckpt, need_retriever=False, device="cpu")
     questions = [ex.question for ex in run.dev]
     expected = reader.answer_with_confidence(questions, [[] for _ in questions], batch_size=3)
-    got = evaluation.read(reader, run.dev, batch_size=3, with_confidence=True, show_progress=True)
+    got = read(reader, run.dev, batch_size=3, with_confidence=True, show_progress=True)
     assert got == expected and len(got) == 4

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from local_port import accelerate_launch, free_port
-from test_run_lifecycle import args, env, read_log, same_losses
+from local_port import CPU_2PROC, accelerate_launch, free_port, launch_env
+from tiny_run import read_log, same_losses, train_args
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_2PROC = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
 
 
 @pytest.mark.slow
@@ -34,12 +33,12 @@ def test_two_machines_of_one_process_train_what_one_machine_of_two_trains(two_pr
                     port=port,
                 ),
                 *program,
-                *args(root, "two_machines", "save_every=0"),
+                *train_args(root, "two_machines", "save_every=0"),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=env(),
+            env=launch_env(),
         )
         for rank in (0, 1)
     ]

@@ -36,16 +36,11 @@ def config(root: Path, out: str, strategy: str, *extra: str):
     return load_config(None, tiny_overrides(root, out, *SCHEDULE, f"strategy.name={strategy}", *extra))
 
 
-def train_run(cfg, **kwargs) -> dict:
-    from accelerate.state import AcceleratorState
+def train_run(cfg, prefix=None, prefix_out=None) -> dict:
+    """A run as the quickstart trains it: from scratch, through the prefix only, or from a prefix."""
+    from rlm.quickstart.concurrent_runs import train_one
 
-    from rlm.train import train
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        return train(cfg, **kwargs)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
+    return train_one(cfg, prefix=prefix, prefix_out=prefix_out)
 
 
 def losses(run_dir: Path) -> list[dict]:

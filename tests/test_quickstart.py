@@ -3,8 +3,6 @@ baseline cache and its labels. The tiny run's checkpoint is also what the app te
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 
@@ -29,28 +27,10 @@ from rlm.quickstart.pipeline import (
 TINY = TINY_QUICKSTART
 
 
-def build_tiny_quickstart(base: Path) -> Path:
-    """Run `rlm quickstart --no-serve` once into `base/quickstart` (reused when already there); its run folder.
-    What it printed is kept in `printed.txt` beside it."""
-    out = base / "quickstart"
-    if not (out / "metrics.json").is_file():
-        argv = ["quickstart", "--no-serve", "--no-baselines", "--output-dir", str(out)]
-        for assignment in TINY:
-            argv += ["--set", assignment]
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            assert main(argv) == 0
-        (out / "printed.txt").write_text(printed.getvalue())
-    return out
-
-
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory) -> Path:
-    return build_tiny_quickstart(tmp_path_factory.getbasetemp())
-
-
 @pytest.mark.learning
-def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_prints_its_table(tiny_run):
+def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_prints_its_table(
+    tiny_quickstart,
+):
     """What the README's `make demo` promises, at a size a test can run: the world with held-out dev entities,
     B embedded once by the packaged MiniLM, each phase of the recipe (Algorithm 2 with the corrector among
     them) with nothing re-embedded, and the printed table made from metrics.json."""
@@ -58,35 +38,35 @@ def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_p
     from retriever.encoder import SentenceEncoder, default_retriever_path
     from rlm.data.qa import load_qa_dataset
 
-    metrics = json.loads((tiny_run / "metrics.json").read_text())
+    metrics = json.loads((tiny_quickstart / "metrics.json").read_text())
     assert metrics["strategy"] == "corrector" and metrics["steps"] == 3 and metrics["dev_questions"] == 8
     # Dev questions ask about entities no training question mentions: answering needs retrieval.
-    train, dev = (load_qa_dataset("toy", split, tiny_run / "toy_world") for split in ("train", "dev"))
+    train, dev = (load_qa_dataset("toy", split, tiny_quickstart / "toy_world") for split in ("train", "dev"))
     assert not {q.meta["subject"] for q in dev[:8]} & {q.meta["subject"] for q in train}
 
     # The three phases, one step each: gold passages (trained once, in the shared prefix the run continued
     # from, whose log line it carries), Algorithm 2, the reader alone on the trained selection.
-    log = [json.loads(line) for line in (tiny_run / "log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (tiny_quickstart / "log.jsonl").read_text().splitlines()]
     assert [("retriever_loss" in r, "corrector_loss" in r) for r in log] == [
         (False, False),
         (True, True),
         (False, False),
     ]
-    prefix = tiny_run / "shared" / "prefix"
+    prefix = tiny_quickstart / "shared" / "prefix"
     assert json.loads((prefix / "prefix.json").read_text())["steps"] == 1
     assert (prefix / "log.jsonl").read_text().splitlines() == (
-        tiny_run / "log.jsonl"
+        tiny_quickstart / "log.jsonl"
     ).read_text().splitlines()[:1]
-    assert json.loads((tiny_run / "summary.json").read_text())["prefix"] == str(prefix)
+    assert json.loads((tiny_quickstart / "summary.json").read_text())["prefix"] == str(prefix)
     # B is the packaged MiniLM's embedding of the corpus, never re-embedded, while the passage tower trained.
-    config = yaml.safe_load((tiny_run / "config.yaml").read_text())
+    config = yaml.safe_load((tiny_quickstart / "config.yaml").read_text())
     minilm = SentenceEncoder.from_pretrained(
         default_retriever_path(), max_length=config["retriever"]["passage_max_length"]
     )
-    buffer = PassageBuffer.load(tiny_run / "buffer", encoder_fingerprint=minilm.fingerprint())
+    buffer = PassageBuffer.load(tiny_quickstart / "buffer", encoder_fingerprint=minilm.fingerprint())
     assert len(buffer) == 150 and metrics["reembedded"] == 0 and all(r["reembedded"] == 0 for r in log)
     trained = SentenceEncoder.from_pretrained(
-        str(tiny_run / "final" / "retriever" / "passage_tower"), max_length=minilm.max_length
+        str(tiny_quickstart / "final" / "retriever" / "passage_tower"), max_length=minilm.max_length
     )
     assert trained.fingerprint() != minilm.fingerprint()
 
@@ -97,7 +77,7 @@ def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_p
     # On this kin-free world MiniLM's top 4 holds the answer for most questions: the reader is handed it.
     assert dev_figures["recall@4"] >= 0.75 and dev_figures["selection_recall@4"] >= 0.75
     # The table the user reads is metrics.json's, with a row per baseline (here: not measured).
-    printed = (tiny_run / "printed.txt").read_text()
+    printed = (tiny_quickstart / "printed.txt").read_text()
     table = format_results(metrics)
     assert table in printed
     assert "| corrector (this run) |" in table and table.count("not measured") == len(BASELINES)
@@ -105,11 +85,17 @@ def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_p
     assert f"| corrector (this run) | {100 * dev_figures['selection_exact_match']:.1f} | {em:.1f} |" in table
 
 
-def test_quickstart_checkpoint_evaluates_to_its_own_dev_figures(tiny_run):
-    metrics = json.loads((tiny_run / "metrics.json").read_text())
+def test_quickstart_checkpoint_evaluates_to_its_own_dev_figures(tiny_quickstart):
+    metrics = json.loads((tiny_quickstart / "metrics.json").read_text())
     # The dev figures are the saved checkpoint's: `rlm evaluate` on it over the same 8 questions agrees.
-    out = tiny_run / "evaluate_check"
-    argv = ["evaluate", "--checkpoint", str(tiny_run / "final"), "--data-path", str(tiny_run / "toy_world")]
+    out = tiny_quickstart / "evaluate_check"
+    argv = [
+        "evaluate",
+        "--checkpoint",
+        str(tiny_quickstart / "final"),
+        "--data-path",
+        str(tiny_quickstart / "toy_world"),
+    ]
     assert main([*argv, "--max-examples", "8", "--out", str(out)]) == 0
     evaluated = json.loads((out / "metrics.json").read_text())
     for key in ("exact_match", "f1", "recall@1", "recall@5"):
@@ -119,8 +105,8 @@ def test_quickstart_checkpoint_evaluates_to_its_own_dev_figures(tiny_run):
     for name in BASELINES:
         assert metrics["baselines"][name]["source"].startswith(("not measured", "cached from"))
     for part in ("retriever", "reader", "corrector", "config.yaml"):
-        assert (tiny_run / "final" / part).exists()
-    assert (tiny_run / "toy_world" / "corpus.jsonl").is_file()  # --output-dir moved the toy world too
+        assert (tiny_quickstart / "final" / part).exists()
+    assert (tiny_quickstart / "toy_world" / "corpus.jsonl").is_file()  # --output-dir moved the toy world too
 
 
 def test_baselines_from_cache_are_labelled_with_their_date():
@@ -254,7 +240,7 @@ def test_baselines_measured_then_reused_from_cache(tmp_path, capsys, monkeypatch
     port = free_port()
     argv = ["quickstart", "--output-dir", str(out), "--jobs", "2", "--port", str(port)]
     # The cache's bookkeeping holds for any retriever: the tiny one keeps two quickstarts and their baselines
-    # quick (the session's `tiny_run` trains the quickstart with MiniLM).
+    # quick (the session's `tiny_quickstart` trains the quickstart with MiniLM).
     retriever = f"retriever.path={tiny_retriever(tmp_path / 'tiny_retriever')}"
     for assignment in [*TINY, retriever]:
         argv += ["--set", assignment]

@@ -35,7 +35,9 @@ OPTIONS = {
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def reading_task(tmp_path_factory):
+    """(corpus, train, dev, questions by type, tokenizer) of a 1500-passage world without fillers, near-twins
+    or kin facts (OPTIONS), so that every question type has many other answers for the distractors."""
     root = build_toy_world(
         tmp_path_factory.mktemp("ranks") / "world", num_passages=1500, seed=3, **OPTIONS
     ).root
@@ -62,8 +64,8 @@ def reading_lists(corpus, questions, same_type, rng, gold_first: float):
     return out
 
 
-def train_reader(world, template: str, steps: int = 400, copy_steps: int = 150) -> FiDReader:
-    corpus, train, dev, same_type, tok = world
+def train_reader(reading_task, template: str, steps: int = 400, copy_steps: int = 150) -> FiDReader:
+    corpus, train, dev, same_type, tok = reading_task
     # The quickstart's reader (configs/quickstart.yaml), learning rate and schedule: 30 steps of warm-up, then a
     # linear decay to a tenth. At a constant rate the reader is still hopping between solutions at step 400
     # (held-out EM with the gold first 51-54% on two kernel families, 82-94% on others, 0.41-0.94 along one
@@ -93,8 +95,8 @@ def train_reader(world, template: str, steps: int = 400, copy_steps: int = 150) 
     return reader
 
 
-def exact_match_reading(world, reader, gold_last: bool) -> float:
-    corpus, _, dev, same_type, _ = world
+def exact_match_reading(reading_task, reader, gold_last: bool) -> float:
+    corpus, _, dev, same_type, _ = reading_task
     held_out = dev[:80]
     lists = reading_lists(corpus, held_out, same_type, random.Random(1), gold_first=1.0)
     if gold_last:
@@ -112,11 +114,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def test_a_reader_that_reads_the_ranks_picks_the_gold_among_other_answers(world, one_thread):
-    reader = train_reader(world, RANKED_TEMPLATE)
+def test_a_reader_that_reads_the_ranks_picks_the_gold_among_other_answers(reading_task, one_thread):
+    reader = train_reader(reading_task, RANKED_TEMPLATE)
     # Held-out people; each list holds four answers to the question.
-    first = exact_match_reading(world, reader, gold_last=False)
-    last = exact_match_reading(world, reader, gold_last=True)
+    first = exact_match_reading(reading_task, reader, gold_last=False)
+    last = exact_match_reading(reading_task, reader, gold_last=True)
     # Four answers to each question: copying one at random gets 25%. With the schedule, 400 steps land at
     # 88.75-97.5% with the gold first and 0% with it last over seeds 0-2 and the default, avx2 and avx512
     # kernel families (this test's seed: 88.75 / 90.0 / 93.75%; at a constant rate it was 51-54% on two

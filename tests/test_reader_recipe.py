@@ -39,17 +39,8 @@ PASSAGES = [
 ANSWERS = ["Grewick", "baker"]
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A folder holding the tiny run's toy world, retriever and buffer (tests/tiny_run.py), built here once and
-    shared by this module's runs (each run has its own output_dir)."""
-    root = tmp_path_factory.mktemp("recipe_world")
-    parts = build_components(load_config(None, tiny_world_overrides(root, root)))
-    assert len(parts.buffer) == len(parts.corpus) == 120
-    return root
-
-
 def tiny_world_overrides(root: Path, world: Path) -> list[str]:
+    """The tiny run over the session's `tiny_world` (tests/conftest.py), writing to root/run."""
     return tiny_overrides(world, root / "run", "cpu=true")
 
 
@@ -132,8 +123,8 @@ def test_unfrozen_warm_start_trains_its_embeddings(tmp_path):
     assert reader.model.decoder.get_output_embeddings().weight.requires_grad
 
 
-def test_reader_only_step_moves_the_reader_alone(tmp_path, world):
-    cfg = load_config(None, tiny_world_overrides(tmp_path, world) + WARM)
+def test_reader_only_step_moves_the_reader_alone(tmp_path, tiny_world):
+    cfg = load_config(None, tiny_world_overrides(tmp_path, tiny_world) + WARM)
     parts = build_components(cfg)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = make_strategy(cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=0)
@@ -151,8 +142,8 @@ def test_reader_only_step_moves_the_reader_alone(tmp_path, world):
     assert set(joint.terms) == {"reader", "retriever", "corrector"}
 
 
-def test_gold_passage_batch_reads_the_gold_passages_alone(tmp_path, world):
-    cfg = load_config(None, tiny_world_overrides(tmp_path, world) + WARM)
+def test_gold_passage_batch_reads_the_gold_passages_alone(tmp_path, tiny_world):
+    cfg = load_config(None, tiny_world_overrides(tmp_path, tiny_world) + WARM)
     parts = build_components(cfg)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = make_strategy(cfg.strategy, parts.buffer, cfg.optim.max_steps, seed=0)
@@ -180,10 +171,10 @@ def test_gold_passage_batch_reads_the_gold_passages_alone(tmp_path, world):
         check_gold_passages([QAExample("q1", "Who?", ["x"], ["nope"], {})], corpus)
 
 
-def test_training_runs_the_curriculum_phases_in_order(tmp_path, world):
+def test_training_runs_the_curriculum_phases_in_order(tmp_path, tiny_world):
     cfg = load_config(
         None,
-        tiny_world_overrides(tmp_path, world)
+        tiny_world_overrides(tmp_path, tiny_world)
         + WARM
         + [
             "schedule.gold_passage_steps=1",
@@ -201,11 +192,11 @@ def test_training_runs_the_curriculum_phases_in_order(tmp_path, world):
     assert all(r["reader_loss"] > 0 for r in log)
 
 
-def test_exhaustive_re_embeds_only_after_the_retriever_has_moved(tmp_path, world):
+def test_exhaustive_re_embeds_only_after_the_retriever_has_moved(tmp_path, tiny_world):
     """The reader-only warm-up freezes the retriever, so the re-embedding schedule counts from its end."""
     cfg = load_config(
         None,
-        tiny_world_overrides(tmp_path, world)
+        tiny_world_overrides(tmp_path, tiny_world)
         + WARM
         + ["schedule.reader_only_steps=2", "strategy.name=exhaustive", "strategy.refresh_every=1"]
         + ["optim.max_steps=4", "log_every=1", "save_every=0"],

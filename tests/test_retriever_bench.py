@@ -34,9 +34,9 @@ def test_bench_retrieval_tiny(tmp_path):
 def test_two_stage_sets_nprobe_through_the_index_on_cpu_and_on_a_gpu(monkeypatch, gpus):
     """Two-stage selection's IVF rows get their nprobe from `PassageIndex.search_rows` (ParameterSpace on CPU,
     GpuParameterSpace for a GPU clone), not from faiss's CPU ParameterSpace, which fails on a GpuIndexIVF. The
-    GPU case runs on test_retriever_index_gpu's fakes of faiss-gpu."""
+    GPU case runs on the fakes of faiss-gpu (tests/faiss_gpu_fakes.py)."""
     faiss = pytest.importorskip("faiss")
-    from test_retriever_index_gpu import FakeGpu
+    from faiss_gpu_fakes import FakeGpu
 
     from retriever.buffer import PassageBuffer
     from retriever.index import PassageIndex

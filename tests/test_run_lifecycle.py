@@ -19,63 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from local_port import accelerate_launch
-from test_train_multiprocess import env
-from tiny_run import as_set_args, tiny_overrides
+from local_port import launch_env, two_processes
+from tiny_run import as_set_args, launch_two, read_log, same_losses, train_args, train_here
 
 from rlm.training import checkpointing
 from rlm.training.checkpointing import MANIFEST, checkpoints, verify, write_manifest
 from rlm.training.preemption import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
-LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
-
-
-def two_processes(*program: str) -> list[str]:
-    """`accelerate launch` of PROGRAM on two CPU processes, as the README launches it."""
-    return accelerate_launch(REPO / "configs" / "accelerate" / "cpu_2proc.yaml", *program)
-
-
-def args(root: Path, out: str, *extra: str, steps: int = 6) -> list[str]:
-    schedule = [
-        f"optim.max_steps={steps}",
-        "optim.warmup_steps=2",
-        "log_every=1",
-        "save_every=2",
-        "keep_last=2",
-    ]
-    return as_set_args(tiny_overrides(root, out, *schedule, "cpu=true", *extra))
-
-
-def train_here(argv: list[str]) -> int:
-    """`python -m rlm.train ARGV` in this process (accelerate's process-wide state reset around it), on one
-    thread as the runs in subprocesses (`OMP_NUM_THREADS=1`): their losses must agree to the last digit."""
-    from accelerate.state import AcceleratorState
-
-    from rlm.quickstart.concurrent_runs import one_thread
-    from rlm.train import main
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        with one_thread():
-            return main(argv)
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def read_log(path: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
 
 
 def steps_of(out: Path) -> list[int]:
     return [checkpointing.checkpoint_step(p) for p in checkpoints(out)]
-
-
-def same_losses(got: dict, reference: dict) -> None:
-    assert sorted(got) == sorted(reference)
-    for step, record in reference.items():
-        for key in (k for k in LOSS_KEYS if k in record):
-            assert got[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-6), (step, key)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +41,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(root):
     """An uninterrupted 6-step run: its log is what every interrupted and resumed run must reproduce."""
-    assert train_here(args(root, "reference")) == 0
+    assert train_here(train_args(root, "reference")) == 0
     return read_log(root / "reference" / "log.jsonl")
 
 
@@ -98,13 +53,13 @@ def test_a_rerun_is_refused_and_overwrite_starts_over_without_the_old_checkpoint
     out = root / "rerun"
     shutil.copytree(root / "reference", out)
     before = (out / "log.jsonl").read_bytes()
-    assert train_here(args(root, "rerun", steps=4)) == 2
+    assert train_here(train_args(root, "rerun", steps=4)) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume" in err and "--overwrite" in err
     assert (out / "log.jsonl").read_bytes() == before and steps_of(out) == [4, 6]  # nothing was touched
     # --overwrite starts over: the old run's step 6 must not survive beside the new run's checkpoints (pruning
     # by step kept it and deleted the new run's own), nor be resumed later.
-    assert train_here([*args(root, "rerun", steps=4), "--overwrite"]) == 0
+    assert train_here([*train_args(root, "rerun", steps=4), "--overwrite"]) == 0
     assert steps_of(out) == [2, 4]
     log = read_log(out / "log.jsonl")
     assert sorted(log) == [1, 2, 3, 4]
@@ -154,10 +109,12 @@ def test_a_stop_signal_saves_the_current_step_and_resume_gives_the_same_losses(
     in this process, through the same handler (a process start is ~8 CPU-s of imports)."""
     out = root / f"preempted_{signum.name}"
     # No periodic checkpoints: all that survives is the one the signal makes.
-    argv = args(root, out.name, "save_every=0")
+    argv = train_args(root, out.name, "save_every=0")
     if signum == signal.SIGTERM:
         cmd = [sys.executable, "-m", "rlm.train", *argv]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env()
+        )
         try:
             wait_for_step(out / "log.jsonl", 2, proc)
             proc.send_signal(signum)
@@ -172,13 +129,8 @@ def test_a_stop_signal_saves_the_current_step_and_resume_gives_the_same_losses(
     assert len(stopped) == 1 and 2 <= stopped[0] < 6, (stopped, stderr[-2000:])
     assert f"stopped by {signum.name} at step {stopped[0]}" in stderr and "--resume" in stderr
     assert "Traceback" not in stderr
-    assert train_here([*args(root, out.name, "save_every=0"), "--resume"]) == 0
+    assert train_here([*train_args(root, out.name, "save_every=0"), "--resume"]) == 0
     same_losses(read_log(out / "log.jsonl"), reference)
-
-
-def launch_two(root: Path, out: str, *extra: str) -> list[str]:
-    """`rlm.train` on two processes."""
-    return two_processes("-m", "rlm.train", *args(root, out, "save_every=0", *extra))
 
 
 @pytest.mark.slow
@@ -188,7 +140,11 @@ def test_sigterm_to_accelerate_launch_stops_both_processes_at_one_step_and_resum
     root = two_process_run
     out = root / "two_stopped"
     proc = subprocess.Popen(
-        launch_two(root, out.name), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
+        launch_two(root, out.name),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=launch_env(),
     )
     try:
         wait_for_step(out / "log.jsonl", 2, proc)
@@ -201,7 +157,11 @@ def test_sigterm_to_accelerate_launch_stops_both_processes_at_one_step_and_resum
     # One line from the main process; the launcher then reports the signal in its own words.
     assert stderr.count(f"stopped by SIGTERM at step {stopped[0]}") == 1
     resumed = subprocess.run(
-        [*launch_two(root, out.name), "--resume"], capture_output=True, text=True, env=env(), timeout=600
+        [*launch_two(root, out.name), "--resume"],
+        capture_output=True,
+        text=True,
+        env=launch_env(),
+        timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     same_losses(read_log(out / "log.jsonl"), read_log(root / "reference" / "log.jsonl"))
@@ -214,7 +174,7 @@ def test_a_signal_during_a_refresh_stops_it_and_the_refresh_is_redone_on_resume(
     import rlm.training.run
 
     extra = ("strategy.name=exhaustive", "strategy.refresh_every=1", "save_every=0")
-    assert train_here(args(root, "refresh_ref", *extra)) == 0
+    assert train_here(train_args(root, "refresh_ref", *extra)) == 0
     reference = read_log(root / "refresh_ref" / "log.jsonl")
 
     embed_rows, parts = rlm.training.run.embed_rows, []
@@ -230,11 +190,11 @@ def test_a_signal_during_a_refresh_stops_it_and_the_refresh_is_redone_on_resume(
     monkeypatch.setattr(rlm.training.run, "REEMBED_PART_ROWS", 32)  # a refresh in several parts
     monkeypatch.setattr(rlm.training.run, "embed_rows", embed_and_signal)
     out = root / "refresh_stop"
-    assert train_here(args(root, out.name, *extra)) == EXIT_PREEMPTED
+    assert train_here(train_args(root, out.name, *extra)) == EXIT_PREEMPTED
     assert len(parts) == 2 * per_refresh + 1, "the refresh went on after the signal"
     assert steps_of(out) == [3]
     monkeypatch.undo()
-    assert train_here([*args(root, out.name, *extra), "--resume"]) == 0
+    assert train_here([*train_args(root, out.name, *extra), "--resume"]) == 0
     same_losses(read_log(out / "log.jsonl"), reference)
 
 
@@ -259,7 +219,7 @@ def test_resume_drops_a_torn_log_line_skips_a_torn_checkpoint_and_ignores_stray_
     (out / "checkpoints" / "step_final").mkdir()
     assert "optimizer.bin has 100 bytes" in verify(out / "checkpoints" / "step_0000004")
     with pytest.warns(UserWarning, match="torn last line"):
-        assert train_here([*args(root, "torn"), "--resume"]) == 0
+        assert train_here([*train_args(root, "torn"), "--resume"]) == 0
     printed = capsys.readouterr().out
     assert "skipping checkpoint" in printed and "step_0000004: optimizer.bin has 100 bytes" in printed
     # The copy named step 2 holds step 4's state: resuming from it continues at step 4, as the log shows.
@@ -319,12 +279,12 @@ def test_resume_with_other_settings_is_refused_by_name_unless_allowed(root, refe
     shutil.copytree(root / "reference", out)
     shutil.rmtree(out / "checkpoints" / "step_0000006")
     config_before = (out / "config.yaml").read_text()
-    assert train_here([*args(root, "changed", "seed=1", "optim.batch_size=3"), "--resume"]) == 2
+    assert train_here([*train_args(root, "changed", "seed=1", "optim.batch_size=3"), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "optim.batch_size: 2 -> 3" in err and "seed: 0 -> 1" in err and "--allow-changed" in err
     assert (out / "config.yaml").read_text() == config_before  # the run's config is not overwritten
     # Training longer is a deliberate change: allowed by name, and said.
-    argv = [*args(root, "changed", steps=8), "--resume", "--allow-changed", "optim.max_steps"]
+    argv = [*train_args(root, "changed", steps=8), "--resume", "--allow-changed", "optim.max_steps"]
     assert train_here(argv) == 0
     assert "optim.max_steps: 6 -> 8" in capsys.readouterr().out
     assert max(read_log(out / "log.jsonl")) == 8
@@ -362,7 +322,7 @@ def test_resume_refuses_a_planted_pickle_in_every_file_it_reads(root, reference,
         marker = tmp_path / f"marker_{name}"
         torch.save({"state": Planted(marker)}, folder / name)
         write_manifest(folder)  # whoever plants it can rewrite the manifest too
-        assert train_here([*args(root, str(out)), "--resume"]) == 2
+        assert train_here([*train_args(root, str(out)), "--resume"]) == 2
         err = capsys.readouterr().err
         assert f"refusing to resume from {folder}" in err and f"{name}: io.open" in err
         assert not marker.exists()
@@ -373,8 +333,8 @@ def test_resume_refuses_a_planted_pickle_in_every_file_it_reads(root, reference,
 
 @pytest.mark.slow
 def test_a_user_error_under_accelerate_launch_is_one_line_from_the_main_process(root, tmp_path):
-    cmd = two_processes("-m", "rlm.train", *args(root, str(tmp_path / "bad"), "strategy.name=nonsense"))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300, cwd=REPO)
+    cmd = two_processes("-m", "rlm.train", *train_args(root, str(tmp_path / "bad"), "strategy.name=nonsense"))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=300, cwd=REPO)
     assert done.returncode != 0
     # The launcher reports the failed processes in its own words; no traceback comes from our code. Ours are
     # the package's files, not any path with an `rlm` folder in it (a checkout cloned into `rlm/` has one).
@@ -394,7 +354,7 @@ def test_a_hung_process_ends_the_run_after_dist_timeout_s(tmp_path):
     hang = as_set_args(["cpu=true", "dist_timeout_s=10", f"output_dir={tmp_path}"])
     cmd = two_processes(str(REPO / "tests" / "multiprocess_hang.py"), *hang)
     start = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600, cwd=REPO)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=600, cwd=REPO)
     took = time.monotonic() - start
     waited = float((tmp_path / "rank0_waited_s.txt").read_text())
     # Without the setting rank 0 would wait PyTorch's default 30 minutes (the subprocess timeout would fire).
@@ -417,7 +377,7 @@ def test_final_is_replaced_whole_or_not_at_all(root, reference, monkeypatch):
 
     monkeypatch.setattr(CorrectorNetwork, "save_pretrained", failed)
     with pytest.raises(OSError, match="Input/output error"):
-        train_here([*args(root, out.name, steps=8), "--resume", "--allow-changed", "optim.max_steps"])
+        train_here([*train_args(root, out.name, steps=8), "--resume", "--allow-changed", "optim.max_steps"])
     after = {p.relative_to(out): p.read_bytes() for p in (out / "final").rglob("*") if p.is_file()}
     assert after == before  # the old final/ whole, no new retriever beside the old reader
     assert not [p for p in out.iterdir() if p.name.startswith(".final")]
@@ -444,7 +404,7 @@ def test_the_checkpoint_of_a_non_finite_stop_pushes_no_good_one_out(root, monkey
     monkeypatch.setattr(rlm.train, "build_run", remember_run)
     monkeypatch.setattr(rlm.train, "finite_on_every_process", nan_from_step_5)
     out = root / "nonfinite_stop"
-    assert train_here(args(root, out.name, "max_nonfinite_in_a_row=2", steps=8)) == 1
+    assert train_here(train_args(root, out.name, "max_nonfinite_in_a_row=2", steps=8)) == 1
     assert steps_of(out) == [2, 4, 5]  # keep_last=2 would have dropped step 2 for the stop's own
 
 
@@ -465,10 +425,10 @@ def test_a_signal_during_the_buffer_build_stops_it_between_batches_and_a_rerun_r
     monkeypatch.setattr(SentenceEncoder, "forward", forward_and_signal)
     out = root / "buffer_stop"
     own_buffer = (f"buffer.dir={out / 'buffer'}", "buffer.batch_size=16")
-    assert train_here(args(root, out.name, *own_buffer)) == EXIT_PREEMPTED
+    assert train_here(train_args(root, out.name, *own_buffer)) == EXIT_PREEMPTED
     assert len(calls) == 2 and not (out / "buffer" / "meta.json").exists()
     monkeypatch.undo()
-    assert train_here([*args(root, out.name, *own_buffer), "--resume"]) == 0
+    assert train_here([*train_args(root, out.name, *own_buffer), "--resume"]) == 0
     same_losses(read_log(out / "log.jsonl"), reference)
 
 

@@ -25,9 +25,10 @@ from retriever.corrector import CorrectorNetwork
 from retriever.distributed import Processes
 from retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
 from rlm.config import StrategyConfig, TrainConfig
-from rlm.training.model import QueryEmbeddingCache, null_timer
+from rlm.training.model import QueryEmbeddingCache
 from rlm.training.steps import Batch, algorithm1_step, algorithm2_step
 from rlm.training.strategies import make_strategy
+from rlm.training.throughput import NO_TIMER
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
@@ -114,7 +115,7 @@ def test_strategies_select_under_bf16_autocast_what_they_select_in_float32(corpu
         )
         # The live tower: B drifted (a refresh re-embeds every row, or SNM's subset, in float32).
         strategy.before_step(1, lambda rows: buffer.rows(torch.as_tensor(list(rows))).float() * 1.01)
-        return strategy.select(queries, corrector)
+        return strategy.select(queries, corrector if strategy.uses_corrector else None)
 
     ref = select()
     with torch.autocast(**BF16):
@@ -202,7 +203,7 @@ def step_parts(algorithm: int, corrector_loss: str):
         # At initialisation (the identity, exact in bf16 too): h's own rounding may stay, the scores' may not.
         corrector=CorrectorNetwork(32, 64),
         query_cache=QueryEmbeddingCache(),
-        timer=null_timer,
+        timer=NO_TIMER,
     )
     strategy = partial(make_strategy, cfg.strategy, buffer, max_steps=10)  # uniform rows drawn alike
     batch = Batch(

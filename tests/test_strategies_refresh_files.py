@@ -1,9 +1,10 @@
 """Refreshed rows on disk (`<output_dir>/refresh/step_<s>`): kept while the current step or a kept checkpoint
 needs them, deleted otherwise, and a run resumed from any kept checkpoint selects what the run did.
 
-The loop below calls the strategy as `rlm.train.train_loop` does: refresh and select at each step, a
-checkpoint (the strategy's state) every `save_every` steps with the newest `keep_last` kept, then
-`prune_refreshes` with the kept checkpoints' steps.
+The loop below calls the strategy as a training run does: refresh (which deletes the earlier refreshes no
+kept checkpoint needs) and select at each step, a checkpoint (the strategy's state) every `save_every` steps
+with the newest `keep_last` kept, after which the strategy is told the kept checkpoints' steps and
+`prune_refreshes` runs (`rlm.training.run.TrainRun.save`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def train(name: str, folder: Path, save_every: int):
             checkpoints[done] = run.state_dict()
             for old in sorted(checkpoints)[:-KEEP_LAST]:
                 del checkpoints[old]
-        run.prune_refreshes(sorted(checkpoints), done)
+            run.checkpoint_steps = tuple(sorted(checkpoints))
+            run.prune_refreshes(run.checkpoint_steps, done)
         kept_folders.append(refreshes(folder))
     return picks, checkpoints, kept_folders, run
 
@@ -135,3 +137,15 @@ def test_the_main_process_never_prunes_a_refresh_another_process_is_writing(tmp_
     (ahead / ".rank00001_rows30-60.npy.tmp").write_bytes(b"being written")
     run.prune_refreshes([], 3)
     assert refreshes(folder) == [2, 3] and (ahead / ".rank00001_rows30-60.npy.tmp").is_file()
+
+
+@pytest.mark.parametrize("name", ["exhaustive", "snm"])
+def test_a_refresh_deletes_the_earlier_refreshes_no_kept_checkpoint_reads(name, tmp_path):
+    """The training loop prunes nothing: a refresh deletes the refreshed rows it replaces, except those a kept
+    checkpoint (the steps the run told the strategy) would resume from."""
+    folder = tmp_path / "refresh"
+    run = strategy(name, folder)
+    run.checkpoint_steps = (5,)  # a checkpoint after step 5 reads the rows refreshed before step 4
+    for step in range(8):
+        run.before_step(step, partial(tower, step))
+    assert refreshes(folder) == [4, 6] == [4, run.refresh_step]

@@ -150,10 +150,9 @@ def test_the_cuda_phase_timer_records_events_and_waits_once_per_take(monkeypatch
     monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
     timer = PhaseTimer(torch.device("cuda", 0))
     for _ in range(3):
-        with timer("select"):
-            pass
-        with timer("reader"):
-            pass
+        timer.start()
+        timer.lap("select")
+        timer.lap("reader")
     assert FakeCudaEvent.waits == 0  # nothing inside the step waits for the GPU
     assert timer.take() == {"select": 3.0, "reader": 3.0}
     assert FakeCudaEvent.waits == 1

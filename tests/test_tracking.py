@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_run_lifecycle import args, train_here
+from tiny_run import train_args, train_here
 
 from rlm.config import load_config
 
@@ -69,12 +69,12 @@ def test_wandb_offline_gets_the_hyperparameters_and_a_resumed_run_continues_the_
     monkeypatch.setattr(wandb, "init", recorded_init)
     out = root / "wandb_run"
     extra = ("report_to=all", "save_every=2")
-    assert train_here(args(root, out.name, *extra, steps=4)) == 0
+    assert train_here(train_args(root, out.name, *extra, steps=4)) == 0
     assert len(runs) == 1 and runs[0].config["optim.max_steps"] == 4
     assert runs[0].config["strategy.name"] == "corrector" and runs[0].config["data.dev"] == "None"
     assert list((out / "wandb").glob(f"offline-run-*-{runs[0].id}/run-{runs[0].id}.wandb"))
     assert list((out / "rlm").rglob("events.out.tfevents.*"))  # TensorBoard too, with report_to=all
-    argv = [*args(root, out.name, *extra, steps=6), "--resume", "--allow-changed", "optim.max_steps"]
+    argv = [*train_args(root, out.name, *extra, steps=6), "--resume", "--allow-changed", "optim.max_steps"]
     assert train_here(argv) == 0
     assert len(runs) == 2 and runs[1].id == runs[0].id  # the resumed run logs into the same W&B run
     assert runs[1].config["optim.max_steps"] == 6
@@ -83,5 +83,5 @@ def test_wandb_offline_gets_the_hyperparameters_and_a_resumed_run_continues_the_
 @pytest.mark.slow
 def test_report_to_none_writes_no_tracker_files(root):
     out = root / "untracked"
-    assert train_here(args(root, out.name, "report_to=none", "save_every=0", steps=2)) == 0
+    assert train_here(train_args(root, out.name, "report_to=none", "save_every=0", steps=2)) == 0
     assert (out / "log.jsonl").exists() and not (out / "rlm").exists()

@@ -215,21 +215,56 @@ def test_bad_numbers_are_refused_when_the_config_loads(override, message):
         load_config(None, [override])
 
 
+def numeric_settings():
+    """(dotted key, field, may be null) of every int or float setting, in every section."""
+    import types
+    import typing
+
+    from rlm.config import settings
+
+    found = []
+    for key, each, tp in settings():
+        args = set(typing.get_args(tp)) if typing.get_origin(tp) in (typing.Union, types.UnionType) else {tp}
+        if args - {type(None)} and args - {type(None)} <= {int, float}:
+            found.append((key, each, type(None) in args))
+    return found
+
+
+def test_each_range_is_written_beside_its_setting_not_in_a_table():
+    """Every numeric field carries its range in its own metadata (`setting(default, ge=..)`), so a reader sees
+    it next to the field; no table of ranges as strings is kept elsewhere."""
+    import rlm.config
+    from rlm.config import Interval
+
+    numeric = {key: each.metadata.get("range") for key, each, _ in numeric_settings()}
+    assert len(numeric) == 65 and all(isinstance(r, Interval) for r in numeric.values()), [
+        key for key, r in numeric.items() if r is None
+    ]
+    assert str(numeric["beta"]) == "(0, inf)" and str(numeric["seed"]) == "[0, 4294967295]"
+    assert (
+        str(numeric["retriever.collapse_cosine"]) == "(-1, 1]"
+        and str(numeric["reader.dropout_rate"]) == "[0, 1)"
+    )
+    assert not hasattr(rlm.config, "NUMERIC_RANGES") and not hasattr(rlm.config, "_INTERVAL")
+
+
 def test_every_numeric_setting_has_a_range_and_nan_is_in_none():
     """A numeric field added to any section without a range fails here, and each range is enforced: the value
     just below it and NaN are refused naming the key (an int field refuses NaN as not an int)."""
-    from rlm.config import NUMERIC_RANGES, numeric_fields
-
-    assert {name for name, _ in numeric_fields(TrainConfig)} == set(NUMERIC_RANGES)
-    assert {"beta", "optim.lr_reader", "strategy.regression.ridge", "data.toy_world.seed"} <= set(
-        NUMERIC_RANGES
-    )
-    for name, interval in NUMERIC_RANGES.items():
-        low = interval[1:].split(",")[0]
-        below = str(int(low) - 1 if interval[0] == "[" else int(low))
-        for value in (below, ".nan"):
+    for name, each, _ in numeric_settings():
+        interval = each.metadata["range"]
+        below = interval.low - 1 if interval.low_included else interval.low
+        for value in (f"{below:g}", ".nan"):
             with pytest.raises(UserError, match=rf"{re.escape(name)}\b.*(must be|expected int|does not fit)"):
                 load_config(None, [f"{name}={value}"])
+
+
+def test_setting_takes_one_bound_of_each_side():
+    from rlm.config import Interval, setting
+
+    assert setting(1, ge=0, lt=1).metadata["range"] == Interval(0, 1, low_included=True, high_included=False)
+    with pytest.raises(TypeError, match="one lower bound"):
+        setting(1, ge=0, gt=0)
 
 
 def choice_fields(cls=TrainConfig, prefix=""):
@@ -269,23 +304,47 @@ def test_every_choice_is_refused_outside_its_literal_naming_key_value_and_choice
 
 def test_the_config_names_what_the_strategy_registry_kernels_and_dtypes_name():
     """The choices in rlm.config are literals (loading a config imports neither the training code nor the
-    retriever); here they are held equal to the registries they mirror."""
+    retriever); here they are held equal to the registries they mirror. A strategy's facts are not mirrored:
+    its class reads them from rlm.config (next test)."""
     import typing
 
     from retriever.buffer import DTYPES
     from retriever.reencode import KERNELS
-    from rlm.config import SCANS_FIXED_BUFFER, STRATEGY_ONLY_FOR, USES_CORRECTOR, StrategyName
+    from rlm.config import STRATEGY_FACTS, StrategyName
     from rlm.training.strategies import STRATEGY_CLASSES
 
-    assert list(typing.get_args(StrategyName)) == list(STRATEGY_CLASSES)
-    for name, cls in STRATEGY_CLASSES.items():
-        assert tuple(cls.algorithms) == STRATEGY_ONLY_FOR.get(name, ((1, 2), ""))[0], name
-        assert cls.scans_fixed_buffer == (name in SCANS_FIXED_BUFFER), name
-        assert cls.uses_corrector == (name in USES_CORRECTOR), name
-        assert bool(STRATEGY_ONLY_FOR.get(name, ((), ""))[1]) == cls.shares_batch, name
+    assert list(typing.get_args(StrategyName)) == list(STRATEGY_FACTS) == list(STRATEGY_CLASSES)
     fields = dict(choice_fields())
     assert fields["strategy.regression.kernel"] == tuple(KERNELS)
     assert set(fields["buffer.dtype"]) == set(DTYPES)
+
+
+def test_a_strategys_facts_are_read_from_one_table_by_its_class_and_the_config(monkeypatch):
+    """Changing a strategy's row of rlm.config.STRATEGY_FACTS changes its class and what the config accepts:
+    there is no second copy of the facts to keep equal."""
+    import dataclasses
+
+    from rlm.config import STRATEGY_FACTS
+    from rlm.training.strategies import STRATEGY_CLASSES
+
+    for name, cls in STRATEGY_CLASSES.items():
+        facts = dataclasses.asdict(STRATEGY_FACTS[name])
+        facts.pop("algorithms_reason")
+        assert {key: getattr(cls, key) for key in facts} == facts, name
+    stale = STRATEGY_CLASSES["stale"]
+    assert stale.scans_fixed_buffer and not stale.uses_corrector and stale.algorithms == (1, 2)
+    monkeypatch.setitem(
+        STRATEGY_FACTS,
+        "stale",
+        dataclasses.replace(
+            STRATEGY_FACTS["stale"], scans_fixed_buffer=False, uses_corrector=True, algorithms=(2,)
+        ),
+    )
+    assert stale.uses_corrector and not stale.scans_fixed_buffer and stale.algorithms == (2,)
+    with pytest.raises(UserError, match="two_stage searches an index over the fixed buffer"):
+        load_config(None, ["strategy.name=stale", "strategy.search=two_stage"])
+    with pytest.raises(UserError, match="'stale' only makes sense for algorithm 2"):
+        load_config(None, ["strategy.name=stale", "algorithm=1"])
 
 
 def test_loading_a_config_imports_no_training_code_and_of_the_retriever_only_its_errors():
@@ -330,11 +389,9 @@ def test_every_default_is_in_its_range():
     """The loader checks the values a config gives; the defaults it does not give are checked here."""
     from functools import reduce
 
-    from rlm.config import NUMERIC_RANGES, _check_range, numeric_fields
-
     cfg = TrainConfig()
-    for name, optional in numeric_fields(TrainConfig):
-        _check_range(name, reduce(getattr, name.split("."), cfg), NUMERIC_RANGES[name], optional)
+    for name, each, optional in numeric_settings():
+        each.metadata["range"].check(name, reduce(getattr, name.split("."), cfg), optional)
 
 
 def flat(tree, prefix=""):

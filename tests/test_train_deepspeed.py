@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from local_port import accelerate_launch
-from tiny_run import as_set_args, tiny_overrides
+from tiny_run import as_set_args, read_log, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +43,6 @@ def launch(root: Path, out: str, *extra: str) -> subprocess.CompletedProcess:
     done = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     return done
-
-
-def read_log(path: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
 def test_deepspeed_zero2_trains_on_two_cpu_processes_and_resumes_exactly(tmp_path):

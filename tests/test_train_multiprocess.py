@@ -8,35 +8,24 @@ starting two processes, and a sharded buffer selecting what the whole buffer sel
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from local_port import CPU_2PROC, launch_env
 from local_port import accelerate_launch as launch
-from tiny_run import as_set_args, tiny_overrides
+from tiny_run import as_set_args, read_log, tiny_overrides
 
 from rlm.training.schedule import lr_lambda
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-CPU_2PROC = REPO / "configs" / "accelerate" / "cpu_2proc.yaml"
-
-
-def env() -> dict:
-    return {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(REPO),
-    }
 
 
 def accelerate_launch(config: Path, *program: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
-        launch(config, *program), capture_output=True, text=True, env=env(), timeout=600, cwd=REPO
+        launch(config, *program), capture_output=True, text=True, env=launch_env(), timeout=600, cwd=REPO
     )
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     return done
@@ -111,11 +100,6 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_windows_stay_aligned(prob
         assert all(a[k] == b[k] for k in ("loss", "reader_loss", "retriever_loss", "corrector_loss")), a[
             "step"
         ]
-
-
-def read_log(path: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r for r in records}
 
 
 def test_cpu_2proc_config_trains_two_processes_and_a_sharded_buffer_selects_the_same(root):

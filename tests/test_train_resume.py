@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_run import as_set_args, tiny_overrides
+from tiny_run import LOSS_KEYS, as_set_args, read_log, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -57,14 +57,6 @@ def train_here(
             return main(tiny_run_args(root, out, *extra, minilm=minilm) + (["--resume"] if resume else []))
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def read_log(path: Path) -> dict[int, dict]:
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {r["step"]: r for r in records}
-
-
-LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
 
 
 @pytest.fixture(scope="module")

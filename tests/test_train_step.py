@@ -468,3 +468,54 @@ def test_validation_answers_from_the_strategys_own_selection(world):
         for p in model.retriever.passage_tower.parameters():
             p.add_(0.05 * torch.randn_like(p))
     assert validate(model, parts.corpus, dev, cfg, strategy=strategy) == chosen
+
+
+@pytest.mark.parametrize("name", ["corrector", "stale"])
+def test_the_steps_laps_are_the_papers_phases_each_moment_in_one(world, name):
+    """Algorithm 2's step times itself with one flat timer, lapped at the end of each phase in the paper's
+    order: the phases add up to the step's own time (none counted inside another)."""
+    from rlm.training.throughput import PhaseTimer
+
+    cfg, parts, model, strategy = make_parts(world, f"strategy.name={name}")
+    timer = model.timer = PhaseTimer(torch.device("cpu"))
+    clock, laps = iter(range(1000)), []
+    timer.mark = lambda: next(clock)  # a tick per mark: the laps' sum is the span from first to last mark
+    lap = timer.lap
+    timer.lap = lambda phase: laps.append(phase) or lap(phase)
+    batch = make_batch(parts.train_examples, [0, 1], parts.corpus, 2)
+    model(batch, strategy, parts.corpus)
+    assert laps == ["retriever", "select", "retriever", "reader_scoring", "reader", "corrector"]
+    assert sum(timer.take().values()) == len(laps)  # from start() to the last lap, each tick in one phase
+
+
+def test_a_strategy_selects_through_h_exactly_when_it_says_so(world):
+    """The step passes h to the strategies that select through it (`uses_corrector`) and to no other: a stale
+    strategy handed h, or the corrector strategy handed none, is a bug that fails loudly instead of selecting
+    by the wrong scores."""
+    cfg, parts, model, strategy = make_parts(world)
+    stale = StaleStrategy(cfg.strategy, parts.buffer, 10)
+    queries = torch.randn(3, parts.buffer.dim)
+    with pytest.raises(ValueError, match="stale strategy selects without h"):
+        stale.select(queries, model.corrector)
+    with pytest.raises(ValueError, match="corrector strategy selects through h"):
+        strategy.select(queries, None)
+
+
+def test_the_step_reaches_the_corrected_top_k_through_the_strategys_select_alone(world, monkeypatch):
+    """Algorithm 2's step 2 is `strategy.select(q, h)`, which runs `corrected_topk` itself: two calls from the
+    step to the top-k over h(B), whatever the placement (nothing between them to hide the idea)."""
+    import inspect
+
+    from rlm.training.strategies import base
+
+    cfg, parts, model, strategy = make_parts(world)
+    callers = []
+    topk = base.corrected_topk
+
+    def traced(*args, **kwargs):
+        callers.append([frame.function for frame in inspect.stack()[1:3]])
+        return topk(*args, **kwargs)
+
+    monkeypatch.setattr(base, "corrected_topk", traced)
+    model(make_batch(parts.train_examples, [0, 1], parts.corpus, 2), strategy, parts.corpus)
+    assert callers == [["select", "algorithm2_step"]]

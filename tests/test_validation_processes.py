@@ -13,10 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from retriever import distributed
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
-from retriever.distributed import Processes, ShardedRows
+from retriever.distributed import Processes, merge_topk
 from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
+from rlm.training.strategies import base as strategies_base
 from rlm.training.strategies import make_strategy
 from rlm.training.validation import validate
 
@@ -135,13 +137,13 @@ def test_each_process_searches_only_its_share_of_the_dev_questions(parts, monkey
 
     alone = run(Processes())
     searched: list[tuple[int, int]] = []
-    topk = ShardedRows.topk
 
-    def counted(self, queries, *args, **kwargs):
-        searched.append((self.procs.rank, queries.shape[0]))
-        return topk(self, queries, *args, **kwargs)
+    def counted(procs, local, row_ids, k, batch):  # every sharded top-k merges its queries' lists here
+        searched.append((procs.rank, batch))
+        return merge_topk(procs, local, row_ids, k, batch)
 
-    monkeypatch.setattr(ShardedRows, "topk", counted)
+    monkeypatch.setattr(distributed, "merge_topk", counted)  # validation's own search (ShardedRows)
+    monkeypatch.setattr(strategies_base, "merge_topk", counted)  # the strategy's selection
     figures = ThreadedWorld(world).run(run)
     share = -(-len(dev) // world)
     assert sorted(searched) == [(rank, share) for rank in range(world)]

@@ -1,6 +1,7 @@
 """The tiny training run the end-to-end tests share: a 120-passage toy world, a tiny random-init retriever in
 the packaged MiniLM's layout (its tokenizer, 4 BERT layers 32 wide) with short inputs, a one-layer T5 reader,
-two questions per process per micro-step.
+two questions per process per micro-step; and how those tests train it (`train_args`, `train_here`,
+`launch_two`) and compare runs (`read_log`, `same_losses`).
 
 The tiny retriever is for tests of training mechanics (schedules, resume, processes, checkpoints), which hold
 for any retriever: with MiniLM's 22M parameters its forward and backward passes were most of those tests'
@@ -10,6 +11,7 @@ the packaged model.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 # BERT, as all-MiniLM-L6-v2 is, with the same vocabulary and mean pooling; 4 layers so that a light query tower
@@ -98,3 +100,59 @@ def tiny_overrides(root: Path, out: str | Path, *extra: str, minilm: bool = Fals
 def as_set_args(overrides: list[str]) -> list[str]:
     """["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]."""
     return [arg for item in overrides for arg in ("--set", item)]
+
+
+def train_args(root: Path, out: str, *extra: str, steps: int = 6) -> list[str]:
+    """`python -m rlm.train` arguments of a tiny run of `steps` steps (warm-up 2, a log line every step, a
+    checkpoint every 2 steps, the last 2 kept) writing to root/out: the run the lifecycle, two-process,
+    two-machine and tracking tests train, stop and resume."""
+    schedule = [
+        f"optim.max_steps={steps}",
+        "optim.warmup_steps=2",
+        "log_every=1",
+        "save_every=2",
+        "keep_last=2",
+    ]
+    return as_set_args(tiny_overrides(root, out, *schedule, "cpu=true", *extra))
+
+
+def train_here(argv: list[str]) -> int:
+    """`python -m rlm.train ARGV` in this process (accelerate's process-wide state reset around it), on one
+    thread as the runs in subprocesses (`OMP_NUM_THREADS=1`): their losses must agree to the last digit."""
+    from accelerate.state import AcceleratorState
+
+    from rlm.quickstart.concurrent_runs import one_thread
+    from rlm.train import main
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with one_thread():
+            return main(argv)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def launch_two(root: Path, out: str, *extra: str) -> list[str]:
+    """`rlm.train` on two CPU processes of one machine (`accelerate launch`, cpu_2proc.yaml), no checkpoints."""
+    from local_port import two_processes
+
+    return two_processes("-m", "rlm.train", *train_args(root, out, "save_every=0", *extra))
+
+
+def read_log(path: Path) -> dict[int, dict]:
+    """A run's log.jsonl by step."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in records if r}
+
+
+LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
+
+
+def same_losses(got: dict, reference: dict) -> None:
+    """Two logs (`read_log`) hold the same steps with the same losses, to float32's last digits."""
+    import pytest
+
+    assert sorted(got) == sorted(reference)
+    for step, record in reference.items():
+        for key in (k for k in LOSS_KEYS if k in record):
+            assert got[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-6), (step, key)

@@ -49,11 +49,11 @@ def calibrate_checkpoint(
 ):
     """Answer `examples` (answerable) and `unanswerable` with the checkpoint's QAService, fit the policy,
     save it into the checkpoint and return it."""
-    from app.service import QAService
+    from app.service import QAService, ServiceOptions
     from rlm.inference.answer_policy import fit_answer_policy
     from rlm.inference.metrics import exact_match
 
-    service = service or QAService.from_checkpoint(checkpoint, load_policy=False)
+    service = service or QAService.from_checkpoint(checkpoint, options=ServiceOptions(load_policy=False))
     questions = [*examples, *unanswerable]
     if not examples:
         from rlm.errors import UserError

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from rlm.commands.evaluate import add_device_arguments
 from rlm.commands.index import add_search_arguments, search_params
 from rlm.errors import UserError
+
+if TYPE_CHECKING:
+    from app.service import ServiceOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,54 +48,44 @@ def serve_checkpoint(checkpoint, host: str = "127.0.0.1", port: int = 7860, **op
     demo.block_thread()
 
 
+def service_options(args: argparse.Namespace) -> ServiceOptions:
+    """The `QAService` options `rlm demo`'s command line names (refused there when they cannot run)."""
+    from app.service import ServiceOptions
+
+    return ServiceOptions(
+        device=args.device,
+        bf16=args.bf16,
+        index_path=args.index,
+        index_search=search_params(args),
+        corrected_buffer=args.corrected_buffer,
+        buffer_path=args.buffer,
+        examples_path=args.examples,
+        show_progress=not args.no_progress,
+    )
+
+
 def start_demo(
     checkpoint,
     corpus: str | None = None,
-    examples: str | None = None,
+    options: ServiceOptions | None = None,
     host: str = "127.0.0.1",
     port: int = 7860,
     concurrency: int = 2,
-    index: str | None = None,
-    corrected_buffer: bool = False,
-    buffer: str | None = None,
-    device: str | None = None,
-    bf16: bool = False,
-    show_progress: bool = True,
-    index_search: dict[str, int] | None = None,
 ):
-    """Load the checkpoint onto `device` (None: the accelerator when there is one) and serve its page without
-    blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted."""
+    """Load the checkpoint as `options` say (None: the defaults, with progress bars) and serve its page
+    without blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted."""
     from pathlib import Path
 
     import torch
 
-    from app.service import QAService
+    from app.service import QAService, ServiceOptions
 
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
     # One request is a few small forward passes: intra-op threads only add synchronisation on a busy CPU,
     # so requests run single-threaded and the queue runs `concurrency` of them side by side.
     torch.set_num_threads(1)
-    if (index is not None) + corrected_buffer > 1:
-        raise UserError("--index and --corrected-buffer exclude each other: pick one index")
-    if buffer is not None and not corrected_buffer:
-        raise UserError("--buffer only goes with --corrected-buffer")
-    if index_search and index is None:
-        raise UserError(
-            "--nprobe and --ef-search go with --index (a prebuilt index; the demo's own is exact)"
-        )
-    service = QAService.from_checkpoint(
-        checkpoint,
-        corpus,
-        examples,
-        show_progress=show_progress,
-        index_path=index,
-        corrected_buffer=corrected_buffer,
-        buffer_path=buffer,
-        device=device,
-        bf16=bf16,
-        index_search=index_search,
-    )
+    service = QAService.from_checkpoint(checkpoint, corpus, options or ServiceOptions(show_progress=True))
     from app.demo import serve  # gradio takes seconds to import: only once loading worked
 
     demo, _ = serve(service, host, port, concurrency, blocked=[checkpoint, Path(service.corpus.path).parent])
@@ -105,14 +99,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         corpus=args.corpus,
-        examples=args.examples,
+        options=service_options(args),
         concurrency=args.concurrency,
-        index=args.index,
-        corrected_buffer=args.corrected_buffer,
-        buffer=args.buffer,
-        device=args.device,
-        bf16=args.bf16,
-        show_progress=not args.no_progress,
-        index_search=search_params(args),
     )
     return 0

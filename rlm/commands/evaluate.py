@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     """Load, evaluate, print the table."""
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
-    from rlm.inference import evaluation
+    from rlm.inference import checkpoint, evaluation
+    from rlm.inference.device import autocast, inference_bf16, inference_device
 
     _check_arguments(args)
     need_reader = not args.retrieval_only
@@ -174,11 +175,11 @@ def run(args: argparse.Namespace) -> int:
             corpus = load_subcorpus(corpus, args.subcorpus)
     without_retriever = args.closed_book or args.no_retriever
     state = launched_processes()  # several under `accelerate launch`: each evaluates its share
-    device = evaluation.inference_device(args.device if state is None else state.device)
+    device = inference_device(args.device if state is None else state.device)
     is_main = state is None or state.is_main_process
-    bf16 = evaluation.inference_bf16(device, args.bf16)
+    bf16 = inference_bf16(device, args.bf16)
     progress = not args.no_progress
-    retriever, reader, config = evaluation.load_checkpoint(
+    retriever, reader, config = checkpoint.load_checkpoint(
         args.checkpoint,
         need_reader=need_reader,
         retriever_path=None if without_retriever else args.retriever,
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         accelerator=state,
         save_dir=None if args.index else args.save_index,
     )
-    with evaluation.autocast(device, bf16):
+    with autocast(device, bf16):
         result, policy = _evaluate(
             args, examples, corpus, retriever, reader, config, device, progress and is_main, options
         )
@@ -216,8 +217,9 @@ def _index(args, corpus, retriever, device, progress: bool, options):
     """The index `--index` names (a saved one, or over h(B) for `corrected`), or None: `run_evaluation` then
     builds it as `options` say (and saves it to `--save-index`)."""
     from rlm.inference import indexing
+    from rlm.inference.device import index_on_gpu
 
-    use_gpu = indexing.index_on_gpu(device)
+    use_gpu = index_on_gpu(device)
     if args.index == "corrected":
         from rlm.inference.corrected_index import corrected_index
 
@@ -241,9 +243,10 @@ def _index(args, corpus, retriever, device, progress: bool, options):
 def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool, options):
     """The index (`_index`), then `run_evaluation`: (its result, the answer policy used)."""
     from rlm.inference import evaluation
+    from rlm.inference.checkpoint import reader_passages_from_config
 
     index = _index(args, corpus, retriever, device, progress, options) if retriever is not None else None
-    num_passages = args.num_passages or evaluation.reader_passages_from_config(config)
+    num_passages = args.num_passages or reader_passages_from_config(config)
     policy = None
     if reader is not None and args.checkpoint and not args.no_policy:
         from rlm.inference.answer_policy import AnswerPolicy

@@ -166,9 +166,9 @@ def file_fingerprint(fmt: str, digest) -> str:
 
     Exact: equal bytes and format give equal passages (ids, titles, texts, order), and any changed byte
     changes it. Cheap: it is computed from the blocks the scan reads anyway. The format is part of it
-    because the same bytes read as another format are other passages. Unlike the old (id, text) pair hash
-    it also changes when only formatting changes (a blank line, JSON key order): then a buffer is refused
-    and rebuilt although its passages are the same, which is the safe side.
+    because the same bytes read as another format are other passages. It also changes when only formatting
+    changes (a blank line, JSON key order): then a buffer is refused and rebuilt although its passages are
+    the same, which is the safe side.
     """
     return f"{fmt}:sha256:{digest.hexdigest()}"
 
@@ -213,7 +213,7 @@ class Corpus(Sequence[Passage]):
         """Scan `path` once. `fingerprint`, when the caller already knows it (`load_corpus`'s stat-keyed
         cache), is taken as is and the scan skips hashing; otherwise the scan computes it. `scan`: the arrays
         of an earlier scan of this very file (`scan_arrays`, which `load_corpus` caches with the fingerprint),
-        taken instead of reading the file (21M DPR passages: ~2 minutes of parsing)."""
+        taken instead of reading and parsing the file again (its cost: docs/data.md)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"corpus file not found: {self.path}")
@@ -256,7 +256,7 @@ class Corpus(Sequence[Passage]):
         position = 0
         with open(self.path, "rb", buffering=0) as raw:
             # The fingerprint hashes the 1 MiB blocks the line reader pulls from the file: every byte once,
-            # in order, at C speed (~+0.2 us a line), instead of a second pass over 21M parsed passages.
+            # in order, at C speed, instead of a second pass over 21M parsed passages.
             source = raw if digest is None else _HashingReader(raw, digest)
             f = io.BufferedReader(source, buffer_size=1 << 20)
             for line_no, line in enumerate(f, start=1):
@@ -369,7 +369,7 @@ def load_corpus(
     `fingerprint_cache`: a small JSON file that remembers the corpus fingerprint per corpus file, keyed by
     the file's resolved path, size and modification time (ns) and the format, and beside it the scan's arrays
     (offsets, ids; `<cache stem>.<key>.scan.npz`, ~50 B a passage): on a hit the file is neither hashed nor
-    parsed (21M DPR passages: ~2 minutes of start-up saved). A changed size or mtime is a miss: the file is
+    parsed (the start-up it saves: docs/data.md). A changed size or mtime is a miss: the file is
     scanned and hashed again and the entry replaced.
 
     `procs`: the data-parallel processes that all open this corpus (`retriever.distributed.Processes`; every

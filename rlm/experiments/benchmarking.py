@@ -18,7 +18,6 @@ import signal
 import statistics
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,27 +173,6 @@ def clustered_buffer(n: int, dim: int, queries: int, cluster: int = 200, noise: 
     for s, lo in enumerate(range(0, n, 100_000)):
         buffer[lo : lo + 100_000] = torch.from_numpy(shard(s, min(100_000, n - lo)))
     return buffer, draw(queries)
-
-
-class PhaseTimer(defaultdict):
-    """`with timer("name"):` adds the block's wall time to timer["name"] (it is the training step's `model.timer`).
-
-    `synchronize` (e.g. `torch.cuda.synchronize`) runs at both ends of a block: a GPU queues its work and
-    returns, so without it a phase's kernels would be counted in whichever later phase waits for them."""
-
-    def __init__(self, synchronize: Callable[[], None] | None = None):
-        super().__init__(float)
-        self.synchronize = synchronize or (lambda: None)
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        self.synchronize()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.synchronize()
-            self[name] += time.perf_counter() - start
 
 
 class TimeLimitExceeded(BaseException):

@@ -105,14 +105,13 @@ def corrected_index(
 
     `verify_encoder` rebuilds the run's starting retriever from its config to check B's encoder fingerprint
     (a few seconds for a base-size tower); the corpus fingerprint is always checked. h runs on `device` (None:
-    the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.indexing.index_on_gpu`).
+    the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.device.index_on_gpu`).
     `factory`: any faiss factory, built from h(B) a chunk at a time (`CorrectedRows`); IVF and HNSW types get their
     search parameter tuned for `target_recall` (None: the index's default) against the exact top-k over h(B).
     """
     from retriever.corrector import CorrectorNetwork
     from retriever.index import DEFAULT_TARGET_RECALL, PassageIndex
-    from rlm.inference.evaluation import inference_device
-    from rlm.inference.indexing import index_on_gpu
+    from rlm.inference.device import index_on_gpu, inference_device
 
     root = Path(checkpoint)
     if not (root / "corrector").is_dir():

@@ -1,58 +1,30 @@
-"""Evaluation of a trained checkpoint: retrieve with the query tower from an index of the corpus, read with
-the FiD reader, score EM/F1 and recall@k, and write predictions and metrics.
+"""Evaluation of a trained checkpoint: retrieve, read, score EM/F1 and recall@k, and write predictions and
+metrics; `run_evaluation` is all of it, data-parallel under `accelerate launch` (`IndexOptions.accelerator`:
+every process evaluates its share of the questions).
 
-The pieces are separate functions so that the trainer's validation, the hard-subcorpus tracker and the
-`rlm evaluate` command share them: `load_checkpoint`, `retrieve`, `retrieval_metrics`, `read`,
-`evaluate_reader`, `run_evaluation` (all of it) and `format_table`. Embedding the corpus and its index are
-`rlm.inference.indexing`'s.
-
-Where it runs: `load_checkpoint` puts the towers and the reader on a device (`inference_device`: the
-accelerator when there is one), every entry point after it follows their device, and a faiss index built for
-models on a GPU goes to the GPU when faiss sees one (`rlm.inference.indexing.index_on_gpu`). `inference_bf16`
-and `autocast` turn on bfloat16 autocast for the towers and the reader where it pays (an accelerator, or a CPU
-with native bf16). Under `accelerate launch` every process evaluates its share of the questions
-(`run_evaluation`'s `IndexOptions.accelerator`).
-
-A checkpoint is a folder with `retriever/` (`DualEncoder.save_pretrained`) and `reader/`
-(`FiDReader.save_pretrained`); `config.yaml` next to them (written by `rlm train`) supplies how many
-passages the reader was trained to read.
+The trainer's validation, the hard-subcorpus tracker and `rlm evaluate` share its scores
+(`retrieval_metrics`, `evaluate_reader`, `selective_scores`) and `format_table`. The parts it runs are
+modules of their own: loading a checkpoint (`rlm.inference.checkpoint`), the device and precision
+(`rlm.inference.device`), embedding and indexing the corpus (`rlm.inference.indexing`), retrieval
+(`rlm.inference.retrieval`) and reading with the answer policy (`rlm.inference.reading`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from atomicio import atomic_write_text
 from rlm.data.qa import QAExample
-from rlm.errors import UserError
 from rlm.inference.metrics import gold_recall_at_k, qa_scores, recall_at_k
+from rlm.inference.reading import decide_all, read, with_gold_passages
+from rlm.inference.retrieval import Retrieved, encode_questions, search_index
 
 RECALL_KS = (1, 5, 20, 100)
-
-
-@dataclass
-class Retrieved:
-    """Top-k per question: passage ids (best first) and their inner-product scores."""
-
-    ids: list[list[str]]
-    scores: list[list[float]]
-
-    def part(self, start: int, stop: int) -> Retrieved:
-        """Questions [start, stop)."""
-        return Retrieved(self.ids[start:stop], self.scores[start:stop])
-
-    def gathered(self, procs) -> Retrieved:
-        """Every process's questions, in process order (`retriever.distributed.Processes.gather_object`)."""
-        return Retrieved(procs.gather_object(self.ids), procs.gather_object(self.scores))
 
 
 @dataclass
@@ -66,131 +38,6 @@ class EvaluationResult:
     metrics_path: Path | None = None
 
 
-def inference_device(device=None):
-    """`device` as a torch.device; None: the accelerator (CUDA) when there is one, else the CPU."""
-    import torch
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
-
-
-def inference_bf16(device, requested: bool, support=None) -> bool:
-    """Whether to run the towers and the reader under bf16 autocast on `device` when `requested`.
-
-    On an accelerator, yes. On a CPU only where bf16 is native (AVX512-BF16 or AMX, `rlm.precision`):
-    elsewhere it is emulated and many times slower than float32, so the run stays in float32 with a
-    `CpuBf16Warning`.
-    `support`: the CPU's `Bf16Support` when already known (tests)."""
-    from rlm.precision import CpuBf16Warning, cpu_bf16_support
-
-    if not requested or inference_device(device).type != "cpu":
-        return requested
-    support = support or cpu_bf16_support(probe=False)
-    if support.native:
-        return True
-    warnings.warn(
-        f"--bf16 ignored: bf16 is slow on this CPU ({support.describe()}); running in float32",
-        CpuBf16Warning,
-        stacklevel=2,
-    )
-    return False
-
-
-def autocast(device, enabled: bool) -> contextlib.AbstractContextManager:
-    """bf16 autocast on `device`'s type when `enabled`, else nothing (an autocast the caller opened stays)."""
-    if not enabled:
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.autocast(device_type=inference_device(device).type, dtype=torch.bfloat16)
-
-
-def load_checkpoint(
-    ckpt: str | os.PathLike | None,
-    need_reader: bool = True,
-    retriever_path: str | None = None,
-    need_retriever: bool = True,
-    device=None,
-):
-    """(DualEncoder | None, FiDReader | None, config dict) from a checkpoint folder, the models on `device`
-    (None: the accelerator when there is one, `inference_device`).
-
-    `retriever_path` replaces `<ckpt>/retriever` (e.g. the packaged MiniLM, to evaluate the initial
-    retriever); `ckpt` may then be None for retrieval-only runs. `need_retriever=False` skips loading it
-    (closed-book or gold-passage reading).
-    """
-    import yaml
-
-    from reader.fid import FiDReader
-    from retriever.encoder import DualEncoder
-
-    root = Path(ckpt) if ckpt is not None else None
-    if root is not None and not root.is_dir():
-        raise FileNotFoundError(f"checkpoint folder not found: {root}")
-    config = {}
-    if root is not None and (root / "config.yaml").is_file():
-        config = yaml.safe_load((root / "config.yaml").read_text()) or {}
-    retriever = None
-    if need_retriever and retriever_path is not None:
-        retriever = DualEncoder.from_pretrained(str(retriever_path))
-    elif need_retriever and root is not None:
-        if not (root / "retriever").is_dir():
-            raise FileNotFoundError(
-                f"{root / 'retriever'} not found: a checkpoint holds retriever/ and reader/ "
-                "(rlm train writes them); or pass --retriever PATH"
-            )
-        retriever = DualEncoder.from_pretrained(str(root / "retriever"))
-    reader = None
-    if need_reader:
-        if root is None or not (root / "reader").is_dir():
-            raise FileNotFoundError(
-                f"{(root or Path('<ckpt>')) / 'reader'} not found: pass a checkpoint with a reader/ folder, "
-                "or use --retrieval-only"
-            )
-        reader = FiDReader.from_pretrained(str(root / "reader"))
-    device = inference_device(device)
-    for model in (retriever, reader):
-        if model is not None:
-            model.to(device)
-    return retriever, reader, config
-
-
-def reader_passages_from_config(config: dict, default: int = 10) -> int:
-    """How many retrieved passages the reader reads: `reader.num_passages`, else `strategy.k`, else default."""
-    reader_cfg = config.get("reader") or {}
-    strategy_cfg = config.get("strategy") or {}
-    return int(reader_cfg.get("num_passages") or strategy_cfg.get("k") or default)
-
-
-def retrieve(
-    query_tower,
-    index,
-    questions: Sequence[str],
-    k: int = 100,
-    batch_size: int = 64,
-    show_progress: bool = False,
-) -> Retrieved:
-    """Top-k passages per question by inner product of the query tower's embeddings with the index."""
-    if not questions:
-        return Retrieved([], [])
-    return search_index(index, encode_questions(query_tower, questions, batch_size, show_progress), k)
-
-
-def encode_questions(
-    query_tower, questions: Sequence[str], batch_size: int = 64, show_progress: bool = False
-):
-    """The questions' embeddings [Q, D] as host float32, whatever the tower's device and autocast: what faiss
-    takes."""
-    return query_tower.encode(list(questions), batch_size=batch_size, show_progress=show_progress).numpy()
-
-
-def search_index(index, queries, k: int) -> Retrieved:
-    """Top-k passages per query embedding ([Q, D] float32) from a `retriever.index.PassageIndex`."""
-    scores, ids = index.search(queries, k)
-    return Retrieved(ids=ids, scores=[row[: len(i)].tolist() for row, i in zip(scores, ids)])
-
-
 def retrieval_metrics(
     corpus, examples: Sequence[QAExample], retrieved: Retrieved, ks: Sequence[int] = RECALL_KS
 ) -> dict[str, float]:
@@ -199,103 +46,6 @@ def retrieval_metrics(
     metrics = recall_at_k(texts, [ex.answers for ex in examples], ks)
     metrics.update(gold_recall_at_k(retrieved.ids, [ex.gold_passage_ids for ex in examples], ks))
     return metrics
-
-
-def with_gold_passages(
-    examples: Sequence[QAExample], retrieved: Retrieved | None, num_passages: int
-) -> list[list[str]]:
-    """Oracle reading lists: each question's top `num_passages` with its gold passages guaranteed among them.
-
-    A gold passage already in the top keeps its rank; a missing one replaces the lowest-ranked non-gold
-    passage, so the reader does not see gold at a fixed position. Without retrieval: the gold passages alone.
-    """
-    out = []
-    for i, ex in enumerate(examples):
-        if not ex.gold_passage_ids:
-            raise UserError(f"question {ex.id} has no gold passage ids; oracle reading needs them")
-        gold = list(dict.fromkeys(ex.gold_passage_ids))
-        if retrieved is None or num_passages <= len(gold):
-            out.append(gold[:num_passages] if retrieved is not None else gold)
-            continue
-        top, gold_set = list(retrieved.ids[i][:num_passages]), set(gold)
-        for pid in gold:
-            if pid in top:
-                continue
-            if len(top) < num_passages:
-                top.append(pid)
-            else:
-                last = max(j for j, other in enumerate(top) if other not in gold_set)
-                top[last] = pid
-        out.append(top)
-    return out
-
-
-def read(
-    reader,
-    examples: Sequence[QAExample],
-    corpus=None,
-    retrieved: Retrieved | None = None,
-    num_passages: int = 10,
-    batch_size: int = 16,
-    max_new_tokens: int | None = None,
-    num_beams: int = 1,
-    passage_ids: Sequence[Sequence[str]] | None = None,
-    with_confidence: bool = False,
-    show_progress: bool = False,
-) -> list[str] | list[tuple[str, float]]:
-    """The reader's answers from the top `num_passages` retrieved passages; closed book when `retrieved` is None.
-
-    `passage_ids` (e.g. from `with_gold_passages`) replaces the retrieved lists. `with_confidence`: (answer,
-    the reader's probability of it) pairs instead of answers. The reader runs on its own device.
-    """
-    questions = [ex.question for ex in examples]
-    if passage_ids is None:
-        passage_ids = [] if retrieved is None else [ids[:num_passages] for ids in retrieved.ids]
-    if not passage_ids:
-        passages = [[] for _ in examples]
-    else:
-        passages = [
-            [(p.title, p.text) for p in (corpus[corpus.index_of(pid)] for pid in ids)] for ids in passage_ids
-        ]
-    answer = reader.answer_with_confidence if with_confidence else reader.answer
-    step = batch_size or max(len(questions), 1)
-    answers = []
-    # Batch by batch here rather than in the reader, for a progress bar over a dev set's hours of generation.
-    with tqdm(total=len(questions), desc="read", unit="q", disable=not show_progress) as bar:
-        for start in range(0, len(questions), step):
-            stop = start + step
-            answers.extend(
-                answer(
-                    questions[start:stop],
-                    passages[start:stop],
-                    max_new_tokens=max_new_tokens,
-                    num_beams=num_beams,
-                    batch_size=step,
-                )
-            )
-            bar.update(len(questions[start:stop]))
-    return answers
-
-
-def decide_all(
-    answered, questions, retrieved, corpus, num_passages: int, policy, retrieved_reading: bool
-) -> list:
-    """The answer policy's decision on each (answer, reader probability); without a policy, or when what was
-    read is not the retrieved top (closed book, gold passages), every answer stands with the reader's own
-    probability as its confidence."""
-    from rlm.inference.answer_policy import AnswerSignals, Decision
-
-    if policy is None or retrieved is None or not retrieved_reading:
-        return [Decision(probability, False, None) for _, probability in answered]
-    decisions = []
-    for (answer, probability), question, ids, scores in zip(
-        answered, questions, retrieved.ids, retrieved.scores
-    ):
-        read = [corpus[corpus.index_of(pid)] for pid in ids[:num_passages]]
-        texts = [f"{p.title} {p.text}" for p in read]
-        signals = AnswerSignals.of(answer, probability, scores[:num_passages], texts, question)
-        decisions.append(policy.decide(signals))
-    return decisions
 
 
 def selective_scores(
@@ -365,7 +115,8 @@ def _retrieve_for_evaluation(
     encoding = time.perf_counter() - start
     start = time.perf_counter()
     if index is None:
-        from rlm.inference.indexing import index_corpus, index_on_gpu
+        from rlm.inference.device import index_on_gpu
+        from rlm.inference.indexing import index_corpus
 
         tower = retriever.passage_tower
         index = index_corpus(

@@ -24,17 +24,6 @@ from rlm.errors import UserError
 INDEX_SUBFOLDER = "index"  # where the main process saves the index the other processes load
 
 
-def index_on_gpu(device) -> bool | None:
-    """`use_gpu` of a faiss index serving models on `device` (None: the accelerator when there is one): on a
-    GPU when they are on one and faiss sees one (None: faiss-cpu keeps it on the host), on the host otherwise
-    (`--device cpu` keeps faiss off the GPU)."""
-    import torch
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return None if torch.device(device).type == "cuda" else False
-
-
 def embed_corpus(
     passage_tower, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False
 ) -> np.ndarray:
@@ -62,7 +51,8 @@ def build_index(
     use_gpu: bool | None = None,
     show_progress: bool = False,
 ):
-    """A `retriever.index.PassageIndex` over the embeddings (inner product); `use_gpu`: `index_on_gpu`."""
+    """A `retriever.index.PassageIndex` over the embeddings (inner product); `use_gpu`:
+    `rlm.inference.device.index_on_gpu`."""
     from retriever.index import PassageIndex
 
     # The ids as they are (a corpus's IdSequence stays one blob): no list of every id string.

@@ -2,7 +2,7 @@
 
 Why: the quickstart's runs are small (a 6-layer MiniLM, a 2-layer T5 on batches of 16), too small for a
 second torch thread to double a run's speed, so two runs side by side on one thread each get more done than
-one after the other on two (on a 2-core AMD EPYC, AVX2: 1.27x as many Algorithm 2 steps per second). A
+one after the other on two (docs/results/quickstart/quickstart.md has the measurement). A
 run's digits depend on its thread count (the order of floating-point sums), so every run trains on one
 thread, also when only one is trained (then in this process, no worker is started).
 
@@ -68,12 +68,17 @@ def train_one(cfg: TrainConfig, prefix: Path | None = None, prefix_out: Path | N
     """`rlm.train.train` on one thread, with accelerate's process-wide state fresh before and after."""
     from accelerate.state import AcceleratorState
 
+    from rlm.quickstart.prefix_runs import train_from_prefix, train_prefix
     from rlm.train import train
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         with one_thread():
-            return train(cfg, prefix=prefix, prefix_out=prefix_out, overwrite=True)
+            if prefix_out is not None:
+                return train_prefix(cfg, prefix_out)
+            if prefix is not None:
+                return train_from_prefix(cfg, prefix)
+            return train(cfg, overwrite=True)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 

@@ -63,8 +63,8 @@ def launched_with_deepspeed() -> bool:
 
 def skip_deepspeed_cpu_inference_kernel() -> None:
     """DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce (`deepspeed_shm_comm`) as its
-    communication starts: ~100 s of C++ on a 2-core machine, again in every new environment (the build's hash
-    holds the install path). Only DeepSpeed's tensor-parallel inference calls that kernel
+    communication starts: a C++ build in every new environment (the build's hash holds the install path; its
+    cost is in docs/training.md). Only DeepSpeed's tensor-parallel inference calls that kernel
     (`inference_all_reduce`); training's collectives go through torch.distributed (gloo) either way."""
     import deepspeed.ops
 
@@ -97,8 +97,9 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     on_cpu = not cuda or (cfg.cpu and not deepspeed)
     mixed_precision, message = cfg.mixed_precision, None
     if on_cpu and cfg.mixed_precision == "bf16":
-        # bf16 emulated on a CPU without AVX512-BF16/AMX makes every step ~18x slower. The choice comes from
-        # the CPU flags, the same on every process of a machine (checked below); the probe is only reported.
+        # bf16 emulated on a CPU without AVX512-BF16/AMX makes every step many times slower (docs/training.md,
+        # "Precision"). The choice comes from the CPU flags, the same on every process of a machine (checked
+        # below); the probe is only reported.
         choice = cpu_mixed_precision("bf16", force=cfg.force_cpu_bf16, support=cpu_bf16_support())
         mixed_precision, message = choice.mixed_precision, choice.warning
     launcher = os.environ.get("ACCELERATE_MIXED_PRECISION")

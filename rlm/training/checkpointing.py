@@ -10,20 +10,26 @@ counters, the lr schedule, the strategy), the config it was trained with (`confi
 every file's size and SHA-256 (`manifest.json`), all written into a temporary folder that is renamed into
 place once complete. On resume the newest checkpoint whose files match their manifest is used (an older
 complete one when the newest is torn, with one line saying so), every pickle accelerate or DeepSpeed will
-read is checked for globals outside an allow-list before anything is loaded (a planted pickle is refused,
-never run), and the settings that decide data order, schedule and model shapes are compared with the
-checkpoint's own: a change is refused by name unless allowed (`--allow-changed optim.max_steps`).
+read is checked for globals beyond tensors, numpy's RNG state and (in a DeepSpeed checkpoint) DeepSpeed's
+optimizer-state classes before anything is loaded, then every file is read with
+`torch.load(weights_only=True)` and those classes as torch safe globals (a planted pickle is refused, never
+run), and the settings that decide data order, schedule and model shapes are compared with the checkpoint's
+own: a change is refused by name unless allowed (`--allow-changed optim.max_steps`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
+import importlib
+import importlib.metadata
 import json
 import os
+import pickle
 import shutil
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,22 +69,13 @@ OPERATIONAL_KEYS = frozenset(
         "data.max_dev_examples",
     }
 )
-# Globals a legitimate checkpoint pickles beyond torch's own weights-only set: accelerate's numpy RNG state,
-# DeepSpeed's optimizer states.
-ALLOWED_PICKLE_GLOBALS = frozenset(
-    {
-        "numpy.core.multiarray._reconstruct",
-        "numpy._core.multiarray._reconstruct",
-        "numpy.ndarray",
-        "numpy.dtype",
-        "numpy.dtypes.UInt32DType",
-        "_codecs.encode",
-        # DeepSpeed's ZeRO optimizer states: a dataclass, an enum and its loss scaler, whose constructors run
-        # nothing but their own fields.
-        "deepspeed.utils.tensor_fragment.fragment_address",
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-        "deepspeed.runtime.zero.config.ZeroStageEnum",
-    }
+# The classes DeepSpeed's ZeRO optimizer states pickle: a dataclass, an enum and its loss scaler, whose
+# constructors run nothing but their own fields. Imported from the installed deepspeed whenever a DeepSpeed
+# checkpoint is read, so a release that moves or renames one stops the resume with that class's name.
+DEEPSPEED_CHECKPOINT_CLASSES = (
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
 )
 PICKLED_SUFFIXES = (".bin", ".pkl", ".pt")
 
@@ -275,24 +272,99 @@ def latest_good_checkpoint(output_dir: Path, say: Callable[[str], None] = print)
     return None
 
 
-def unsafe_pickle_globals(folder: Path) -> dict[str, list[str]]:
-    """Per pickled file of a checkpoint, the globals it would import beyond plain tensors and numpy RNG state:
-    what `torch.load(weights_only=False)` (accelerate's custom states, DeepSpeed) would run code through."""
-    found = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and path.suffix in PICKLED_SUFFIXES:
+def deepspeed_checkpoint_classes() -> list:
+    """`DEEPSPEED_CHECKPOINT_CLASSES` imported from the installed deepspeed; a UserError names one it lacks."""
+    classes = []
+    for dotted in DEEPSPEED_CHECKPOINT_CLASSES:
+        module, _, name = dotted.rpartition(".")
+        try:
+            classes.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
             try:
-                names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-            except Exception as err:  # not a torch zip file: torch.load could only run it as a raw pickle
-                names = [f"<unreadable: {type(err).__name__}>"]
-            names = [n for n in names if n not in ALLOWED_PICKLE_GLOBALS]
-            if names:
-                found[str(path.relative_to(folder))] = names
+                installed = f"deepspeed {importlib.metadata.version('deepspeed')}"
+            except importlib.metadata.PackageNotFoundError:
+                installed = "no deepspeed"
+            raise UserError(
+                f"a DeepSpeed checkpoint pickles {dotted}, which the installed {installed} does not have: "
+                "resume with the deepspeed that wrote it, or name where this one keeps the class in "
+                "rlm.training.checkpointing.DEEPSPEED_CHECKPOINT_CLASSES"
+            ) from None
+    return classes
+
+
+def numpy_rng_globals() -> list:
+    """What accelerate's saved numpy RNG state pickles: an array of uint32 and its bytes (written as text)."""
+    import codecs
+
+    import numpy as np
+
+    try:
+        multiarray = importlib.import_module("numpy._core.multiarray")
+    except ImportError:  # numpy 1
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    # A state written under numpy 1 names `numpy.core`, one written under numpy 2 `numpy._core`.
+    named = [
+        (multiarray._reconstruct, f"{path}._reconstruct")
+        for path in ("numpy.core.multiarray", "numpy._core.multiarray")
+    ]
+    return [*named, np.ndarray, np.dtype, np.dtypes.UInt32DType, codecs.encode]
+
+
+def written_by_deepspeed(folder: Path) -> bool:
+    """Whether a checkpoint holds a DeepSpeed engine's state (its model and ZeRO shards, `*_states.pt`)."""
+    return any(folder.rglob("*mp_rank_*_states.pt"))
+
+
+def checkpoint_safe_globals(folder: Path) -> list:
+    """What a checkpoint's pickles may name beyond torch's own weights-only set: numpy's RNG state (accelerate)
+    and, in a checkpoint DeepSpeed wrote, DeepSpeed's optimizer-state classes, resolved from the installed
+    deepspeed (a UserError naming the class when one is gone)."""
+    deepspeed = deepspeed_checkpoint_classes() if written_by_deepspeed(folder) else []
+    return numpy_rng_globals() + deepspeed
+
+
+@contextlib.contextmanager
+def weights_only_loads(safe_globals: list) -> Iterator[None]:
+    """Every `torch.load` in the block reads tensors and `safe_globals` only.
+
+    `weights_only=True` even where a library passes False (DeepSpeed's checkpoint engine, accelerate's custom
+    states): torch's own switch for that, `TORCH_FORCE_WEIGHTS_ONLY_LOAD`, is set for the block, and the
+    globals are registered through `torch.serialization.safe_globals` for the block alone."""
+    saved = {
+        name: os.environ.pop(name, None)
+        for name in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    }
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(safe_globals):
+            yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def unsafe_pickle_globals(folder: Path) -> dict[str, list[str]]:
+    """Per pickled file of a checkpoint, the globals it names beyond tensors and `checkpoint_safe_globals`:
+    what a weights-only load refuses (and a plain pickle load would run code through)."""
+    found = {}
+    with torch.serialization.safe_globals(checkpoint_safe_globals(folder)):
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and path.suffix in PICKLED_SUFFIXES:
+                try:
+                    names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+                except Exception as err:  # not a torch zip file: torch.load could only run it as a raw pickle
+                    names = [f"<unreadable: {type(err).__name__}>"]
+                if names:
+                    found[str(path.relative_to(folder))] = names
     return found
 
 
 def check_pickles(folder: Path) -> None:
-    """Refuse a checkpoint whose pickles name anything beyond tensors and numpy RNG state."""
+    """Refuse a checkpoint whose pickles name anything beyond tensors, numpy RNG state and DeepSpeed's
+    optimizer-state classes, naming each file and what it holds."""
     unsafe = unsafe_pickle_globals(folder)
     if unsafe:
         listed = "; ".join(f"{name}: {', '.join(globs)}" for name, globs in unsafe.items())
@@ -300,6 +372,19 @@ def check_pickles(folder: Path) -> None:
             f"refusing to resume from {folder}: its files would import code when loaded ({listed}); a "
             "checkpoint this project wrote holds only tensors, numbers and text"
         )
+
+
+def load_checkpoint(accelerator, folder: Path) -> None:
+    """`accelerator.load_state(folder)` with every file read by `torch.load(weights_only=True)` and the
+    checkpoint's safe globals, so a file changed after `check_pickles` still cannot run code: it is refused
+    with its name and the globals it holds."""
+    with weights_only_loads(checkpoint_safe_globals(folder)):
+        try:
+            accelerator.load_state(str(folder))
+        except pickle.UnpicklingError as err:
+            check_pickles(folder)
+            found = [line.strip() for line in str(err).splitlines() if "Unsupported global" in line]
+            raise UserError(f"refusing to resume from {folder}: {(found or [str(err)])[0]}") from None
 
 
 def flat_config(data: dict, prefix: str = "") -> dict[str, Any]:

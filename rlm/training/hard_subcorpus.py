@@ -28,8 +28,8 @@ def build_hard_subcorpus(
     `retriever` is a DualEncoder (the initial one); `index` reuses an index of the corpus built with it.
     Gold ids absent from the corpus raise a ValueError naming the question.
     """
-    from rlm.inference.evaluation import retrieve
     from rlm.inference.indexing import build_index, embed_corpus
+    from rlm.inference.retrieval import retrieve
 
     rows = gold_rows(corpus, examples)
     if index is None:
@@ -143,7 +143,8 @@ def track_checkpoints(
     Returns {"checkpoints": [{"checkpoint", "hard": metrics, "full": metrics}], "correlation": {metric:
     {"spearman", "kendall"}}, "subcorpus_size", "corpus_size"}.
     """
-    from rlm.inference.evaluation import load_checkpoint, reader_passages_from_config, run_evaluation
+    from rlm.inference.checkpoint import load_checkpoint, reader_passages_from_config
+    from rlm.inference.evaluation import run_evaluation
 
     rows = []
     for ckpt in checkpoints:

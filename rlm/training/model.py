@@ -6,7 +6,6 @@ synchronisation in DDP requires the forward to go through the wrapper).
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -17,10 +16,7 @@ from reader.formatting import FiDCollator
 from retriever.corrector import CorrectorNetwork
 from retriever.encoder import DualEncoder
 from rlm.training.steps import Batch, StepOutput, algorithm1_step, algorithm2_step
-
-
-def null_timer(name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
+from rlm.training.throughput import NO_TIMER
 
 
 class QueryEmbeddingCache:
@@ -71,7 +67,7 @@ class RetrievalAugmentedModel(nn.Module):
         self.corrector = corrector
         self.collator = collator  # not a module: tokenisation only
         self.cfg = cfg
-        self.timer = null_timer  # replaced by a PhaseTimer when profiling (scripts/bench_training.py)
+        self.timer = NO_TIMER  # a PhaseTimer while the step is measured (rlm.training.throughput)
         self.query_cache = QueryEmbeddingCache()  # f(x) at the steps that leave the retriever as it is
 
     def forward(

@@ -143,8 +143,9 @@ def place_tokenizer(folder: str | Path, cfg: TrainConfig) -> None:
             shutil.copytree(source, tmp, dirs_exist_ok=True)
 
 
-def load_prefix(run, folder: str | Path) -> list[str]:
-    """Continue `run` (just built, at step 0) from the prefix in `folder`; returns the prefix's log lines."""
+def load_prefix(run, folder: str | Path) -> None:
+    """Continue `run` (just built, at step 0) from the prefix in `folder`: its states, and its log lines as the
+    start of the run's `log.jsonl`. The run is a new one (its own tracker run) that records where it began."""
     _check_shareable(run)
     folder = Path(folder)
     meta = read_prefix_meta(folder, run.cfg)
@@ -186,4 +187,6 @@ def load_prefix(run, folder: str | Path) -> list[str]:
     )
     version, internal, gauss_next = meta["rng_python"]
     random.setstate((version, tuple(internal), gauss_next))
-    return (folder / LOG).read_text().splitlines() if (folder / LOG).is_file() else []
+    run.state.tracker_run_id, run.state.prefix = None, str(folder)
+    lines = (folder / LOG).read_text().splitlines() if (folder / LOG).is_file() else []
+    atomic_write_text(Path(run.cfg.output_dir) / "log.jsonl", "".join(line + "\n" for line in lines))

@@ -59,6 +59,7 @@ class TrainState:
     nonfinite_in_a_row: int = 0
     wall_time: float = 0.0
     tracker_run_id: str | None = None  # W&B's run id, so a resumed run logs into the same run
+    prefix: str | None = None  # the shared prefix this run continued from (rlm.training.prefix), if any
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
@@ -68,8 +69,8 @@ class TrainState:
 
 
 def build_optimizer(model: RetrievalAugmentedModel, strategy, optim_cfg) -> torch.optim.AdamW:
-    """One AdamW, a parameter group per component. Fused (one kernel over all tensors) where torch has it: for
-    the two MiniLM towers on this 2-core CPU a step of it takes 0.02 s instead of 0.16 s (the per-tensor loop)."""
+    """One AdamW, a parameter group per component. Fused (one kernel over all tensors) where torch has it: a
+    per-tensor loop is several times slower for the towers' many small tensors (docs/training.md)."""
     groups = model.parameter_groups(strategy, optim_cfg)
     devices = {p.device.type for group in groups for p in group["params"]}
     fused = bool(devices) and devices <= {"cpu", "cuda"}
@@ -138,7 +139,8 @@ class TrainRun:
             )
 
     def save(self, prune: bool = True) -> Path:
-        """A checkpoint of the current step (every process must call it)."""
+        """A checkpoint of the current step (every process must call it); with `prune`, only the newest
+        `keep_last` checkpoints stay, and only the refreshed rows they or this step need."""
         state = {
             "train": self.state.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -147,7 +149,7 @@ class TrainRun:
             "processes": self.accelerator.num_processes,
         }
         output_dir = Path(self.cfg.output_dir)
-        return checkpointing.save_checkpoint(
+        path = checkpointing.save_checkpoint(
             self.accelerator,
             output_dir,
             self.state.step,
@@ -156,14 +158,28 @@ class TrainRun:
             dump_config(self.cfg),
             prune,
         )
+        self.keep_checkpoints_refreshes()
+        return path
+
+    def keep_checkpoints_refreshes(self) -> None:
+        """Tell the strategy which checkpoints are kept (it keeps their refreshed rows at its next refresh), and
+        delete the refreshed rows that neither they nor this step need (main process)."""
+        output_dir = Path(self.cfg.output_dir)
+        kept = tuple(checkpointing.checkpoint_step(p) for p in checkpointing.checkpoints(output_dir))
+        self.strategy.checkpoint_steps = kept
+        if self.accelerator.is_main_process:
+            self.strategy.prune_refreshes(kept, self.state.step)
 
     def load(self, folder: Path) -> None:
         """Continue from checkpoint `folder` (verified and checked by `find_checkpoint`)."""
-        self.accelerator.load_state(str(folder))
+        checkpointing.load_checkpoint(self.accelerator, folder)  # weights only: no pickled code runs
         state = checkpointing.read_state(folder)
         self.state.load_state_dict(state["train"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.load_state_dict(state["strategy"])
+        self.strategy.checkpoint_steps = tuple(
+            checkpointing.checkpoint_step(p) for p in checkpointing.checkpoints(Path(self.cfg.output_dir))
+        )
         if self.alignment is not None and state.get("alignment"):
             self.alignment.load_state_dict(state["alignment"])
             if self.alignment.end is not None:  # re-embedding counts from the first passage-tower update
@@ -320,17 +336,28 @@ def build_run(
     # The scheduler is not handed to accelerate: `train_step` steps it exactly once per optimizer step taken.
     configure_ddp(accelerator, cfg, model)  # after the optimizer's groups froze what is not trained
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = TrainState()
-    data = (parts.corpus, parts.train_examples, parts.dev_examples)
-    run = TrainRun(cfg, accelerator, *data, model, strategy, optimizer, scheduler, state, accum, stops=stops)
-    run.alignment = alignment
+    run = TrainRun(
+        cfg=cfg,
+        accelerator=accelerator,
+        corpus=parts.corpus,
+        train_examples=parts.train_examples,
+        dev_examples=parts.dev_examples,
+        model=model,
+        strategy=strategy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        state=TrainState(),
+        accumulation_steps=accum,
+        stops=stops,
+        alignment=alignment,
+    )
     ensure_dev_subcorpus(run)
     # The steps' randomness (dropout) depends on the seed alone, not on which components were built before
     # (a corrector's initialisation draws from the same generator): runs of different strategies draw alike.
     set_seed(cfg.seed)
     if resume_from is not None:
         run.load(resume_from)
-        accelerator.print(f"resumed from {resume_from} at step {state.step}")
+        accelerator.print(f"resumed from {resume_from} at step {run.state.step}")
     return run
 
 

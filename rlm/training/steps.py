@@ -8,7 +8,9 @@ task losses never touch the corrector, whose only other use (selecting S_x) runs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +18,13 @@ from reader.scoring import score_passages
 from retriever.corrector import corrector_ce_loss, corrector_mse_loss
 from retriever.search import TopK, full_precision
 from rlm.training.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
+
+if TYPE_CHECKING:
+    from retriever.corrector import CorrectorNetwork
+    from rlm.config import TrainConfig
+    from rlm.data.corpus import Corpus
+    from rlm.training.model import RetrievalAugmentedModel
+    from rlm.training.strategies.base import SelectionStrategy
 
 
 @dataclass
@@ -64,165 +73,181 @@ def corrector_quality(fresh_logits: torch.Tensor, other_logits: torch.Tensor, ma
     return {"kl": float(kl), "overlap": float(overlap)}
 
 
-def corrector_step_loss(model, strategy, queries, rows, mask, fresh_passages, fresh_logits, beta, cfg):
-    """Step 7: the corrector's loss on S_x, from detached queries and detached targets; plus drift metrics."""
-    # B_y: the fixed buffer rows, read from wherever B lives (host memory) onto the step's device.
-    stale = strategy.buffer.rows(_rows_or_zero(rows)).to(device=queries.device, dtype=torch.float32)
+def corrector_step_loss(
+    corrector: CorrectorNetwork | None,
+    queries: torch.Tensor,
+    stale: torch.Tensor,
+    fresh: torch.Tensor,
+    fresh_logits: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    loss_kind: str,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Step 7 on S_x: the corrector's loss l from detached queries and detached targets (None without a
+    corrector to train), and how far the fixed rows `stale` = B_y have drifted from the fresh ones `fresh` =
+    g(y). `fresh_logits` = beta <q, g(y)>; `loss_kind`: "ce" (the paper's CE(P~, P~_h)) or "mse" (Eq. 5)."""
     stale_logits = beta * _scores(queries.detach(), stale)
-    drift = (fresh_passages.detach().float() - stale.float()).norm(dim=-1)[mask].mean()
+    drift = (fresh.detach().float() - stale.float()).norm(dim=-1)[mask].mean()
     metrics = {
         "drift": float(drift),  # mean ||g(y) - B_y|| over S_x: how stale the buffer has become
         "kl_fresh_stale": corrector_quality(fresh_logits.detach(), stale_logits, mask)["kl"],
     }
-    if not strategy.uses_corrector:
+    if corrector is None:
         return None, metrics
     # In h's own dtype: DeepSpeed casts its parameters to bf16, while B and the queries may be float32.
-    corrected = model.corrector(stale.to(next(model.corrector.parameters()).dtype))
+    corrected = corrector(stale.to(next(corrector.parameters()).dtype))
     corrected_logits = beta * _scores(queries.detach(), corrected)
     quality = corrector_quality(fresh_logits.detach(), corrected_logits, mask)
     metrics.update(kl_fresh_corrected=quality["kl"], overlap_corrected_fresh=quality["overlap"])
-    if cfg.corrector.loss == "ce":
+    if loss_kind == "ce":
         loss = corrector_ce_loss(fresh_logits.detach() / beta, corrected_logits / beta, beta=beta, mask=mask)
     else:
-        loss = corrector_mse_loss(fresh_passages.detach()[mask], corrected[mask])
+        loss = corrector_mse_loss(fresh.detach()[mask], corrected[mask])
     return loss, metrics
 
 
 def algorithm2_step(
-    model, batch: Batch, strategy, corpus, cfg, reader_only: bool = False, later: tuple[Batch, ...] = ()
+    model: RetrievalAugmentedModel,
+    batch: Batch,
+    strategy: SelectionStrategy,
+    corpus: Corpus,
+    cfg: TrainConfig,
+    reader_only: bool = False,
+    later: Sequence[Batch] = (),
 ) -> StepOutput:
     """Algorithm 2: train reader and retriever jointly; S_x chosen by the strategy (corrector: <q, h(B)>).
 
     `reader_only` (the `schedule.reader_only_steps` warm-up) keeps the selection but trains the reader alone:
     steps 3-5 and 7 are skipped, so neither the retriever nor the corrector moves. `later`: the micro-batches
-    that follow this one in its accumulation window, selected for here too.
+    that follow this one in its accumulation window, selected for here too. `model.timer` laps each phase.
     """
     if not strategy.uses_passages or batch.reader_passages is not None:
-        return _reader_alone_step(model, batch, strategy)
-    phase = model.timer  # per-phase wall time for the training benchmark; a no-op otherwise
+        return reader_alone_step(model, batch, strategy)
+    timer, beta = model.timer, cfg.beta
     trains_retriever = strategy.trains_retriever and not reader_only
+    h = model.corrector if strategy.uses_corrector else None  # the strategy says whether S_x comes through h
+    timer.start()
 
     # 1. q = f(x), with gradient. A step that leaves the retriever as it is (reader-only, frozen) needs q only
     # to select S_x: as at prediction time (eval mode), each question embedded once while f does not move.
-    with phase("retriever"):
-        if trains_retriever:
-            model.query_cache.clear()  # f moves at this step
-            queries = model.retriever.encode_queries(batch.questions)
-        else:
-            queries = model.query_cache.encode(model.retriever.query_tower, batch.questions)
+    if trains_retriever:
+        model.query_cache.clear()  # f moves at this step
+    queries = _embed_questions(model, batch.questions, trains_retriever)
+    timer.lap("retriever")
 
     # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient. f and h change only when
     # the optimizer steps, so the first micro-batch of an accumulation window selects for all of them: one scan
-    # of h(B) per optimizer step, however many micro-batches accumulate.
-    with phase("select"):
-        top, batch.selected = batch.selected, None  # used once: a batch met again is selected for again
-        if top is None:
-            top = select_for_window(model, strategy, queries.detach(), batch, later, trains_retriever)
-    rows = top.indices
-    passages = [[(corpus[r].title, corpus[r].text) for r in row if r >= 0] for row in rows.tolist()]
-
-    # 3-5 and 7: the retriever's and the corrector's losses.
-    metrics: dict[str, float] = {}
-    retriever_loss = corrector_loss = None
-    if trains_retriever:
-        retriever_loss, corrector_loss = _retriever_and_corrector_losses(
-            model, batch, strategy, corpus, cfg, queries, rows, passages, metrics
-        )
-
-    # 6. Reader loss L' = NLL of the answer from the FiD reader over the selected passages.
-    with phase("reader"):
-        k_read = cfg.reader.num_passages
-        read = passages if k_read is None else [p[:k_read] for p in passages]
-        reader_loss = model.reader(
-            **_reader_inputs(model.collator(batch.questions, read, batch.answers))
-        ).loss
-    metrics["reader_loss"] = float(reader_loss.detach())
-
-    # 8. Retriever and reader on (L + L') / 2, the corrector on w * l; stop-gradients keep them apart.
-    terms = {"reader": reader_loss}
-    loss = reader_loss
-    if retriever_loss is not None:
-        terms["retriever"] = retriever_loss
-        loss = (retriever_loss + reader_loss) / 2
-    return with_corrector_term(loss, terms, metrics, corrector_loss, cfg.corrector.weight)
-
-
-def select_for_window(model, strategy, queries, batch: Batch, later, trains_retriever: bool) -> TopK:
-    """Step 2 for `batch` (its queries `queries`) and each of the window's `later` micro-batches that reads the
-    selection: their questions embedded as step 1 embeds them, without gradient, one top-k over the buffer for
-    all; returns `batch`'s S_x and keeps each later batch's in its `selected`. Collective when the buffer is
-    sharded: every process has windows of the same shape."""
-    rest = [b for b in later if b.reader_passages is None and b.selected is None]
-    if rest:
-        questions = [q for b in rest for q in b.questions]
+    # of h(B) per optimizer step, however many micro-batches accumulate. A batch's selection is used once.
+    top, batch.selected = batch.selected, None
+    if top is None:
+        window = [batch, *(b for b in later if b.reader_passages is None and b.selected is None)]
         with torch.no_grad():
-            if trains_retriever:
-                more = model.retriever.encode_queries(questions)
-            else:
-                more = model.query_cache.encode(model.retriever.query_tower, questions)
-        queries = torch.cat([queries, more.to(device=queries.device, dtype=queries.dtype)])
-    top = strategy.select(queries, model.corrector)
-    start = len(batch.questions)
-    for each in rest:
-        stop = start + len(each.questions)
-        each.selected = TopK(top.scores[start:stop], top.indices[start:stop])
-        start = stop
-    return TopK(top.scores[: len(batch.questions)], top.indices[: len(batch.questions)])
+            more = [_embed_questions(model, b.questions, trains_retriever) for b in window[1:]]
+        top = strategy.select(torch.cat([queries.detach(), *(q.to(queries) for q in more)]), h)
+        top = _keep_for_window(top, window)
+    rows, mask = top.indices, top.indices >= 0
+    passages = [[(corpus[r].title, corpus[r].text) for r in row if r >= 0] for row in rows.tolist()]
+    timer.lap("select")
 
-
-def _reader_alone_step(model, batch: Batch, strategy) -> StepOutput:
-    """Closed book (no passages), or the curriculum's given passages: the reader alone, answer NLL only."""
-    given = batch.reader_passages if strategy.uses_passages else None
-    with model.timer("reader"):
-        inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
-        reader_loss = model.reader(**_reader_inputs(inputs)).loss
-    return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
-
-
-def _retriever_and_corrector_losses(model, batch, strategy, corpus, cfg, queries, rows, passages, metrics):
-    """Algorithm 2's steps 3-5 and 7 over S_x (`rows`, -1 where fewer were found): (L, l)."""
-    phase, beta, mask = model.timer, cfg.beta, rows >= 0
-
-    # 3. p_y = g(y) for y in S_x with gradient; P~(y|x) = softmax(beta <q, p_y>) over S_x.
-    with phase("retriever"):
+    metrics: dict[str, float] = {}
+    terms: dict[str, torch.Tensor] = {}
+    if trains_retriever:
+        # 3. p_y = g(y) for y in S_x, with gradient; P~(y|x) = softmax(beta <q, p_y>) over S_x.
         texts = corpus.retrieval_texts()
-        flat = [texts[r] for r in _rows_or_zero(rows).reshape(-1).tolist()]
-        fresh = model.retriever.encode_passages(flat).view(*rows.shape, -1)
+        fresh = model.retriever.encode_passages([texts[r] for r in rows.clamp_min(0).reshape(-1).tolist()])
+        fresh = fresh.view(*rows.shape, -1)  # padding slots (-1) read row 0; their scores are masked out
         retriever_logits = beta * _scores(queries, fresh)
+        timer.lap("retriever")
 
-    # 4. The reader scores each passage alone, without gradient: log P(a | y, x).
-    with phase("reader_scoring"):
+        # 4. The reader scores each passage alone, without gradient: log P(a | y, x).
         reduction = cfg.reader.score_reduction
         scores = score_passages(model.reader, batch.questions, passages, batch.answers, reduction=reduction)
         answer_logprobs = _pad_scores(scores, rows.shape)
+        timer.lap("reader_scoring")
 
-    # 5. Retriever loss L = KL(P_a || P~) (perplexity distillation, Eq. 8).
-    retriever_loss = perplexity_distillation_loss(
-        retriever_logits, answer_logprobs, mask, cfg.reader_temperature
-    )
-    metrics["retriever_loss"] = float(retriever_loss.detach())
-
-    # 7. Corrector loss l = CE(P~ (detached), P~_h), P~_h from <q (detached), h(B_y)>.
-    with phase("corrector"):
-        corrector_loss, quality = corrector_step_loss(
-            model, strategy, queries, rows, mask, fresh, retriever_logits, beta, cfg
+        # 5. Retriever loss L = KL(P_a || P~) (perplexity distillation, Eq. 8).
+        terms["retriever"] = perplexity_distillation_loss(
+            retriever_logits, answer_logprobs, mask, cfg.reader_temperature
         )
-    metrics.update(quality)
-    return retriever_loss, corrector_loss
+
+    # 6. Reader loss L' = NLL of the answer from the FiD reader over the selected passages.
+    k_read = cfg.reader.num_passages
+    read = passages if k_read is None else [p[:k_read] for p in passages]
+    terms["reader"] = model.reader(
+        **_reader_inputs(model.collator(batch.questions, read, batch.answers))
+    ).loss
+    timer.lap("reader")
+
+    if trains_retriever:
+        # 7. Corrector loss l = CE(P~ (detached), P~_h), P~_h from <q (detached), h(B_y)>; B_y read from
+        # wherever the fixed buffer lives (host memory) onto the step's device.
+        stale = strategy.buffer.rows(rows.clamp_min(0)).to(device=queries.device, dtype=torch.float32)
+        corrector_loss, quality = corrector_step_loss(
+            h, queries, stale, fresh, retriever_logits, mask, beta, cfg.corrector.loss
+        )
+        metrics.update(quality)
+        if corrector_loss is not None:
+            terms["corrector"] = corrector_loss
+        timer.lap("corrector")
+
+    # 8. Retriever and reader on (L + L') / 2, the corrector on w * l; stop-gradients keep them apart.
+    loss = terms["reader"] if "retriever" not in terms else (terms["retriever"] + terms["reader"]) / 2
+    if "corrector" in terms:
+        loss = loss + cfg.corrector.weight * terms["corrector"]
+    metrics.update({f"{name}_loss": float(term.detach()) for name, term in terms.items()})
+    return StepOutput(loss, metrics, terms)
 
 
-def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
+def _embed_questions(
+    model: RetrievalAugmentedModel, questions: list[str], trains_retriever: bool
+) -> torch.Tensor:
+    """f(x): with gradient while the retriever trains, else from the query cache (eval mode, no gradient)."""
+    if trains_retriever:
+        return model.retriever.encode_queries(questions)
+    return model.query_cache.encode(model.retriever.query_tower, questions)
+
+
+def _keep_for_window(top: TopK, window: Sequence[Batch]) -> TopK:
+    """Split one top-k over the window's questions: each later batch keeps its rows in `selected`, the first
+    batch's are returned."""
+    start = len(window[0].questions)
+    for each in window[1:]:
+        stop = start + len(each.questions)
+        each.selected = TopK(top.scores[start:stop], top.indices[start:stop])
+        start = stop
+    first = len(window[0].questions)
+    return TopK(top.scores[:first], top.indices[:first])
+
+
+def reader_alone_step(
+    model: RetrievalAugmentedModel, batch: Batch, strategy: SelectionStrategy
+) -> StepOutput:
+    """Closed book (no passages), or the curriculum's given passages: the reader alone, answer NLL only."""
+    model.timer.start()
+    given = batch.reader_passages if strategy.uses_passages else None
+    inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
+    reader_loss = model.reader(**_reader_inputs(inputs)).loss
+    model.timer.lap("reader")
+    return StepOutput(reader_loss, {"reader_loss": float(reader_loss.detach())}, {"reader": reader_loss})
+
+
+def algorithm1_step(
+    model: RetrievalAugmentedModel,
+    batch: Batch,
+    strategy: SelectionStrategy,
+    corpus: Corpus,
+    cfg: TrainConfig,
+) -> StepOutput:
     """Algorithm 1: supervised dense retrieval; the gold passage is always in S_x, plus uniform negatives."""
     beta = cfg.beta
+    h = model.corrector if strategy.uses_corrector else None
 
     # 1. q = f(x), with gradient.
     queries = model.retriever.encode_queries(batch.questions)
     gold = batch.gold_rows.to(queries.device)
 
     # 2. S_x: top-k by the strategy, the label always included, plus uniform negatives shared by the batch.
-    top = strategy.select(
-        queries.detach(), model.corrector, include=gold[:, None], num_random=cfg.strategy.num_random
-    )
+    top = strategy.select(queries.detach(), h, include=gold[:, None], num_random=cfg.strategy.num_random)
     rows = top.indices
 
     # 3. p_y = g(y) for y in S_x, with gradient.
@@ -246,28 +271,22 @@ def algorithm1_step(model, batch: Batch, strategy, corpus, cfg) -> StepOutput:
 
     # Task loss: cross-entropy against the one-hot label P*.
     label_pos = ((rows == gold[:, None]) & mask).float().argmax(-1)
-    task_loss = supervised_retrieval_loss(logits, label_pos, mask)
-    metrics = {"retriever_loss": float(task_loss.detach())}
-    metrics["train_acc"] = float(
-        (logits.masked_fill(~mask, float("-inf")).argmax(-1) == label_pos).float().mean()
-    )
+    terms = {"retriever": supervised_retrieval_loss(logits, label_pos, mask)}
+    metrics = {
+        "train_acc": float((logits.masked_fill(~mask, float("-inf")).argmax(-1) == label_pos).float().mean())
+    }
 
     # Corrector loss on the same S_x.
+    stale = strategy.buffer.rows(_rows_or_zero(rows)).to(device=queries.device, dtype=torch.float32)
     corrector_loss, quality = corrector_step_loss(
-        model, strategy, queries, rows, mask, fresh, logits, beta, cfg
+        h, queries, stale, fresh, logits, mask, beta, cfg.corrector.loss
     )
     metrics.update(quality)
-    return with_corrector_term(
-        task_loss, {"retriever": task_loss}, metrics, corrector_loss, cfg.corrector.weight
-    )
-
-
-def with_corrector_term(loss, terms: dict, metrics: dict, corrector_loss, weight: float) -> StepOutput:
-    """The step's output: the task loss plus w * l when the strategy trains a corrector (both algorithms)."""
+    loss = terms["retriever"]
     if corrector_loss is not None:
         terms["corrector"] = corrector_loss
-        loss = loss + weight * corrector_loss
-        metrics["corrector_loss"] = float(corrector_loss.detach())
+        loss = loss + cfg.corrector.weight * corrector_loss
+    metrics.update({f"{name}_loss": float(term.detach()) for name, term in terms.items()})
     return StepOutput(loss, metrics, terms)
 
 

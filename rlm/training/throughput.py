@@ -2,7 +2,7 @@
 optimizer step, peak memory and an ETA, per optimizer step over each logging interval (`rlm.train.RunLog`
 writes them to `log.jsonl`, the trackers and the progress bar; docs/training.md lists the keys).
 
-The phases are the training step's own `model.timer` hooks (`rlm.training.steps`: select, retriever,
+The phases are the training step's own `model.timer` laps (`rlm.training.steps`: retriever, select,
 reader_scoring, reader, corrector), timed flat by `PhaseTimer`; the time of the step that no phase holds is
 `backward_optimizer` (backward, clipping, the optimizer step, and a refresh at the steps a re-embedding
 strategy refreshes). What the step read is counted where it enters the modules, by forward pre-hooks: the
@@ -23,24 +23,34 @@ from collections.abc import Iterator
 import torch
 from accelerate.utils import gather_object
 
-from rlm.training.model import null_timer
-
 COUNTS = ("questions", "passages", "reader_tokens", "passage_tokens")
 GIB = 2**30
 
 
 class PhaseTimer:
-    """`with timer("select"):` adds the block's seconds to phase "select": the training step's `model.timer` hook.
+    """The seconds of each phase of the training step: `start()` at the step's top, then `lap("select")` at the
+    end of each phase adds the time since the previous mark to that phase (flat: no phase inside another).
 
-    Flat: each block is timed on its own (no phase inside another). On CUDA a block records two events on the
-    current stream instead of reading the host clock: the host runs ahead of the GPU, so its clock would charge a
-    phase with the kernels queued before it and miss its own. The events are read by `take`, one wait for the GPU
-    per logging interval, never one per phase: timing adds no synchronisation to the step."""
+    On CUDA a mark is an event recorded on the current stream instead of a read of the host clock: the host runs
+    ahead of the GPU, so its clock would charge a phase with the kernels queued before it and miss its own. The
+    events are read by `take`, one wait for the GPU per logging interval, never one per phase: timing adds no
+    synchronisation to the step. `with timer("reembed"):` times a block outside the step the same way."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.seconds: dict[str, float] = defaultdict(float)
         self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.last = None
+
+    def start(self) -> None:
+        """The next `lap` counts from here."""
+        self.last = self.mark()
+
+    def lap(self, name: str) -> None:
+        """Add the time since the last `start` or `lap` to phase `name`."""
+        now = self.mark()
+        self.add(name, self.last, now)
+        self.last = now
 
     def mark(self):
         """A point in time on the step's clock: a recorded CUDA event, or the host's clock."""
@@ -74,6 +84,19 @@ class PhaseTimer:
             self.pending.clear()
         taken, self.seconds = dict(self.seconds), defaultdict(float)
         return taken
+
+
+class NoTimer:
+    """The step's timer when nothing measures it: its laps cost nothing."""
+
+    def start(self) -> None:
+        pass
+
+    def lap(self, name: str) -> None:
+        pass
+
+
+NO_TIMER = NoTimer()
 
 
 class Throughput:
@@ -170,4 +193,4 @@ class Throughput:
         """Take the hooks off; the model's timer does nothing again."""
         for hook in self.hooks:
             hook.remove()
-        self.model.timer = null_timer
+        self.model.timer = NO_TIMER

@@ -25,7 +25,9 @@ from retriever.alignment import alignment_metrics
 from retriever.buffer import embed_passages
 from retriever.distributed import Processes, ShardedRows
 from retriever.search import TopK
-from rlm.inference.evaluation import RECALL_KS, Retrieved, evaluate_reader, read, retrieval_metrics
+from rlm.inference.evaluation import RECALL_KS, evaluate_reader, retrieval_metrics
+from rlm.inference.reading import read
+from rlm.inference.retrieval import Retrieved
 from rlm.training.strategies import strategy_class
 
 SUBCORPUS_FILE = "dev_subcorpus.txt"
@@ -171,7 +173,8 @@ def validate(
         queries = model.retriever.query_tower.encode(questions, batch_size=cfg.buffer.batch_size)
         if strategy is not None:
             queries = queries.to(device) if device is not None else queries
-            retrieved = selection_retrieve(strategy, model.corrector, corpus, queries, max(ks), procs)
+            h = model.corrector if strategy.uses_corrector else None
+            retrieved = selection_retrieve(strategy, h, corpus, queries, max(ks), procs)
             metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
             return _prefixed(
                 _read(model, corpus, dev_examples, cfg, retrieved, procs, batch_size, metrics),

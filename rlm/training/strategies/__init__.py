@@ -46,8 +46,6 @@ class FrozenStrategy(SelectionStrategy):
     """The retriever is not trained; passages come from the fixed buffer B."""
 
     name = "frozen"
-    algorithms = (2,)
-    trains_retriever = False
 
 
 class CorrectorStrategy(SelectionStrategy):
@@ -55,21 +53,12 @@ class CorrectorStrategy(SelectionStrategy):
     re-embedded during training."""
 
     name = "corrector"
-    uses_corrector = True
-
-    def _corrector_for_selection(self, corrector):
-        if corrector is None:
-            raise ValueError("the corrector strategy needs a corrector network")
-        return corrector
 
 
 class InBatchStrategy(SelectionStrategy):
     """Algorithm 1's cheapest baseline: no buffer search; each question scores the batch's gold passages."""
 
     name = "in_batch"
-    algorithms = (1,)  # its S_x are the batch's gold passages
-    scans_fixed_buffer = False
-    shares_batch = True
 
     def select(self, queries, corrector=None, include=None, num_random=0, k=None):
         if include is None:  # no batch to score (validation): rank against the stale buffer, as stale does
@@ -84,10 +73,6 @@ class ClosedBookStrategy(SelectionStrategy):
     """No passages: the reader answers from the question alone."""
 
     name = "closed_book"
-    algorithms = (2,)
-    trains_retriever = False
-    uses_passages = False
-    scans_fixed_buffer = False
 
     def select(self, queries, corrector=None, include=None, num_random=0, k=None):
         raise RuntimeError("closed_book selects no passages")

@@ -1,8 +1,8 @@
-"""What every selection strategy is: a policy over one search primitive (`retriever.row_search.RowSearch`).
+"""What every selection strategy is: which rows it scans, when they are re-embedded, whether it selects
+through h and whether the retriever trains; `select` is the top-k over those rows.
 
-A strategy decides which rows are scanned at this step (the fixed buffer B, a re-embedded copy, a subset),
-when they are re-embedded, whether h corrects them and whether the retriever trains; the search does the rest
-(sharding, device placement, two-stage search, the h(B) cache). `rlm.training.strategies` lists the strategies.
+The rows themselves (sharding, device placement, the two-stage index, the h(B) cache) are held by
+`retriever.row_search.RowSearch`. `rlm.training.strategies` lists the strategies.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from retriever.buffer import PassageBuffer
-from retriever.distributed import Processes
+from retriever.distributed import Processes, merge_topk, no_rows
 from retriever.row_search import RowSearch, TwoStage
-from retriever.search import TopK, complete_selection
+from retriever.search import TopK, complete_selection, corrected_topk, two_stage_corrected_topk
+from rlm.config import StrategyFact
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
 EmbedRows = Callable[[Sequence[int]], torch.Tensor]
@@ -31,14 +32,15 @@ class SelectionStrategy:
     """
 
     # What a strategy is, for everything outside this module (building components, validation, config checks):
+    # its row of rlm.config.STRATEGY_FACTS, found by `name` (each attribute's meaning is written there).
     name = "stale"
-    algorithms = (1, 2)  # the paper's algorithms it takes part in
-    trains_retriever = True
-    uses_passages = True  # False: the reader answers closed book (nothing selected, nothing retrieved)
-    uses_corrector = False  # a corrector network h is built, trained and used for selection
-    scans_fixed_buffer = True  # selects from B as built (never re-embedded): an index over B stays valid
-    shares_batch = False  # every question of a batch scores the union of the batch's S_x
-    follows_refresh_every = False  # `strategy.refresh_every` schedules its re-embedding
+    algorithms = StrategyFact()
+    trains_retriever = StrategyFact()
+    uses_passages = StrategyFact()
+    uses_corrector = StrategyFact()
+    scans_fixed_buffer = StrategyFact()
+    shares_batch = StrategyFact()
+    follows_refresh_every = StrategyFact()
 
     def __init__(
         self,
@@ -64,6 +66,9 @@ class SelectionStrategy:
         self.procs, self.sharded = Processes(), False
         self.refresh_dir: Path | None = None  # where refreshed rows are written (None: kept in memory)
         self.refresh_step: int | None = None  # the step before which the scanned rows were last re-embedded
+        # The steps of the run's kept checkpoints (told by the run when it saves or resumes): a refresh deletes
+        # the earlier refreshed rows except theirs (`prune_refreshes`).
+        self.checkpoint_steps: tuple[int, ...] = ()
         two_stage = None
         if cfg.search == "two_stage":
             two_stage = TwoStage(cfg.candidates, cfg.first_stage, cfg.index_factory, cfg.nprobe)
@@ -123,14 +128,43 @@ class SelectionStrategy:
         num_random: int = 0,
         k: int | None = None,
     ) -> TopK:
-        """Row indices (into the corpus / buffer) of S_x for each query, and their selection scores: the top `k`
-        (default `strategy.k`) by this strategy's scoring, plus Algorithm 1's forced rows (`include`) and
-        `num_random` uniform ones. Collective when sharded: every process calls it with as many queries."""
+        """S_x for each query: the corpus rows of the top `k` (default `strategy.k`) by <q, h(row)> over the
+        rows this strategy scans (h = `corrector`, which a strategy that `uses_corrector` is given and no other
+        is), and their scores; plus Algorithm 1's forced rows (`include`) and `num_random` uniform ones.
+        Collective when sharded: every process calls it with as many queries."""
+        if (corrector is not None) != self.uses_corrector:
+            raise ValueError(
+                f"the {self.name} strategy selects {'through' if self.uses_corrector else 'without'} h"
+            )
         self.search_space()  # rows a loaded checkpoint references are opened before the search reads them
-        corrector = self._corrector_for_selection(corrector)
         k = self.k if k is None else k
         width = min(k + (0 if include is None else include.shape[1]), len(self.buffer))
-        top = self.search.topk(queries, corrector, width)
+        # Each process scores every process's queries against the rows it holds; the lists are merged.
+        rows = self.search.scanned(corrector, queries.device)
+        all_queries, n = rows.procs.gather(queries), min(width, len(rows.vectors))
+        chunk = self.search.chunk_size
+        if not n:
+            local = no_rows(all_queries)
+        elif rows.first_stage is None:
+            local = corrected_topk(all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk)
+        else:  # Appendix B.2: candidates by the stale score, re-scored with h
+            index, candidates, nprobe = rows.first_stage
+            local = two_stage_corrected_topk(
+                all_queries,
+                rows.vectors,
+                rows.corrector,
+                n,
+                index,
+                candidates,
+                nprobe=nprobe,
+                chunk_size=chunk,
+            )
+        top = merge_topk(rows.procs, local, rows.row_ids, width, queries.shape[0])
+        if rows.first_stage is not None and n and self.search.overlap_due():
+            exact = corrected_topk(all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk)
+            self.search.record_overlap(
+                top, merge_topk(rows.procs, exact, rows.row_ids, width, len(queries)), width
+            )
         if include is None and not num_random:
             return top
         return complete_selection(
@@ -143,9 +177,6 @@ class SelectionStrategy:
             num_random=num_random,
             generator=self.generator,
         )
-
-    def _corrector_for_selection(self, corrector: torch.nn.Module | None) -> torch.nn.Module | None:
-        return None
 
     def prune_refreshes(self, checkpoint_steps: Sequence[int], step: int) -> None:
         """Delete the refreshed rows (`refresh_dir/step_<s>`) that neither this step nor a kept checkpoint

@@ -23,8 +23,6 @@ from rlm.training.strategies.base import EmbedRows, SelectionStrategy
 class _RefreshingStrategy(SelectionStrategy, abc.ABC):
     """Scores against a re-embedded copy of the buffer, refreshed on a schedule."""
 
-    scans_fixed_buffer = False
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fresh: PassageBuffer | Tensor | None = None  # None until the first refresh
@@ -65,6 +63,8 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         self.refresh_step = step
         self.reembedded += reembedded
         self._unopened = False
+        if self.procs.rank == 0:  # the earlier refreshed rows no kept checkpoint needs
+            self.prune_refreshes(self.checkpoint_steps, step)
 
     def search_space(self) -> PassageBuffer | Tensor:
         if self._unopened:
@@ -102,7 +102,6 @@ class ExhaustiveStrategy(_RefreshingStrategy):
     """Re-embed every passage every R retriever updates (the buffer is fresh until the first update)."""
 
     name = "exhaustive"
-    follows_refresh_every = True
 
     def due(self, step: int) -> bool:
         # Every R retriever updates, and once more when the retriever stops training (before a final
@@ -208,8 +207,6 @@ class SNMStrategy(SelectionStrategy):
     """
 
     name = "snm"
-    scans_fixed_buffer = False
-    follows_refresh_every = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -238,6 +235,8 @@ class SNMStrategy(SelectionStrategy):
         self.refresh_step = step
         self.reembedded += m
         self._unopened = False
+        if self.procs.rank == 0:  # the earlier subsets no kept checkpoint needs
+            self.prune_refreshes(self.checkpoint_steps, step)
 
     def _scan_subset(self) -> None:
         # Sharded, this process holds only its share of the subset, and the search scans only that.

@@ -1,0 +1,77 @@
+"""A trained checkpoint loaded for answering: its towers and reader on a device, and its config.
+
+A checkpoint is a folder with `retriever/` (`DualEncoder.save_pretrained`) and `reader/`
+(`FiDReader.save_pretrained`); `config.yaml` next to them (written by `rlm train`) supplies how many passages
+the reader was trained to read. Its other parts load where they are used: `corrector/` with its h(B) index
+(`rlm.inference.corrected_index`), `answer_policy.json` as an `AnswerPolicy` (`rlm.inference.answer_policy`).
+`rlm evaluate`, the demo's `QAService`, `rlm calibrate` and the scripts all load through `load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlm.inference.device import inference_device
+
+if TYPE_CHECKING:
+    from reader.fid import FiDReader
+    from retriever.encoder import DualEncoder
+
+
+def load_checkpoint(
+    ckpt: str | os.PathLike | None,
+    need_reader: bool = True,
+    retriever_path: str | None = None,
+    need_retriever: bool = True,
+    device=None,
+) -> tuple[DualEncoder | None, FiDReader | None, dict]:
+    """(DualEncoder | None, FiDReader | None, config dict) from a checkpoint folder, the models on `device`
+    (None: the accelerator when there is one, `inference_device`).
+
+    `retriever_path` replaces `<ckpt>/retriever` (e.g. the packaged MiniLM, to evaluate the initial
+    retriever); `ckpt` may then be None for retrieval-only runs. `need_retriever=False` skips loading it
+    (closed-book or gold-passage reading).
+    """
+    import yaml
+
+    from reader.fid import FiDReader
+    from retriever.encoder import DualEncoder
+
+    root = Path(ckpt) if ckpt is not None else None
+    if root is not None and not root.is_dir():
+        raise FileNotFoundError(f"checkpoint folder not found: {root}")
+    config = {}
+    if root is not None and (root / "config.yaml").is_file():
+        config = yaml.safe_load((root / "config.yaml").read_text()) or {}
+    retriever = None
+    if need_retriever and retriever_path is not None:
+        retriever = DualEncoder.from_pretrained(str(retriever_path))
+    elif need_retriever and root is not None:
+        if not (root / "retriever").is_dir():
+            raise FileNotFoundError(
+                f"{root / 'retriever'} not found: a checkpoint holds retriever/ and reader/ "
+                "(rlm train writes them); or pass --retriever PATH"
+            )
+        retriever = DualEncoder.from_pretrained(str(root / "retriever"))
+    reader = None
+    if need_reader:
+        if root is None or not (root / "reader").is_dir():
+            raise FileNotFoundError(
+                f"{(root or Path('<ckpt>')) / 'reader'} not found: pass a checkpoint with a reader/ folder, "
+                "or use --retrieval-only"
+            )
+        reader = FiDReader.from_pretrained(str(root / "reader"))
+    device = inference_device(device)
+    for model in (retriever, reader):
+        if model is not None:
+            model.to(device)
+    return retriever, reader, config
+
+
+def reader_passages_from_config(config: dict, default: int = 10) -> int:
+    """How many retrieved passages the reader reads: `reader.num_passages`, else `strategy.k`, else default."""
+    reader_cfg = config.get("reader") or {}
+    strategy_cfg = config.get("strategy") or {}
+    return int(reader_cfg.get("num_passages") or strategy_cfg.get("k") or default)
