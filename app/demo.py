@@ -152,7 +152,7 @@ def build_demo(
     service: QAService, concurrency_limit: int = CONCURRENCY_LIMIT, max_batch_size: int = MAX_BATCH_SIZE
 ) -> gr.Blocks:
     """The page; the answer endpoint is exposed to API clients as `/answer`."""
-    import gradio as gr  # here, not above: the answering and rendering need none of its ~3 s of imports
+    import gradio as gr  # here, not above: the answering and rendering need none of its imports, which take seconds
 
     with gr.Blocks(title="rlm: retrieval-augmented QA") as demo:
         gr.Markdown(
@@ -223,8 +223,8 @@ def launch_kwargs(
 def warm_up_server(url: str, question: str, k: int) -> float:
     """Send one question through the running server's own queue; returns its latency in seconds.
 
-    A fresh Gradio server's first request pays for its lazy start-up (measured: 1.13 s for the first
-    request, 0.14 s for the next, whichever client sends it), which should not land on the first user.
+    A fresh Gradio server's first request pays for its lazy start-up (several times the next one's,
+    whichever client sends it: docs/demo.md), which should not land on the first user.
     """
     from gradio_client import Client
 

@@ -416,7 +416,7 @@ class TrainConfig:
     output_dir: str = "runs/train"
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # accelerate's
     # Training on CPU falls back from bf16 to float32 (with a warning) where the CPU has no native bf16
-    # (AVX512-BF16 or AMX; elsewhere it is emulated: ~18x slower steps measured on an AVX2-only EPYC); true
+    # (AVX512-BF16 or AMX; elsewhere it is emulated, many times slower: docs/training.md); true
     # keeps bf16 there anyway (rlm.precision).
     force_cpu_bf16: bool = False
     gradient_checkpointing: bool = False

@@ -20,7 +20,7 @@ from pathlib import Path
 if __name__ == "__main__":
     # `python -m rlm.train` (each process of `accelerate launch -m rlm.train`) is `rlm train`, which reads and
     # checks the command line and the config before it imports the training code below (torch, transformers'
-    # model code: ~8 CPU-s a process): a bad setting is one line from every rank at once, not after the imports.
+    # model code: seconds of CPU a process): a bad setting is one line from every rank at once, not after the imports.
     from rlm.cli import main as cli_main
 
     sys.exit(cli_main(["train", *sys.argv[1:]]))

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -23,19 +25,18 @@ TINY = ["cpu=true", "save_every=0"]
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
+class LoopWorld(NamedTuple):
+    root: Path  # the session's tiny world (tests/conftest.py), read-only
+    runs: Path  # this module's runs
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return tmp_path_factory.mktemp("loop")
+def world(tiny_world, tmp_path_factory) -> LoopWorld:
+    return LoopWorld(tiny_world, tmp_path_factory.mktemp("loop"))
 
 
-def make_run(world, *extra):
-    cfg = load_config(
-        None,
-        [
-            *tiny_overrides(world, world / "run", *TINY),
-            *extra,
-        ],
-    )
+def make_run(world: LoopWorld, *extra):
+    cfg = load_config(None, [*tiny_overrides(world.root, world.runs / "run", *TINY), *extra])
     return build_run(cfg, overwrite=True)  # step-level tests build runs in one folder, one after another
 
 
@@ -166,7 +167,7 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, na
         return load_config(
             None,
             [
-                *tiny_overrides(world, tmp_path / out, *TINY),
+                *tiny_overrides(world.root, tmp_path / out, *TINY),
                 f"strategy.name={name}",
                 "strategy.refresh_every=1",
                 *options,
@@ -266,7 +267,7 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
     cfg = load_config(
         None,
         [
-            *tiny_overrides(world, tmp_path / "cached_validation", *TINY),
+            *tiny_overrides(world.root, tmp_path / "cached_validation", *TINY),
             "data.dev=toy",
             "data.max_dev_examples=4",
             "schedule.reader_only_steps=2",
@@ -302,7 +303,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
     cfg = load_config(
         None,
         [
-            *tiny_overrides(world, tmp_path / "light", *TINY),
+            *tiny_overrides(world.root, tmp_path / "light", *TINY),
             "retriever.query_path=layers:2",
             "optim.max_steps=2",
         ],
@@ -314,7 +315,14 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
         for tower in ("query_tower", "passage_tower")
     }
     assert layers == {"query_tower": 2, "passage_tower": 4}
-    argv = ["evaluate", "--checkpoint", str(final), "--data-path", str(world / "toy"), "--retrieval-only"]
+    argv = [
+        "evaluate",
+        "--checkpoint",
+        str(final),
+        "--data-path",
+        str(world.root / "toy"),
+        "--retrieval-only",
+    ]
     assert main([*argv, "--out", str(tmp_path / "light_eval"), "--max-examples", "4"]) == 0
     metrics = json.loads((tmp_path / "light_eval" / "metrics.json").read_text())
     assert metrics["num_questions"] == 4 and 0 <= metrics["recall@5"] <= 1
@@ -332,7 +340,7 @@ def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_p
     cfg = load_config(
         None,
         [
-            *tiny_overrides(world, tmp_path / "collapse", *TINY),
+            *tiny_overrides(world.root, tmp_path / "collapse", *TINY),
             "data.dev=toy",
             "data.max_dev_examples=6",
             "eval_every=1",

@@ -15,9 +15,11 @@ from rlm.training.strategies import StaleStrategy, make_strategy
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A folder holding a 150-passage toy world, the tiny retriever and its buffer, built here once and shared by
-    the tests of this module (each test builds its own components over them)."""
+def step_world(tmp_path_factory):
+    """A folder holding a 150-passage toy world with dev questions (`data.dev=toy`), the tiny retriever and its
+    buffer, built here once and shared by the tests of this module (each test builds its own components over
+    them). Not the session's `tiny_world` (120 passages): the step tests write their runs and hard-subcorpus
+    files into this folder, and the MiniLM tests add that retriever's buffer beside the tiny one's."""
     root = tmp_path_factory.mktemp("train")
     cfg, parts, _, _ = make_parts(root)
     assert len(parts.corpus) == 150 and len(parts.buffer) == 150
@@ -28,8 +30,8 @@ def make_parts(root, *overrides, minilm=False):
     """Components of the tiny run (tests/tiny_run.py) over the module's world, with dev questions; `minilm`: the
     packaged retriever (and its own buffer) instead of the tiny one, for what needs a retriever whose scores
     tell passages apart."""
-    world = ["data.toy_world.num_passages=150", "data.dev=toy", "data.max_dev_examples=8"]
-    cfg = load_config(None, tiny_overrides(root, "run", *world, *overrides, minilm=minilm))
+    shape = ["data.toy_world.num_passages=150", "data.dev=toy", "data.max_dev_examples=8"]
+    cfg = load_config(None, tiny_overrides(root, "run", *shape, *overrides, minilm=minilm))
     torch.manual_seed(0)
     parts = build_components(cfg)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
@@ -50,14 +52,14 @@ def moved(grad_list):
 
 
 @pytest.mark.parametrize("algorithm", [2, 1, "1-shared"])
-def test_gradient_isolation(world, algorithm):
+def test_gradient_isolation(step_world, algorithm):
     overrides = {
         2: [],
         1: ["algorithm=1", "strategy.num_random=4"],
         "1-shared": ["algorithm=1", "strategy.num_random=4", "strategy.share_across_batch=true"],
     }[algorithm]
     algorithm = 2 if algorithm == 2 else 1
-    cfg, parts, model, strategy = make_parts(world, *overrides)
+    cfg, parts, model, strategy = make_parts(step_world, *overrides)
     model.parameter_groups(strategy, cfg.optim)  # sets requires_grad per strategy
     batch = make_batch(parts.train_examples, list(range(4)), parts.corpus, cfg.algorithm)
     out = model(batch, strategy, parts.corpus)
@@ -80,8 +82,8 @@ def test_gradient_isolation(world, algorithm):
         assert moved(g[len(corrector) + len(retriever) :])
 
 
-def test_fresh_corrector_selects_exactly_the_stale_top_k(world):
-    cfg, parts, model, strategy = make_parts(world)
+def test_fresh_corrector_selects_exactly_the_stale_top_k(step_world):
+    cfg, parts, model, strategy = make_parts(step_world)
     stale = make_strategy(
         load_config(None, ["strategy.name=stale", "strategy.k=4"]).strategy, parts.buffer, 10
     )
@@ -92,11 +94,11 @@ def test_fresh_corrector_selects_exactly_the_stale_top_k(world):
 
 @pytest.mark.slow
 @pytest.mark.learning
-def test_each_loss_falls_on_a_repeated_batch(world):
+def test_each_loss_falls_on_a_repeated_batch(step_world):
     """On MiniLM: a random-init retriever scores every passage about the same (mean cosine 0.96 for the tiny
     one), so the corrector's target is near uniform and has nothing to learn in a few steps."""
     cfg, parts, model, strategy = make_parts(
-        world, "optim.lr_retriever=3e-5", "optim.lr_reader=3e-3", "optim.lr_corrector=1e-3", minilm=True
+        step_world, "optim.lr_retriever=3e-5", "optim.lr_reader=3e-3", "optim.lr_corrector=1e-3", minilm=True
     )
     groups = model.parameter_groups(strategy, cfg.optim)
     optimizer = torch.optim.Adam(groups)
@@ -168,10 +170,10 @@ def random_rows(strategy, counted=None):
         ("regression", ["strategy.refresh_every=2", "strategy.regression.samples=30"], lambda n: 2 * 30),
     ],
 )
-def test_reembedding_counts(world, name, extra, expected):
-    strategy = schedule_of(world, f"strategy.name={name}", *extra, max_steps=5)
+def test_reembedding_counts(step_world, name, extra, expected):
+    strategy = schedule_of(step_world, f"strategy.name={name}", *extra, max_steps=5)
     queries = torch.nn.functional.normalize(torch.randn(3, strategy.buffer.dim), dim=-1)
-    corrector = make_parts(world)[2].corrector if name == "corrector" else None
+    corrector = make_parts(step_world)[2].corrector if name == "corrector" else None
     counted = []
     for step in range(5):
         strategy.before_step(step, random_rows(strategy, counted))
@@ -189,8 +191,10 @@ def test_reembedding_counts(world, name, extra, expected):
         ("regression", ["strategy.refresh_every=2", "strategy.regression.samples=30"], [5, 7]),
     ],
 )
-def test_reembedding_schedule_counts_from_the_first_retriever_update(world, name, extra, refreshed_before):
-    strategy = schedule_of(world, f"strategy.name={name}", *extra, max_steps=8, start_step=3)
+def test_reembedding_schedule_counts_from_the_first_retriever_update(
+    step_world, name, extra, refreshed_before
+):
+    strategy = schedule_of(step_world, f"strategy.name={name}", *extra, max_steps=8, start_step=3)
     counts = []
     for step in range(8):
         before = strategy.reembedded
@@ -209,10 +213,12 @@ def test_reembedding_schedule_counts_from_the_first_retriever_update(world, name
         ("two_round", [], [5]),  # halfway through the 5 steps that train the retriever
     ],
 )
-def test_no_refresh_after_the_retriever_stops_training(world, name, extra, refreshed_before):
+def test_no_refresh_after_the_retriever_stops_training(step_world, name, extra, refreshed_before):
     """Algorithm 2's final reader-only phase (steps 8-11 here) does not move the passage tower: a refresh
     there would re-embed the same tower again and count passages that bought nothing."""
-    strategy = schedule_of(world, f"strategy.name={name}", *extra, max_steps=12, start_step=3, stop_step=8)
+    strategy = schedule_of(
+        step_world, f"strategy.name={name}", *extra, max_steps=12, start_step=3, stop_step=8
+    )
     refreshed = []
     for step in range(12):
         before = strategy.reembedded
@@ -221,10 +227,12 @@ def test_no_refresh_after_the_retriever_stops_training(world, name, extra, refre
     assert refreshed == refreshed_before
 
 
-def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
+def test_refreshed_exhaustive_buffer_follows_the_live_tower(step_world):
     from rlm.training.model import embed_rows
 
-    cfg, parts, model, strategy = make_parts(world, "strategy.name=exhaustive", "strategy.refresh_every=1")
+    cfg, parts, model, strategy = make_parts(
+        step_world, "strategy.name=exhaustive", "strategy.refresh_every=1"
+    )
     with torch.no_grad():
         for p in model.retriever.passage_tower.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -236,13 +244,13 @@ def test_refreshed_exhaustive_buffer_follows_the_live_tower(world):
 
 
 @pytest.mark.learning
-def test_regression_maps_every_row_towards_the_live_tower_from_a_few_re_embedded_ones(world):
+def test_regression_maps_every_row_towards_the_live_tower_from_a_few_re_embedded_ones(step_world):
     """Dynnibal's approximate re-encoding: 60 of 150 passages re-embedded, all 150 rows move towards what the
     live passage tower gives, the 90 never re-embedded included; the landmarks stay fixed across refits."""
     from rlm.training.model import embed_rows
 
     cfg, parts, model, strategy = make_parts(
-        world,
+        step_world,
         "strategy.name=regression",
         "strategy.refresh_every=1",
         "strategy.regression.samples=60",
@@ -275,18 +283,18 @@ def test_regression_maps_every_row_towards_the_live_tower_from_a_few_re_embedded
     assert torch.equal(strategy.landmark_rows, landmarks) and strategy.reembedded == 120
 
 
-def test_closed_book_reads_no_passages(world):
-    cfg, parts, model, strategy = make_parts(world, "strategy.name=closed_book")
+def test_closed_book_reads_no_passages(step_world):
+    cfg, parts, model, strategy = make_parts(step_world, "strategy.name=closed_book")
     batch = make_batch(parts.train_examples, [0, 1], parts.corpus, 2)
     out = model(batch, strategy, parts.corpus)
     assert set(out.terms) == {"reader"} and torch.isfinite(out.loss)
 
 
-def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(world):
+def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(step_world):
     from rlm.training.hard_subcorpus import save_subcorpus_ids
     from rlm.training.validation import validate
 
-    cfg, parts, model, strategy = make_parts(world)
+    cfg, parts, model, strategy = make_parts(step_world)
     dev = parts.dev_examples[:6]
     full = validate(model, parts.corpus, dev, cfg)
     assert {"dev_exact_match", "dev_f1", "dev_recall@1", "dev_gold_recall@5"} <= set(full)
@@ -296,20 +304,20 @@ def test_validation_reports_em_and_recall_on_the_corpus_and_on_a_hard_subcorpus(
     assert 0 < full["dev_query_mean_cosine"] < cfg.retriever.collapse_cosine
     # A subcorpus of exactly the gold passages: every question's gold passage is then in its top 5.
     ids = sorted({pid for ex in dev for pid in ex.gold_passage_ids})
-    save_subcorpus_ids(ids, world / "hard.txt")
-    cfg.data.dev_subcorpus = str(world / "hard.txt")
+    save_subcorpus_ids(ids, step_world / "hard.txt")
+    cfg.data.dev_subcorpus = str(step_world / "hard.txt")
     hard = validate(model, parts.corpus, dev, cfg)
     assert hard["dev_gold_recall@5"] == 1.0
 
 
-def test_validation_embeds_the_corpus_again_only_when_the_passage_tower_moved(world, monkeypatch):
+def test_validation_embeds_the_corpus_again_only_when_the_passage_tower_moved(step_world, monkeypatch):
     """Validation embeds its share of the corpus through the buffer's path (`embed_passages`: sorted batches,
     float16 rows, half of float32's memory for the rows the cache keeps) and again only when the tower moved."""
     from rlm.training import validation
     from rlm.training.hard_subcorpus import save_subcorpus_ids
     from rlm.training.validation import PassageEmbeddingCache, validate
 
-    cfg, parts, model, strategy = make_parts(world)
+    cfg, parts, model, strategy = make_parts(step_world)
     dev = parts.dev_examples[:6]
     tower = model.retriever.passage_tower
     embedded = []  # passages the tower embedded, per call
@@ -330,8 +338,8 @@ def test_validation_embeds_the_corpus_again_only_when_the_passage_tower_moved(wo
     )
     # Another corpus (the hard subcorpus) is embedded, not served from the whole corpus's rows.
     ids = sorted({pid for ex in dev for pid in ex.gold_passage_ids})
-    save_subcorpus_ids(ids, world / "hard_cache.txt")
-    cfg.data.dev_subcorpus = str(world / "hard_cache.txt")
+    save_subcorpus_ids(ids, step_world / "hard_cache.txt")
+    cfg.data.dev_subcorpus = str(step_world / "hard_cache.txt")
     hard = validate(model, parts.corpus, dev, cfg, cache=cache)
     assert embedded == [len(parts.corpus), len(ids)] and hard["dev_gold_recall@5"] == 1.0
     cfg.data.dev_subcorpus = None
@@ -345,8 +353,8 @@ def test_validation_embeds_the_corpus_again_only_when_the_passage_tower_moved(wo
     assert (cache.hits, cache.misses) == (1, 3)
 
 
-def test_in_batch_scores_exactly_the_batchs_gold_passages(world):
-    cfg, parts, model, strategy = make_parts(world, "algorithm=1", "strategy.name=in_batch")
+def test_in_batch_scores_exactly_the_batchs_gold_passages(step_world):
+    cfg, parts, model, strategy = make_parts(step_world, "algorithm=1", "strategy.name=in_batch")
     batch = make_batch(parts.train_examples, list(range(5)), parts.corpus, 1)
     top = strategy.select(torch.zeros(5, parts.buffer.dim), include=batch.gold_rows[:, None])
     assert torch.equal(top.indices, batch.gold_rows[:, None])
@@ -354,7 +362,7 @@ def test_in_batch_scores_exactly_the_batchs_gold_passages(world):
     assert torch.isfinite(out.loss) and "corrector" not in out.terms
 
 
-def test_retriever_dropout_setting_reaches_both_towers(world):
+def test_retriever_dropout_setting_reaches_both_towers(step_world):
     """`retriever.dropout=0`: g(y) in train mode equals the eval-mode buffer row; MiniLM's own 0.1 does not."""
     texts = ["Ada Lovelace was born in London.", "Paris is in France."]
 
@@ -364,21 +372,21 @@ def test_retriever_dropout_setting_reaches_both_towers(world):
             noisy = tower.train().embed_texts(texts)
         return float((noisy - clean).norm(dim=-1).max())
 
-    _, parts, _, _ = make_parts(world)
+    _, parts, _, _ = make_parts(step_world)
     assert gap(parts.retriever.passage_tower) > 0.05
-    _, parts, _, _ = make_parts(world, "retriever.dropout=0")
+    _, parts, _, _ = make_parts(step_world, "retriever.dropout=0")
     assert gap(parts.retriever.passage_tower) == 0.0 and gap(parts.retriever.query_tower) == 0.0
     with pytest.raises(ValueError, match="dropout must be in"):
         parts.retriever.passage_tower.set_dropout(1.5)
 
 
-def test_a_questions_other_gold_passages_are_not_its_negatives(world):
+def test_a_questions_other_gold_passages_are_not_its_negatives(step_world):
     """Multi-hop (HotpotQA): the label is the first gold passage; the second is left out of the softmax."""
     from retriever.search import TopK
     from rlm.data.qa import QAExample
     from rlm.training.steps import algorithm1_step
 
-    cfg, parts, model, _ = make_parts(world, "algorithm=1")
+    cfg, parts, model, _ = make_parts(step_world, "algorithm=1")
     ids = parts.corpus.ids
     example = QAExample("mh", "Who founded the firm that employs Ada?", ["x"], [ids[3], ids[7]], {})
     batch = make_batch([example], [0], parts.corpus, 1)
@@ -403,11 +411,13 @@ def test_a_questions_other_gold_passages_are_not_its_negatives(world):
 
 
 @pytest.mark.parametrize("name", ["corrector", "frozen"])
-def test_steps_that_leave_the_retriever_as_it_is_select_with_eval_mode_queries_embedded_once(world, name):
+def test_steps_that_leave_the_retriever_as_it_is_select_with_eval_mode_queries_embedded_once(
+    step_world, name
+):
     """A reader-only step (or any step of a frozen retriever) selects S_x with q = f(x) as at prediction time
     (the query tower in eval mode: no dropout), each question embedded once while f does not move; a step that
     trains the retriever embeds with gradient in train mode and forgets the kept queries."""
-    cfg, parts, model, strategy = make_parts(world, f"strategy.name={name}", "retriever.dropout=0.5")
+    cfg, parts, model, strategy = make_parts(step_world, f"strategy.name={name}", "retriever.dropout=0.5")
     model.parameter_groups(strategy, cfg.optim)
     model.train()
     batch = make_batch(parts.train_examples, list(range(4)), parts.corpus, 2)
@@ -439,14 +449,14 @@ def test_steps_that_leave_the_retriever_as_it_is_select_with_eval_mode_queries_e
     assert forwards == [4, 4, 4]  # embedded again after the retriever's step
 
 
-def test_validation_answers_from_the_strategys_own_selection(world):
+def test_validation_answers_from_the_strategys_own_selection(step_world):
     """`validate(..., strategy=...)` reads the top passages of the training selection (here <q, h(B)> with a
     trained-looking h): the same ids as a top-k over h(B) by hand, reported as `dev_selection_*`, and nothing
     re-embedded (moving the passage tower changes the re-embedded figures only)."""
     from rlm.inference.evaluation import retrieval_metrics
     from rlm.training.validation import selection_retrieve, validate
 
-    cfg, parts, model, strategy = make_parts(world)
+    cfg, parts, model, strategy = make_parts(step_world)
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.corrector.parameters():
@@ -471,12 +481,12 @@ def test_validation_answers_from_the_strategys_own_selection(world):
 
 
 @pytest.mark.parametrize("name", ["corrector", "stale"])
-def test_the_steps_laps_are_the_papers_phases_each_moment_in_one(world, name):
+def test_the_steps_laps_are_the_papers_phases_each_moment_in_one(step_world, name):
     """Algorithm 2's step times itself with one flat timer, lapped at the end of each phase in the paper's
     order: the phases add up to the step's own time (none counted inside another)."""
     from rlm.training.throughput import PhaseTimer
 
-    cfg, parts, model, strategy = make_parts(world, f"strategy.name={name}")
+    cfg, parts, model, strategy = make_parts(step_world, f"strategy.name={name}")
     timer = model.timer = PhaseTimer(torch.device("cpu"))
     clock, laps = iter(range(1000)), []
     timer.mark = lambda: next(clock)  # a tick per mark: the laps' sum is the span from first to last mark
@@ -488,11 +498,11 @@ def test_the_steps_laps_are_the_papers_phases_each_moment_in_one(world, name):
     assert sum(timer.take().values()) == len(laps)  # from start() to the last lap, each tick in one phase
 
 
-def test_a_strategy_selects_through_h_exactly_when_it_says_so(world):
+def test_a_strategy_selects_through_h_exactly_when_it_says_so(step_world):
     """The step passes h to the strategies that select through it (`uses_corrector`) and to no other: a stale
     strategy handed h, or the corrector strategy handed none, is a bug that fails loudly instead of selecting
     by the wrong scores."""
-    cfg, parts, model, strategy = make_parts(world)
+    cfg, parts, model, strategy = make_parts(step_world)
     stale = StaleStrategy(cfg.strategy, parts.buffer, 10)
     queries = torch.randn(3, parts.buffer.dim)
     with pytest.raises(ValueError, match="stale strategy selects without h"):
@@ -501,14 +511,14 @@ def test_a_strategy_selects_through_h_exactly_when_it_says_so(world):
         strategy.select(queries, None)
 
 
-def test_the_step_reaches_the_corrected_top_k_through_the_strategys_select_alone(world, monkeypatch):
+def test_the_step_reaches_the_corrected_top_k_through_the_strategys_select_alone(step_world, monkeypatch):
     """Algorithm 2's step 2 is `strategy.select(q, h)`, which runs `corrected_topk` itself: two calls from the
     step to the top-k over h(B), whatever the placement (nothing between them to hide the idea)."""
     import inspect
 
     from rlm.training.strategies import base
 
-    cfg, parts, model, strategy = make_parts(world)
+    cfg, parts, model, strategy = make_parts(step_world)
     callers = []
     topk = base.corrected_topk
 
