@@ -13,9 +13,13 @@ import argparse
 import importlib
 import os
 import sys
+import time
 from types import ModuleType
 
 from rlm.errors import main_process, user_errors
+
+# How long a process other than the main one waits before it exits with a user error (`main`).
+QUIET_RANK_GRACE_S = 10.0
 
 # name -> (module, one-line help). The one-line help lives here, not in the modules, because `rlm --help`
 # lists every command without importing any (some import torch). Order is the order `rlm --help` lists them.
@@ -128,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if main_process():  # every process of a launched run fails alike; one says why
             print(f"error: {err}", file=sys.stderr)
+        else:
+            # The launcher ends every process once one has failed: a process that exited first could take
+            # the main one down before it said why. The main one's exit ends this wait.
+            time.sleep(QUIET_RANK_GRACE_S)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -202,3 +202,22 @@ def test_a_config_that_is_not_yaml_names_the_file_and_line(tmp_path, capsys):
     assert line.startswith(f"error: {bad}: not valid YAML") and "line" in line
     assert main(["train", "--set", "optim.max_steps=[1,"]) == 2
     assert one_error_line(capsys).startswith("error: --set optim.max_steps=[1,: the value is not valid YAML")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_a_launcher_only_the_main_process_says_why_and_the_others_give_it_time_to(
+    rank, capsys, monkeypatch
+):
+    """Every process of a launched run meets the same bad setting. The main one prints the line and exits; the
+    others exit quietly, but only after a grace period: the launcher ends every process once one has failed,
+    so a quiet process that exited first could end the main one before its line was out (seen under load)."""
+    import rlm.cli
+
+    waits = []
+    monkeypatch.setattr(rlm.cli.time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["train", "--set", "strategy.name=nonsense"]) == 2
+    if rank == "0":
+        assert "nonsense" in one_error_line(capsys) and waits == []
+    else:
+        assert capsys.readouterr().err == "" and waits == [rlm.cli.QUIET_RANK_GRACE_S]
