@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from local_port import launch_env, two_processes
-from tiny_run import as_set_args, launch_two, read_log, same_losses, train_args, train_here
+from tiny_run import as_set_args, launch_two, read_log, runs_beside, same_losses, train_args, train_here
 
 from rlm.training import checkpointing
 from rlm.training.checkpointing import MANIFEST, checkpoints, verify, write_manifest
@@ -34,8 +34,8 @@ def steps_of(out: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("lifecycle")
+def root(tiny_world, tmp_path_factory):
+    return runs_beside(tiny_world, tmp_path_factory.mktemp("lifecycle"))
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_run import train_args, train_here
+from tiny_run import runs_beside, train_args, train_here
 
 from rlm.config import load_config
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tracking")
+def root(tiny_world, tmp_path_factory):
+    return runs_beside(tiny_world, tmp_path_factory.mktemp("tracking"))
 
 
 def test_print_config_shows_the_resolved_config_and_it_loads_back(capsys, tmp_path):

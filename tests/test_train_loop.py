@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import NamedTuple
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from tiny_run import tiny_overrides
+from tiny_run import runs_beside, tiny_overrides
 
 from rlm.config import load_config
 from rlm.train import train_step
@@ -25,18 +24,13 @@ TINY = ["cpu=true", "save_every=0"]
 pytestmark = pytest.mark.usefixtures("fresh_accelerator_state")
 
 
-class LoopWorld(NamedTuple):
-    root: Path  # the session's tiny world (tests/conftest.py), read-only
-    runs: Path  # this module's runs
-
-
 @pytest.fixture(scope="module")
-def world(tiny_world, tmp_path_factory) -> LoopWorld:
-    return LoopWorld(tiny_world, tmp_path_factory.mktemp("loop"))
+def world(tiny_world, tmp_path_factory) -> Path:
+    return runs_beside(tiny_world, tmp_path_factory.mktemp("loop"))
 
 
-def make_run(world: LoopWorld, *extra):
-    cfg = load_config(None, [*tiny_overrides(world.root, world.runs / "run", *TINY), *extra])
+def make_run(world: Path, *extra):
+    cfg = load_config(None, [*tiny_overrides(world, world / "run", *TINY), *extra])
     return build_run(cfg, overwrite=True)  # step-level tests build runs in one folder, one after another
 
 
@@ -167,7 +161,7 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, na
         return load_config(
             None,
             [
-                *tiny_overrides(world.root, tmp_path / out, *TINY),
+                *tiny_overrides(world, tmp_path / out, *TINY),
                 f"strategy.name={name}",
                 "strategy.refresh_every=1",
                 *options,
@@ -267,7 +261,7 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
     cfg = load_config(
         None,
         [
-            *tiny_overrides(world.root, tmp_path / "cached_validation", *TINY),
+            *tiny_overrides(world, tmp_path / "cached_validation", *TINY),
             "data.dev=toy",
             "data.max_dev_examples=4",
             "schedule.reader_only_steps=2",
@@ -303,7 +297,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
     cfg = load_config(
         None,
         [
-            *tiny_overrides(world.root, tmp_path / "light", *TINY),
+            *tiny_overrides(world, tmp_path / "light", *TINY),
             "retriever.query_path=layers:2",
             "optim.max_steps=2",
         ],
@@ -320,7 +314,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
         "--checkpoint",
         str(final),
         "--data-path",
-        str(world.root / "toy"),
+        str(world / "toy"),
         "--retrieval-only",
     ]
     assert main([*argv, "--out", str(tmp_path / "light_eval"), "--max-examples", "4"]) == 0
@@ -340,7 +334,7 @@ def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_p
     cfg = load_config(
         None,
         [
-            *tiny_overrides(world.root, tmp_path / "collapse", *TINY),
+            *tiny_overrides(world, tmp_path / "collapse", *TINY),
             "data.dev=toy",
             "data.max_dev_examples=6",
             "eval_every=1",

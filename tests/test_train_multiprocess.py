@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from local_port import CPU_2PROC, launch_env
 from local_port import accelerate_launch as launch
-from tiny_run import as_set_args, read_log, tiny_overrides
+from tiny_run import as_set_args, read_log, runs_beside, tiny_overrides
 
 from rlm.training.schedule import lr_lambda
 
@@ -36,8 +36,8 @@ def overrides(root: Path, out: str, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("multiprocess")
+def root(tiny_world, tmp_path_factory):
+    return runs_beside(tiny_world, tmp_path_factory.mktemp("multiprocess"))
 
 
 # The training probe's schedule: accumulation 2, warm-up 4 of 8 steps.

@@ -97,6 +97,15 @@ def tiny_overrides(root: Path, out: str | Path, *extra: str, minilm: bool = Fals
     return [*paths, *TINY_RUN, *extra]
 
 
+def runs_beside(world: Path, folder: Path) -> Path:
+    """`folder`, with links to the inputs of the session's tiny world (conftest's `tiny_world`: `toy/`,
+    `tiny_retriever/`, `buffer/`): runs under it (`tiny_overrides(folder, out)`, `train_args(folder, out)`) read
+    the world built once per worker and write only their own folders."""
+    for name in ("toy", "tiny_retriever", "buffer"):
+        (folder / name).symlink_to(world / name, target_is_directory=True)
+    return folder
+
+
 def as_set_args(overrides: list[str]) -> list[str]:
     """["a=1", "b=2"] -> ["--set", "a=1", "--set", "b=2"]."""
     return [arg for item in overrides for arg in ("--set", item)]
