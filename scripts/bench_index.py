@@ -523,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
             row["projection"] = project(row, flat, results["coarse"])
         reporting.write_report(Path(args.render).with_suffix(""), markdown(results), results)
         return 0
+    if args.scratch is not None:  # a folder named for the indexes is made, as --out's is
+        Path(args.scratch).mkdir(parents=True, exist_ok=True)
     import faiss
     import torch
 

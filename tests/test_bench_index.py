@@ -15,7 +15,10 @@ pytest.importorskip("faiss")
 
 def test_quick_index_study_reports_each_factory_with_sane_figures(tmp_path, monkeypatch):
     out = tmp_path / "bench_index"
-    monkeypatch.setattr(sys, "argv", ["bench_index.py", "--quick", "--out", str(out)])
+    scratch = tmp_path / "not" / "made yet"  # the script makes the folder it is given for its indexes
+    monkeypatch.setattr(
+        sys, "argv", ["bench_index.py", "--quick", "--out", str(out), "--scratch", str(scratch)]
+    )
     script = load_script("bench_index")
     assert script.main() == 0
 
