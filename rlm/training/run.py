@@ -158,17 +158,15 @@ class TrainRun:
             dump_config(self.cfg),
             prune,
         )
-        self.keep_checkpoints_refreshes()
+        self.tell_strategy_kept_checkpoints()
+        if self.accelerator.is_main_process:  # the refreshed rows neither they nor this step need
+            self.strategy.prune_refreshes(self.strategy.checkpoint_steps, self.state.step)
         return path
 
-    def keep_checkpoints_refreshes(self) -> None:
-        """Tell the strategy which checkpoints are kept (it keeps their refreshed rows at its next refresh), and
-        delete the refreshed rows that neither they nor this step need (main process)."""
-        output_dir = Path(self.cfg.output_dir)
-        kept = tuple(checkpointing.checkpoint_step(p) for p in checkpointing.checkpoints(output_dir))
-        self.strategy.checkpoint_steps = kept
-        if self.accelerator.is_main_process:
-            self.strategy.prune_refreshes(kept, self.state.step)
+    def tell_strategy_kept_checkpoints(self) -> None:
+        """The steps of the checkpoints on disk, which the strategy keeps the refreshed rows of at its refreshes."""
+        found = checkpointing.checkpoints(Path(self.cfg.output_dir))
+        self.strategy.checkpoint_steps = tuple(checkpointing.checkpoint_step(p) for p in found)
 
     def load(self, folder: Path) -> None:
         """Continue from checkpoint `folder` (verified and checked by `find_checkpoint`)."""
@@ -177,9 +175,7 @@ class TrainRun:
         self.state.load_state_dict(state["train"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.load_state_dict(state["strategy"])
-        self.strategy.checkpoint_steps = tuple(
-            checkpointing.checkpoint_step(p) for p in checkpointing.checkpoints(Path(self.cfg.output_dir))
-        )
+        self.tell_strategy_kept_checkpoints()
         if self.alignment is not None and state.get("alignment"):
             self.alignment.load_state_dict(state["alignment"])
             if self.alignment.end is not None:  # re-embedding counts from the first passage-tower update
