@@ -22,7 +22,6 @@ file, computed during its scan); without one it is `corpus_fingerprint(ids, text
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import json
@@ -239,7 +238,7 @@ class PassageBuffer:
             out = self._shards[0][flat.to(self.device)]
         else:
             out = torch.empty(flat.numel(), self.dim, dtype=self.dtype, device=self.device)
-            shard_of = torch.tensor([bisect.bisect_right(self._offsets, int(i)) - 1 for i in flat])
+            shard_of = torch.searchsorted(torch.tensor(self._offsets), flat, right=True) - 1
             for s in shard_of.unique().tolist():
                 where = (shard_of == s).nonzero().squeeze(1)
                 out[where] = self._shards[s][flat[where] - self._offsets[s]]

@@ -11,8 +11,8 @@ step, running out of GPU memory long before the rows fill it (docs/retriever.md)
 Approximate types are only as good as their search parameters, and faiss's defaults are the cheapest ones
 (IVF probes 1 list, HNSW explores 16 candidates: an IVF256 index over the quickstart's corpus found the answering
 passage for half the questions a Flat one found it for). So `tune` chooses them for a target recall against
-exact search on a sample of the indexed rows, `save` writes them to `index.json`, `load` applies them, and a
-caller may override them (`search_params`). Searches of an index on a GPU are serialised by a lock: faiss's
+exact search on real questions or on a sample of the indexed rows made question-like, `save` writes them to
+`index.json`, `load` applies them, and a caller may override them (`search_params`). Searches of an index on a GPU are serialised by a lock: faiss's
 `StandardGpuResources` are not thread-safe, and the demo answers two batches at once.
 
 faiss comes from an extra (`rlm-corrector[cpu]` or `[gpu]`: both provide the `faiss` module, so not a core
@@ -29,7 +29,9 @@ import sys
 import threading
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -37,6 +39,11 @@ from tqdm.auto import tqdm
 from atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
 from retriever.errors import InputError
 from retriever.ids import IdSequence, id_lines
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from retriever.buffer import PassageBuffer
 
 INDEX_NAME = "index.faiss"
 IDS_NAME = "ids.txt"
@@ -51,6 +58,10 @@ DEFAULT_TARGET_RECALL = 0.95
 EF_SEARCH_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # `tune` stops where doubling the search parameter gains less recall than this: the codes' limit, not the search's.
 RECALL_PLATEAU = 0.002
+# `tune`'s queries when it is given none: rows made question-like (`question_like_rows`).
+QUESTION_FOUND_WITHIN, QUESTION_FOUND_SHARE = 20, 0.8
+QUESTION_CALIBRATION, QUESTION_SCALE_STEPS, QUESTION_SCALE_MAX = 128, 8, 8.0
+RESCORE_QUERIES = 64  # queries whose candidates' rows are gathered at once when re-scoring
 TRAIN_SAMPLE = 262_144  # rows an IVF or PQ index is trained on, at least
 TRAIN_ROWS_PER_LIST = 40  # and this many per IVF list (faiss warns below 39: k-means needs them)
 
@@ -150,6 +161,96 @@ def _as_float32(array, dim: int | None = None) -> np.ndarray:
     return array
 
 
+def question_like_rows(rows, count: int, rng: np.random.Generator) -> tuple[Tensor, dict]:
+    """`count` indexed rows (float32 [count, D]) each moved away from itself as far as a question is from the
+    passage that answers it, and what was chosen: a row plus `noise_scale` times the difference of two random
+    rows (noise with the corpus's own spread), unit length, the scale the largest (of `QUESTION_SCALE_STEPS`
+    halvings of [0, `QUESTION_SCALE_MAX`]) at which exact search still ranks the row in its top
+    `QUESTION_FOUND_WITHIN` for `QUESTION_FOUND_SHARE` of them, measured on `QUESTION_CALIBRATION` of them:
+    a trained dense retriever's top-20 holds the answering passage for about 80% of NQ's questions (DPR: 79%).
+
+    On MiniLM embeddings of real passages and questions (3,884 passages: ../shared's multihop200 and
+    wiki_sample; 3,810 questions: multihop200's and NQ-open's dev) these ask more than the questions do (an
+    IVF64 index: nprobe 64 where the questions reach 0.97 of exact search's top-20 at 32); on the synthetic
+    model of docs/results/bench_index they ask about as much as its held-out queries (docs/retriever.md)."""
+    import torch
+
+    from retriever.search import corrected_topk
+
+    count = min(count, len(rows))
+    picked = torch.from_numpy(np.sort(rng.choice(len(rows), count, replace=False)))
+    source = rows.rows(picked).float()
+    pairs = torch.from_numpy(rng.integers(0, len(rows), (2, count)))
+    spread = rows.rows(pairs[0]).float() - rows.rows(pairs[1]).float()
+
+    def asked(scale: float, n: int) -> Tensor:
+        return torch.nn.functional.normalize(source[:n] + scale * spread[:n], dim=-1)
+
+    n = min(QUESTION_CALIBRATION, count)
+    within = min(QUESTION_FOUND_WITHIN, len(rows))
+    low, high = 0.0, QUESTION_SCALE_MAX
+    for _ in range(QUESTION_SCALE_STEPS):
+        middle = (low + high) / 2
+        top = corrected_topk(asked(middle, n), rows, None, within).indices
+        found = float((top == picked[:n, None]).any(-1).float().mean())
+        low, high = (middle, high) if found >= QUESTION_FOUND_SHARE else (low, middle)
+    return asked(low, count), {
+        "noise_scale": low,
+        "found_within": within,
+        "found_share": QUESTION_FOUND_SHARE,
+    }
+
+
+@dataclass
+class Rescoring:
+    """Exact re-scoring of an index's candidates from the vectors it was built from: `rows`, a `PassageBuffer`
+    (memory-mapped float16 shards: on disk, read by offset), `k_factor` candidates per result kept (faiss's
+    `IndexRefine` does the same from a second index held in memory: the float16 rows of 21M passages are 32
+    GB)."""
+
+    rows: PassageBuffer
+    k_factor: int
+
+    def best(self, queries: np.ndarray, found: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k best of the candidate rows `found` [B, k'] (-1: none) by exact inner product with `queries`
+        [B, D]: (scores [B, k] float32, rows [B, k] int64), ties by row; -1 and -inf where fewer were found."""
+        import torch
+
+        candidates = torch.from_numpy(found)
+        exact = torch.empty(candidates.shape)
+        for start in range(0, len(candidates), RESCORE_QUERIES):  # [64, k', D] float32 at a time
+            part = slice(start, start + RESCORE_QUERIES)
+            vectors = self.rows.rows(candidates[part].clamp(min=0)).float()
+            exact[part] = torch.einsum("bd,bkd->bk", torch.from_numpy(queries[part]), vectors)
+        exact = exact.masked_fill(candidates < 0, -math.inf)
+        # Sorted by row first, then stably by score: equal scores stay in row order (the project's ordering).
+        by_row = candidates.masked_fill(candidates < 0, torch.iinfo(torch.int64).max).argsort(dim=-1)
+        exact, candidates = exact.gather(1, by_row), candidates.gather(1, by_row)
+        order = exact.argsort(dim=-1, descending=True, stable=True)[:, :k]
+        return exact.gather(1, order).numpy(), candidates.gather(1, order).numpy()
+
+    def saved(self) -> dict:
+        """What `index.json` records: the buffer's folder (absolute) and the k factor."""
+        if self.rows.path is None:
+            raise InputError(
+                "an index re-scored from rows in memory cannot be saved: re-score from a buffer folder"
+            )
+        return {"rows": str(Path(self.rows.path).resolve()), "k_factor": self.k_factor}
+
+    @staticmethod
+    def rows_saved(saved: dict, index_dir: Path) -> PassageBuffer:
+        """The buffer an index's `saved` rescoring names, opened memory-mapped."""
+        from retriever.buffer import PassageBuffer
+
+        try:
+            return PassageBuffer.load(saved["rows"])
+        except FileNotFoundError as err:
+            raise InputError(
+                f"index {index_dir} re-scores its candidates from {saved['rows']}, which is not there ({err}); "
+                "put the buffer back, or rebuild the index (`rlm index --rescore 0` builds one without it)"
+            ) from None
+
+
 class PassageIndex:
     """A faiss index (inner product) and the passage id of each of its rows.
 
@@ -175,6 +276,7 @@ class PassageIndex:
         self.search_params: dict[str, int] = {}
         self.tuning: dict = {}  # how `tune` chose `search_params` (saved with them)
         self.provenance: dict = {}  # the buffer's encoder and corpus fingerprints (`from_buffer`), saved
+        self.rescoring: Rescoring | None = None  # exact re-scoring of the candidates (`rescore_from`), saved
         self._gpu_lock = threading.Lock()
         if search_params:
             self.set_search_params(search_params)
@@ -298,9 +400,10 @@ class PassageIndex:
         `tuning`, saved with the index).
 
         The queries are `query_vectors` (at most `queries` of them: e.g. the query tower's embeddings of real
-        questions, which is what the index will be asked), else `queries` of the indexed rows. A row sits in its
-        own IVF list and HNSW neighbourhood, so rows ask less of the search than questions do: an index tuned on
-        them can miss gold passages that exact search finds (docs/results/bench_index)."""
+        questions, which is what the index will be asked), else `queries` indexed rows made question-like
+        (`question_like_rows`). A row itself sits in its own IVF list and HNSW neighbourhood and asks less of the
+        search than a question does: tuned on bare rows, an IVF1024 index over 1M synthetic passages stopped at
+        nprobe 4, 14 points of recall@20 short on held-out queries (docs/results/bench_index)."""
         import torch
 
         from retriever.buffer import PassageBuffer
@@ -313,12 +416,11 @@ class PassageIndex:
             raise InputError(f"target recall must be in (0, 1], got {target_recall}")
         if not isinstance(rows, PassageBuffer):
             rows = PassageBuffer(range(len(rows)), [torch.from_numpy(_as_float32(rows))])
-        rng = np.random.default_rng(seed)
+        made = {}
         if query_vectors is not None:
             sample = torch.from_numpy(_as_float32(query_vectors, self.dim)[:queries])
         else:
-            picked = np.sort(rng.choice(len(rows), min(queries, len(rows)), replace=False))
-            sample = rows.rows(torch.from_numpy(picked)).float()
+            sample, made = question_like_rows(rows, queries, np.random.default_rng(seed))
         k = min(k, self.ntotal)
         exact = corrected_topk(sample, rows, None, k).indices.numpy()
         sample = sample.numpy()
@@ -335,7 +437,8 @@ class PassageIndex:
             "target_recall": target_recall,
             "k": k,
             "queries": len(sample),
-            "queries_from": "rows" if query_vectors is None else "query vectors",
+            "queries_from": "question-like rows" if query_vectors is None else "query vectors",
+            **made,
             "recall": measured[chosen],
             "tried": {str(v): r for v, r in measured.items()},
         }
@@ -374,14 +477,45 @@ class PassageIndex:
         self, queries: np.ndarray, k: int, nprobe: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """Scores [B, k] and row positions [B, k] (int64; -1 where the index found fewer than k). `nprobe`
-        sets that search parameter first (kept for later searches)."""
+        sets that search parameter first (kept for later searches). With `rescoring`, the codes' top
+        `k_factor` x k are re-scored exactly and the best k of them returned."""
         queries = _as_float32(queries, self.dim)
         if nprobe is not None:
             self.set_search_params({"nprobe": nprobe})
+        depth = k if self.rescoring is None else k * self.rescoring.k_factor
         if not self.on_gpu:
-            return self.index.search(queries, min(k, self.ntotal))
-        with self._gpu_lock:
-            return self.index.search(queries, min(k, self.ntotal))
+            scores, rows = self.index.search(queries, min(depth, self.ntotal))
+        else:
+            with self._gpu_lock:
+                scores, rows = self.index.search(queries, min(depth, self.ntotal))
+        if self.rescoring is None:
+            return scores, rows
+        return self.rescoring.best(queries, rows, min(k, self.ntotal))
+
+    def rescore_from(self, rows, k_factor: int) -> None:
+        """Re-score each search's top `k_factor` x k candidates exactly from `rows` (a `PassageBuffer` of the
+        vectors this index holds, in its row order: the float16 shards it was built from, memory-mapped, so
+        they stay on disk and each search reads its candidates' rows by offset). Lifts the recall that
+        compressed codes (PQ) cap; `save` records the buffer's folder and `load` opens it again.
+        `k_factor` 0 turns it off."""
+        if k_factor == 0:
+            self.rescoring = None
+            return
+        if k_factor < 1:
+            raise InputError(f"the rescoring k_factor must be at least 1 (0: off), got {k_factor}")
+        if len(rows) != self.ntotal or rows.dim != self.dim:
+            raise InputError(
+                f"rescoring rows {getattr(rows, 'path', None) or ''} hold {len(rows)} x {rows.dim}, the index "
+                f"{self.ntotal} x {self.dim}: re-score from the buffer the index was built from"
+            )
+        for key in ("encoder_fingerprint", "corpus_fingerprint"):
+            if self.provenance.get(key) not in (None, rows.meta.get(key)):
+                raise InputError(
+                    f"rescoring rows {rows.path} were embedded with {key.replace('_', ' ')} "
+                    f"{rows.meta.get(key)}, the index with {self.provenance[key]}: re-score from the buffer "
+                    "the index was built from"
+                )
+        self.rescoring = Rescoring(rows, k_factor)
 
     def search(
         self, queries: np.ndarray, k: int, nprobe: int | None = None
@@ -407,6 +541,8 @@ class PassageIndex:
             atomic_write_bytes(tmp / IDS_NAME, lines)
             meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
             meta |= {"search_params": self.search_params, "tuning": self.tuning, **self.provenance}
+            if self.rescoring is not None:
+                meta["rescoring"] = self.rescoring.saved()
             atomic_write_text(tmp / META_NAME, json.dumps(meta, indent=2))
 
     @classmethod
@@ -432,4 +568,8 @@ class PassageIndex:
         )
         loaded.tuning = meta.get("tuning", {})
         loaded.provenance = {key: meta[key] for key in PROVENANCE_KEYS if key in meta}
+        if "rescoring" in meta:
+            loaded.rescore_from(
+                Rescoring.rows_saved(meta["rescoring"], folder), meta["rescoring"]["k_factor"]
+            )
         return loaded

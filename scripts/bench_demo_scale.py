@@ -787,7 +787,7 @@ def markdown(results: dict) -> str:
     tuning = index.get("tuning") or {}
     tuned = (
         f"tuned by `PassageIndex.tune` to {tuning['parameter']}={tuning['value']} (recall@{tuning['k']} "
-        f"{tuning['recall']:.3f} against exact search on {tuning['queries']} indexed rows)"
+        f"{tuning['recall']:.3f} against exact search on {tuning['queries']} {tuning.get('queries_from', 'rows')})"
         if tuning
         else "no search parameter to tune"
     )

@@ -3,7 +3,7 @@
 
 Each factory is built over N synthetic passages (D=768) through `retriever.index.PassageIndex` as `rlm index`
 builds one: `build` (trained on `--train-per-list` rows per IVF list), then `tune` to the default target (the
-smallest nprobe / efSearch whose recall@100 against exact search, on 1,000 indexed rows used as queries,
+smallest nprobe / efSearch whose recall@100 against exact search, on 1,000 indexed rows made question-like,
 reaches 0.95). Measured: bytes per passage (the saved index.faiss / N), build and tune seconds, recall@1/20/100
 of held-out queries against Flat's top-k, the gold passage's recall@20 (each query is drawn around one passage:
 "within 1 point of Flat" is measured on it), and the latency of one query per search, p50/p95, alone and with
@@ -65,8 +65,17 @@ FACTORIES = [
     "IVF{nlist},PQ64np",
     "OPQ64_256,IVF{nlist},PQ64np",
 ]
+# A factory ending in "+rescore<k_factor>": that index with `PassageIndex.rescore_from` the float16 rows (as
+# `rlm index --rescore` sets it); the codes are built once for the bare and the re-scored entry.
+RESCORED = "+rescore"
 # 4-bit PQ trains in a second where 8-bit PQ takes a minute.
-QUICK_FACTORIES = ["Flat", "IVF{nlist},SQ8", "IVF{nlist},PQ32x4np", "HNSW32,SQ8"]
+QUICK_FACTORIES = [
+    "Flat",
+    "IVF{nlist},SQ8",
+    "IVF{nlist},PQ32x4np",
+    "IVF{nlist},PQ32x4np+rescore5",
+    "HNSW32,SQ8",
+]
 
 
 def nlist_for(n: int) -> int:
@@ -76,6 +85,9 @@ def nlist_for(n: int) -> int:
 
 def kind(factory: str) -> str:
     """The family a factory belongs to, as the issue names them."""
+    factory, _, k_factor = factory.partition(RESCORED)
+    if k_factor:
+        return f"{kind(factory)}, re-scored"
     if factory == "Flat":
         return "Flat (exact)"
     if factory.startswith("HNSW"):
@@ -207,27 +219,49 @@ def recall(found: np.ndarray, exact: np.ndarray, k: int) -> float:
 
 
 def measure(
-    factory: str, passages, queries, gold, exact, flat_gold: float, args, exact_once: ExactOnce
+    factory: str,
+    passages,
+    queries,
+    gold,
+    exact,
+    flat_gold: float,
+    args,
+    exact_once: ExactOnce,
+    built: dict,
+    stored_rows,
 ) -> dict:
-    """Build, tune, size, recall and latency of one factory."""
+    """Build (or take the same codes from `built`, {name: (faiss index, build s, train s)}), tune, size,
+    recall and latency of one factory; `stored_rows()` is the float16 buffer a re-scored entry reads."""
     import faiss
 
     from retriever.index import PassageIndex
 
     n, nlist = len(passages), nlist_for(len(passages))
-    name = factory.format(nlist=nlist)
-    start = time.perf_counter()
-    with TimedTraining() as training:
-        index = PassageIndex.build(
-            passages, [str(i) for i in range(n)], name, use_gpu=False, train_sample=train_sample(nlist, args)
-        )
-    build_s = time.perf_counter() - start
+    template, _, k_factor = factory.partition(RESCORED)
+    name = template.format(nlist=nlist)
+    if name not in built:
+        start = time.perf_counter()
+        with TimedTraining() as training:
+            made = PassageIndex.build(
+                passages,
+                [str(i) for i in range(n)],
+                name,
+                use_gpu=False,
+                train_sample=train_sample(nlist, args),
+            )
+        built[name] = (made.index, time.perf_counter() - start, training.seconds)
+    codes, build_s, train_s = built[name]
+    index = PassageIndex(faiss.clone_index(codes), [str(i) for i in range(n)], name)
+    if k_factor:
+        index.rescore_from(stored_rows(), int(k_factor))
     exact_before, start = exact_once.seconds, time.perf_counter()
     tuning = index.tune(passages, queries=args.tune_queries)
     tune_s = time.perf_counter() - start - (exact_once.seconds - exact_before)
+    rescoring, index.rescoring = index.rescoring, None  # the index's own bytes (the rows are the buffer's)
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         index.save(tmp)
         index_bytes = (Path(tmp) / "index.faiss").stat().st_size
+    index.rescoring = rescoring
     ivf = faiss.try_extract_index_ivf(index.index)
     _, found = index.search_rows(queries, K_MAX)
     index.search_rows(queries[:1], K_READ)  # warm-up
@@ -235,13 +269,14 @@ def measure(
     together = latencies(index, queries[: args.concurrent_queries], CONCURRENT, args.latency_seconds)
     swept = sweep(index, queries, gold, exact, flat_gold, args)
     return {
-        "factory": name,
+        "factory": name + (f"{RESCORED}{k_factor}" if k_factor else ""),
         "factory_template": factory,
+        "rescore_k_factor": int(k_factor or 0),
         "kind": kind(factory),
         "n": n,
         "nlist": None if ivf is None else int(ivf.nlist),
         "build_s": build_s,
-        "train_s": training.seconds,
+        "train_s": train_s,
         "train_rows": min(n, train_sample(nlist, args)),
         "tune_s": tune_s,
         "tuned": tuning,
@@ -364,6 +399,8 @@ def project(row: dict, flat: dict, coarse: dict, target_n: int = TARGET_N) -> di
     lost = 100 * (flat["gold_recall_at_20"] - gold_here)
     return {
         "factory": row["factory_template"].format(nlist=nlist),
+        # A re-scored index reads its candidates' float16 rows from the buffer on disk (`rlm embed`'s shards).
+        "rows_on_disk_gb": target_n * D * 2 / 1e9 if row.get("rescore_k_factor") else 0.0,
         "setting": setting,
         "index_gb": index_gb,
         "ram_gb": ram_gb,
@@ -425,6 +462,7 @@ PROJECTED = [
     ("search setting", lambda r: r["projection"]["setting"], ""),
     ("index GB", lambda r: r["projection"]["index_gb"], ".1f"),
     ("RAM GB (with ids)", lambda r: r["projection"]["ram_gb"], ".1f"),
+    ("re-scored rows on disk GB", lambda r: r["projection"].get("rows_on_disk_gb") or "-", ".0f"),
     ("build core-hours", lambda r: r["projection"]["build_core_h"], ",.1f"),
     ("p50 ms", lambda r: r["projection"]["p50_ms"], ",.1f"),
     ("gold recall@20 lost (points)", lambda r: r["projection"]["gold_points_lost"], ".1f"),
@@ -466,17 +504,33 @@ def markdown(results: dict) -> str:
         f"N = {s['n']:,} synthetic passages x {D} (the model in `scripts/bench_index.py`'s docstring), "
         f"{s['queries']:,} held-out queries; IVF lists = {s['nlist']:,}, trained on {s['train_per_list']} rows "
         f"per list; tuned by `PassageIndex.tune` (recall@100 >= {s['target_recall']} on {s['tune_queries']} "
-        f"indexed rows); exact search of the tuning rows (once, shared) {s['exact_tune_s']:.1f} s. "
+        f"{tuned_on(rows)}); exact search of the tuning rows (once, shared) {s['exact_tune_s']:.1f} s. "
         f"Latency: one query per search, k={K_READ}, {s['latency_queries']} queries alone, "
         f"{s['concurrent_queries']} over {CONCURRENT} threads.\n\n"
         f"## Measured\n\n{reporting.table(rows, MEASURED)}\n\n"
         f"## Projected to {TARGET_N / 1e6:.0f}M passages\n\n"
         f"Goal: RAM <= {GOAL_RAM_GB:g} GB, gold recall@20 within {GOAL_RECALL_POINTS:g} point of Flat, "
         f"p50 < {GOAL_P50_MS:g} ms on CPU. RAM = the index's per-passage bytes x 21M + its coarse quantizer at "
-        f"{nlist_for(TARGET_N):,} lists + ids ({ID_BYTES} B/passage); p50: see `project`. Each row at the search "
+        f"{nlist_for(TARGET_N):,} lists + ids ({ID_BYTES} B/passage); a `{RESCORED}<f>` row re-scores the codes' "
+        f"top f x k exactly from the float16 rows (`PassageIndex.rescore_from`: the buffer's shards, memory-mapped, "
+        f"read by offset: on disk, not in the RAM column; here they were in the page cache, and reads from disk "
+        f"at 21M are not measured). p50: see `project`. Each row at the search "
         f"setting that meets the recall goal on held-out queries, or where its recall stops growing (below); "
         f"the recall lost is measured at that setting here.\n\n"
         f"{reporting.table(rows, PROJECTED)}\n" + goal_section(rows)
+    )
+
+
+def tuned_on(rows: list[dict]) -> str:
+    """What `tune` took as queries in these results: bare indexed rows (before question_like_rows) or rows made
+    question-like."""
+    made = next((r["tuned"] for r in rows if r.get("tuned")), {})
+    if made.get("queries_from", "rows") == "rows":
+        return "indexed rows used as queries, each finding its own list or neighbourhood at once"
+    return (
+        f"indexed rows made question-like by `question_like_rows`, each row plus {made['noise_scale']:.2f} x the "
+        f"difference of two random rows, found in its exact top {made['found_within']} for "
+        f"{made['found_share']:.0%} of them"
     )
 
 
@@ -486,8 +540,8 @@ def goal_section(rows: list[dict]) -> str:
     if not swept:
         return ""
     return (
-        f"\n## The setting that meets the recall goal\n\n`tune` chooses on indexed rows used as queries (each finds "
-        f"its own list or neighbourhood at once); here the parameter is raised on the held-out queries until the "
+        f"\n## The setting that meets the recall goal\n\n`tune` chooses on {tuned_on(rows)}; here the parameter "
+        f"is raised on the held-out queries until the "
         f"gold passage's recall@20 is within {GOAL_RECALL_POINTS:g} point of Flat's ('-': never, the codes cap "
         f"it):\n\n{reporting.table(swept, GOAL_SETTING)}\n"
     )
@@ -564,9 +618,22 @@ def main(argv: list[str] | None = None) -> int:
         str(lists): coarse_costs(lists) for lists in {nlist_for(n), nlist_for(TARGET_N)} if ivf
     }
     settings["flat_gold_recall_at_20"] = flat_gold
+    built, stored = {}, []
+
+    def stored_rows():  # the float16 rows `rlm embed` would have written, made once when asked for
+        if not stored:
+            from retriever.buffer import PassageBuffer
+
+            stored.append(
+                PassageBuffer.from_embeddings(range(n), torch.from_numpy(passages.astype(np.float16)))
+            )
+        return stored[0]
+
     with ExactOnce() as exact_once:
         for factory in factories:
-            row = measure(factory, passages, queries, gold, exact, flat_gold, args, exact_once)
+            row = measure(
+                factory, passages, queries, gold, exact, flat_gold, args, exact_once, built, stored_rows
+            )
             row["projection"] = project(row, {"gold_recall_at_20": flat_gold}, results["coarse"])
             results["rows"].append(row)
             settings["exact_tune_s"] = exact_once.seconds

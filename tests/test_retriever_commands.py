@@ -166,3 +166,39 @@ def test_rlm_index_tunes_on_questions_embedded_by_the_query_tower(tmp_path, caps
     small += ["--factory", "IVF2,Flat", "--tune-questions", str(questions), "--query-encoder", str(other)]
     assert main([*small, "--out", str(tmp_path / "k")]) == 2
     assert "embeds in 384 dimensions but the index holds 16" in capsys.readouterr().err
+
+
+def test_rlm_index_rescores_from_its_buffer_and_the_flag_needs_one(tmp_path, capsys):
+    """`rlm index --buffer B --rescore F`: the index re-scores its top F x k from B's float16 rows (saved with
+    it, reopened on load: a prebuilt index searched as `rlm evaluate --index` and the demo load it); with
+    --embeddings there are no such rows, and a negative factor is one error line."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    assert main(["embed", "--corpus", str(corpus), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    args = ["index", "--buffer", str(tmp_path / "b"), "--factory", "IVF2,SQ4", "--rescore", "3"]
+    assert main([*args, "--out", str(tmp_path / "i")]) == 0
+    assert f"the top 3 x k re-scored from {tmp_path / 'b'}" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "i" / "index.json").read_text())
+    assert meta["rescoring"] == {"rows": str((tmp_path / "b").resolve()), "k_factor": 3}
+    index = PassageIndex.load(tmp_path / "i")
+    encoder = SentenceEncoder.from_pretrained(
+        default_retriever_path(), max_length=RetrieverConfig.passage_max_length
+    )
+    queries = encoder.encode(["Which river runs through Egypt?", "Who created Python?"]).numpy()
+    scores, ids = index.search(queries, 2)
+    assert [row[0] for row in ids] == ["nile", "python"]
+    buffer = PassageBuffer.load(tmp_path / "b")
+    best = [buffer.index_of(row[0]) for row in ids]
+    np.testing.assert_allclose(
+        scores[:, 0], (queries * buffer.embeddings[best].float().numpy()).sum(1), rtol=1e-5
+    )
+    np.save(tmp_path / "emb.npy", buffer.embeddings.float().numpy())
+    (tmp_path / "ids.txt").write_text("".join(f"{pid}\n" for pid in buffer.ids))
+    bare = ["index", "--embeddings", str(tmp_path / "emb.npy"), "--ids", str(tmp_path / "ids.txt")]
+    assert main([*bare, "--rescore", "2", "--out", str(tmp_path / "j")]) == 2
+    assert "--rescore re-scores from the float16 rows of a buffer folder" in capsys.readouterr().err
+    assert main([*args[:-1], "-1", "--out", str(tmp_path / "k")]) == 2
+    assert (
+        "--rescore is a number of candidates per result, at least 1 (0: off), got -1"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "k").exists()

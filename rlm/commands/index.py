@@ -38,11 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_search_arguments(parser)
     parser.add_argument(
+        "--rescore",
+        type=int,
+        default=0,
+        metavar="K_FACTOR",
+        help="with --buffer: re-score each search's top K_FACTOR x k candidates exactly from the buffer's float16 "
+        "rows, read from disk by offset (lifts the recall PQ codes cap at the RAM of the codes; the index "
+        "records the buffer's folder, which must stay where it is). 0: off",
+    )
+    parser.add_argument(
         "--target-recall",
         type=float,
         default=DEFAULT_TARGET_RECALL,
         help="IVF and HNSW types: choose nprobe / efSearch as the smallest whose recall@--tune-k against exact "
-        "search reaches this, on --tune-queries of the indexed rows; saved with the index and applied when it "
+        "search reaches this, on --tune-queries indexed rows made question-like (or --tune-questions); saved with the index and applied when it "
         "is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it",
     )
     parser.add_argument("--tune-k", type=int, default=100, help="the k of the recall the search is tuned for")
@@ -50,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tune-questions",
         help="tune on these questions (a text file, one per line, or JSONL with a 'question' field) embedded "
-        "by --query-encoder: what the index will be asked. Default: indexed rows as queries, which sit in their "
-        "own IVF list and ask less of the search than questions do",
+        "by --query-encoder: what the index will be asked. Default: indexed rows made question-like (each "
+        "moved as far from itself as exact search allows while ranking it in its top 20 for 80%% of them)",
     )
     parser.add_argument(
         "--query-encoder",
@@ -87,12 +96,19 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.target_recall <= 1.0:
         raise UserError(f"--target-recall must be in [0, 1], got {args.target_recall}")
     fixed = search_params(args)
+    if args.rescore < 0:
+        raise UserError(
+            f"--rescore is a number of candidates per result, at least 1 (0: off), got {args.rescore}"
+        )
+    if args.rescore and not args.buffer:
+        raise UserError("--rescore re-scores from the float16 rows of a buffer folder: it goes with --buffer")
     started = time.perf_counter()
     if args.buffer:
         rows = PassageBuffer.load(args.buffer)
         index = PassageIndex.from_buffer(
             rows, args.factory, use_gpu=args.use_gpu, train_sample=args.train_sample
         )
+        index.rescore_from(rows, args.rescore)
     else:
         if not args.ids:
             raise UserError("--embeddings needs --ids (a text file with one passage id per line)")
@@ -119,11 +135,13 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"search tuned: {tuning['parameter']}={tuning['value']} gives recall@{tuning['k']} "
             f"{tuning['recall']:.3f} against exact search on {tuning['queries']} "
-            f"{'questions' if asked is not None else 'indexed rows'} (target {args.target_recall})"
+            f"{'questions' if asked is not None else 'question-like rows'} (target {args.target_recall})"
         )
     index.save(args.out)
     seconds = time.perf_counter() - started
     params = ", ".join(f"{k}={v}" for k, v in index.search_params.items()) or "no search parameters"
+    if index.rescoring is not None:
+        params += f", the top {args.rescore} x k re-scored from {args.buffer}"
     print(
         f"index {args.out}: {index.ntotal} vectors x {index.dim}, {args.factory}, {params}, built in "
         f"{seconds:.1f} s"

@@ -150,7 +150,7 @@ def index_corpus(
     shards in `embeddings_dir` (a temporary folder when None; a kept one is resumed, or reused when complete),
     then indexed with `factory` from the shards, its search parameter tuned for `target_recall` (None: the
     index's default) against exact search, on `tune_queries` (query-tower embeddings of questions: what the
-    index will be asked) when given, else on indexed rows. The index records the tower's and corpus's
+    index will be asked) when given, else on indexed rows made question-like. The index records the tower's and corpus's
     fingerprints.
 
     `precision`: "float32", "bf16" or "auto" (bf16 on a CUDA GPU). `accelerator` (an accelerate
