@@ -12,8 +12,10 @@ Approximate types are only as good as their search parameters, and faiss's defau
 (IVF probes 1 list, HNSW explores 16 candidates: an IVF256 index over the quickstart's corpus found the answering
 passage for half the questions a Flat one found it for). So `tune` chooses them for a target recall against
 exact search on real questions or on a sample of the indexed rows made question-like, `save` writes them to
-`index.json`, `load` applies them, and a caller may override them (`search_params`). Searches of an index on a GPU are serialised by a lock: faiss's
-`StandardGpuResources` are not thread-safe, and the demo answers two batches at once.
+`index.json`, `load` applies them, and a caller may override them (`search_params`). Searches of an index on
+a GPU are serialised by a lock: faiss's `StandardGpuResources` are not thread-safe, and the demo answers two
+batches at once. Compressed codes (PQ) cap recall; `rescore_from` re-scores a search's candidates exactly from
+the float16 rows the index was built from, read from disk by offset (`Rescoring`).
 
 faiss comes from an extra (`rlm-corrector[cpu]` or `[gpu]`: both provide the `faiss` module, so not a core
 dependency) and is imported on first use, so the project imports without it.

@@ -40,9 +40,9 @@ def test_quick_index_study_reports_each_factory_with_sane_figures(tmp_path, monk
     assert rescored["bytes_per_passage"] == bare["bytes_per_passage"] and rescored["rescore_k_factor"] == 5
     assert rescored["projection"]["rows_on_disk_gb"] == 21_000_000 * 768 * 2 / 1e9
     assert rescored["recall_at_20"] > bare["recall_at_20"] + 0.3
-    # Tuned at the default target on indexed rows made question-like: reached by SQ8 codes; 4-bit PQ codes cap recall far below it,
-    # so tune stops where probing more lists gains nothing (not at every list) and the held-out sweep finds no
-    # setting within a point of Flat.
+    # Tuned at the default target on indexed rows made question-like: reached by SQ8 codes; 4-bit PQ codes cap
+    # recall far below it, so tune stops where probing more lists gains nothing (not at every list) and the
+    # held-out sweep finds no setting within a point of Flat.
     for name in ("IVF16,SQ8", "HNSW32,SQ8"):
         assert rows[name]["tuned"]["recall"] >= rows[name]["tuned"]["target_recall"] == 0.95
     capped = rows["IVF16,PQ32x4np"]
