@@ -17,6 +17,10 @@ document per 10 consecutive passages, each passage's own part. A query is one pa
 spectrum, scaled so that exact search ranks that passage in its top 20 for about 80% of queries (DPR's top-20
 on NQ is 79%). Real embeddings may compress better or worse: the recall columns are this model's.
 
+A factory ending in `+rescore<f>` (e.g. `IVF{nlist},PQ256np+rescore5`) is that index with each search's top
+f x k re-scored exactly from the float16 rows, as `rlm index --rescore f` builds it; its codes are built once
+for the bare entry and the re-scored one.
+
 IVF types get N/1,000 lists rounded to a power of two ({nlist} in a factory; 1,024 at 1M), so a list holds
 ~1,000 rows at any N; at 21M the same list size is IVF16384. The exact top-100 of the tuning queries is the
 same for every factory (same rows, same seed): it is computed once and reused, its time reported apart.
