@@ -143,17 +143,17 @@ def file_fingerprint(path: Path) -> str:
     return fingerprint("jsonl", digest)
 
 
-def build_index(work: Path, corpus: dict, factory: str, checkpoint: Path) -> dict:
+def build_index(work: Path, corpus: dict, factory: str, checkpoint: Path, rescore: int = 0) -> dict:
     """`work/index-...`: the faiss index `factory` over synthetic vectors of the checkpoint passage tower's
-    dimension, one row per corpus passage, as `rlm index --buffer` builds one (from a buffer written as `rlm
-    embed` writes one, then tuned and saved with the tower's and the corpus's fingerprints, so the demo accepts
-    it); reused when present."""
+    dimension, one row per corpus passage, as `rlm index --buffer [--rescore F]` builds one (from a buffer
+    written as `rlm embed` writes one, claiming the tower's and the corpus's fingerprints so that the demo
+    accepts the index and its re-scoring rows, then tuned and saved); reused when present."""
     from retriever.encoder import DualEncoder
 
     tower = DualEncoder.from_pretrained(str(checkpoint / "retriever")).passage_tower
     tower_fp, n, dim = tower.fingerprint(), corpus["passages"], tower.dim
-    tag = hashlib.sha256(f"{corpus['path']}:{factory}:{tower_fp}".encode()).hexdigest()[:8]
-    folder = work / f"index-{n}-{re.sub(r'[^A-Za-z0-9]+', '_', factory)}-{tag}"
+    tag = hashlib.sha256(f"{corpus['path']}:{factory}:{tower_fp}:{rescore}".encode()).hexdigest()[:8]
+    folder = work / f"index-{n}-{re.sub(r'[^A-Za-z0-9]+', '_', factory)}-{rescore}-{tag}"
     build_file = folder.with_suffix(".build.json")
     if (folder / "index.faiss").is_file() and build_file.is_file():
         return {**json.loads(build_file.read_text()), "reused": True}
@@ -164,24 +164,26 @@ def build_index(work: Path, corpus: dict, factory: str, checkpoint: Path) -> dic
 
     shard, _ = clustered(n, dim, cluster=CLUSTER)
     vectors = work / f"vectors-{n}-{dim}"
-    written = write_buffer(vectors, n, dim, shard, f"clustered(n={n}, dim={dim}, cluster={CLUSTER}, seed=0)")
+    claims = {
+        "encoder_fingerprint": tower_fp,
+        "corpus_fingerprint": file_fingerprint(Path(corpus["path"])),
+        "max_length": tower.max_length,
+    }
+    source = f"clustered(n={n}, dim={dim}, cluster={CLUSTER}, seed=0)"
+    written = write_buffer(vectors, n, dim, shard, source, claims)
     buffer = PassageBuffer.load(vectors)
     start = time.perf_counter()
     index = PassageIndex.from_buffer(buffer, factory)
     build_s = time.perf_counter() - start
+    index.rescore_from(buffer, rescore)
     start = time.perf_counter()
     tuning = index.tune(buffer)
     tune_s = time.perf_counter() - start
-    index.provenance = {
-        "encoder_fingerprint": tower_fp,
-        "corpus_fingerprint": file_fingerprint(Path(corpus["path"])),
-        "max_length": tower.max_length,
-        "precision": "float32",
-    }
     index.save(folder)
     meta = {
         "path": str(folder),
         "factory": factory,
+        "rescore_k_factor": rescore,
         "dim": dim,
         "rows": n,
         "bytes": (folder / "index.faiss").stat().st_size,
@@ -787,10 +789,12 @@ def markdown(results: dict) -> str:
     tuning = index.get("tuning") or {}
     tuned = (
         f"tuned by `PassageIndex.tune` to {tuning['parameter']}={tuning['value']} (recall@{tuning['k']} "
-        f"{tuning['recall']:.3f} against exact search on {tuning['queries']} {tuning.get('queries_from', 'rows')})"
+        f"{tuning['recall']:.3f} against exact search on {tuning['queries']} {tuning.get('queries_from', 'indexed rows')})"
         if tuning
         else "no search parameter to tune"
     )
+    factor = index.get("rescore_k_factor")
+    rescored = f", each search's top {factor} x k re-scored from the float16 rows on disk" if factor else ""
     return f"""# The demo at scale: memory, start-up and latency over {n:,} passages, projected to 21M
 
 Question (issue 39): what does `rlm demo --index` cost a user who serves a prebuilt index over 1M passages and
@@ -806,7 +810,7 @@ tower, not embeddings of the passages): the answers are meaningless; what is mea
 The corpus is real-length text: {n:,} passages of {corpus["words_per_passage"]} words
 ({corpus["bytes"] / MB:,.0f} MB of JSONL, {corpus["bytes"] / n:.0f} B a passage; DPR's psgs_w100.tsv is
 about 620 B a passage), sentences of `{corpus["sentences_from"]}` recombined. Index `{index["factory"]}`, built
-as `rlm index` builds one in {index["build_s"]:.0f} s, {tuned}; {index["bytes"] / MB:,.0f} MB on disk. The
+as `rlm index` builds one in {index["build_s"]:.0f} s, {tuned}; {index["bytes"] / MB:,.0f} MB on disk{rescored}. The
 service: `QAService.from_checkpoint` as `rlm demo --checkpoint C --corpus X --index I` calls it (one torch
 thread), on {results["machine"]["cpu"]}, in a fresh process for each start; the checkpoint
 (`{results["args"]["checkpoint"]}`) copied into the work folder so that the first start finds no corpus
@@ -898,6 +902,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--passages", type=int, default=1_000_000, help="corpus size N")
     parser.add_argument("--factory", default="IVF{nlist},SQ8", help="faiss factory; {nlist} = N / 1,000, 2^k")
+    parser.add_argument(
+        "--rescore",
+        type=int,
+        default=0,
+        help="re-score the top F x k from the rows on disk (rlm index --rescore)",
+    )
     parser.add_argument("--sentences", help="corpus whose sentences make the passages (default: the run's)")
     parser.add_argument("--questions", help="QA JSONL asked (default: dev.jsonl by the run's corpus)")
     parser.add_argument("--work", default="/tmp/rlm-demo-scale", help="where the corpus and index are built")
@@ -946,11 +956,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {"command": reporting.command("bench_demo_scale.py", argv), "machine": reporting.machine()}
     repeats = 1 if args.quick else args.repeats
     results["args"] = {"checkpoint": str(checkpoint), "passages": n, "factory": factory, "quick": args.quick}
+    results["args"]["rescore"] = args.rescore
     results["args"]["repeats"] = repeats
     print(f"corpus of {n:,} passages in {work}", file=sys.stderr)
     results["corpus"] = build_corpus(work, n, sentences)
     print(f"index {factory} ({results['corpus']['build_s']:.0f} s for the corpus)", file=sys.stderr)
-    results["index"] = build_index(work, results["corpus"], factory, checkpoint)
+    results["index"] = build_index(work, results["corpus"], factory, checkpoint, args.rescore)
     paths = {
         "checkpoint": checkpoint_copy(checkpoint, work),
         "corpus": results["corpus"]["path"],

@@ -1,6 +1,6 @@
 """scripts/bench_demo_scale.py (issue 39's demo at scale) end to end in its quick mode, through its `main` as a user
 runs it, over a tiny checkpoint (the packaged MiniLM retriever and a tiny random-init FiD reader): a corpus and
-a tuned index are built, the service is started twice in fresh processes as `rlm demo --index` starts it, and
+a tuned index re-scored from its rows on disk are built, the service is started twice in fresh processes as `rlm demo --index` starts it, and
 the report holds every measurement and the projection to 21M passages."""
 
 from __future__ import annotations
@@ -51,7 +51,16 @@ def quick_run(tmp_path_factory, minilm_path):
     reader.save_pretrained(checkpoint / "reader")
     (checkpoint / "config.yaml").write_text("reader:\n  num_passages: 3\n")
     out, work = root / "report", root / "work"
-    argv = ["bench_demo_scale.py", "--quick", "--checkpoint", str(checkpoint), "--work", str(work)]
+    argv = [
+        "bench_demo_scale.py",
+        "--quick",
+        "--checkpoint",
+        str(checkpoint),
+        "--work",
+        str(work),
+        "--rescore",
+        "2",
+    ]
     argv += ["--sentences", str(world.corpus), "--questions", str(world.split("dev")), "--out", str(out)]
     script = load_script("bench_demo_scale")
     saved = sys.argv
@@ -76,6 +85,9 @@ def test_quick_run_builds_the_corpus_and_a_tuned_index_of_it(quick_run):
     # {nlist}: 5,000 / 1,000 rounded to a power of two, at least 4.
     assert index["factory"] == "IVF4,SQ8" and index["rows"] == 5_000 and index["dim"] == 384
     assert index["tuning"]["parameter"] == "nprobe" and index["bytes"] > 0
+    # Re-scored from the synthetic buffer, which the service reopens (its fingerprints are the index's).
+    assert index["rescore_k_factor"] == 2
+    assert json.loads((Path(index["path"]) / "index.json").read_text())["rescoring"]["k_factor"] == 2
     assert str(work) in corpus["path"] and str(work) in index["path"]
 
 

@@ -107,12 +107,19 @@ class PeakRSS:
 
 
 def write_buffer(
-    folder: Path, n: int, dim: int, shard: Callable[[int, int], np.ndarray], source: str
+    folder: Path,
+    n: int,
+    dim: int,
+    shard: Callable[[int, int], np.ndarray],
+    source: str,
+    claims: dict | None = None,
 ) -> dict:
     """A fixed buffer of `n` synthetic rows, written by `retriever.buffer`'s own writer as `rlm embed` writes
     one (shards of 100k rows with their receipts, then `finalize_buffer`: verified, ids.txt, meta.json), so
     that `PassageBuffer.load` opens it memory-mapped as training does. Shard s holds `shard(s, rows)`, an
-    fp16 [rows, dim] array; `source` names the data: a folder already holding the same buffer is reused."""
+    fp16 [rows, dim] array; `source` names the data: a folder already holding the same buffer is reused.
+    `claims` overrides the buffer's `encoder_fingerprint`, `corpus_fingerprint` and `max_length` (a benchmark
+    whose synthetic rows stand in for a real tower's embeddings of a real corpus, as its report says)."""
     from retriever import buffer as layout
 
     rows = 100_000
@@ -127,7 +134,7 @@ def write_buffer(
         "num_shards": -(-n // rows),
         "max_length": 0,
         "precision": "float32",
-    }
+    } | (claims or {})
     meta = folder / layout.META_NAME
     if meta.is_file() and all(json.loads(meta.read_text()).get(k) == v for k, v in settings.items()):
         return {"seconds": 0.0, "reused": True}
