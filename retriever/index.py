@@ -163,7 +163,7 @@ def _as_float32(array, dim: int | None = None) -> np.ndarray:
     return array
 
 
-def question_like_rows(rows, count: int, rng: np.random.Generator) -> tuple[Tensor, dict]:
+def question_like_rows(rows: PassageBuffer, count: int, rng: np.random.Generator) -> tuple[Tensor, dict]:
     """`count` indexed rows (float32 [count, D]) each moved away from itself as far as a question is from the
     passage that answers it, and what was chosen: a row plus `noise_scale` times the difference of two random
     rows (noise with the corpus's own spread), unit length, the scale the largest (of `QUESTION_SCALE_STEPS`
@@ -171,10 +171,10 @@ def question_like_rows(rows, count: int, rng: np.random.Generator) -> tuple[Tens
     `QUESTION_FOUND_WITHIN` for `QUESTION_FOUND_SHARE` of them, measured on `QUESTION_CALIBRATION` of them:
     a trained dense retriever's top-20 holds the answering passage for about 80% of NQ's questions (DPR: 79%).
 
-    On MiniLM embeddings of real passages and questions (3,884 passages: ../shared's multihop200 and
-    wiki_sample; 3,810 questions: multihop200's and NQ-open's dev) these ask more than the questions do (an
-    IVF64 index: nprobe 64 where the questions reach 0.97 of exact search's top-20 at 32); on the synthetic
-    model of docs/results/bench_index they ask about as much as its held-out queries (docs/retriever.md)."""
+    On MiniLM embeddings of real passages and questions these asked a little more of an IVF64 index than the
+    questions did, on the synthetic vectors of docs/results/bench_index at 1M less than its held-out queries,
+    far more than bare rows on both (docs/retriever.md). Costs `QUESTION_SCALE_STEPS` exact searches of
+    `QUESTION_CALIBRATION` made questions over the rows."""
     import torch
 
     from retriever.search import corrected_topk
@@ -405,7 +405,7 @@ class PassageIndex:
         questions, which is what the index will be asked), else `queries` indexed rows made question-like
         (`question_like_rows`). A row itself sits in its own IVF list and HNSW neighbourhood and asks less of the
         search than a question does: tuned on bare rows, an IVF1024 index over 1M synthetic passages stopped at
-        nprobe 4, 14 points of recall@20 short on held-out queries (docs/results/bench_index)."""
+        nprobe 4, 14 points of gold recall@20 short on held-out queries (docs/results/bench_index)."""
         import torch
 
         from retriever.buffer import PassageBuffer

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_TARGET_RECALL,
         help="IVF and HNSW types: choose nprobe / efSearch as the smallest whose recall@--tune-k against exact "
         "search reaches this, on --tune-queries indexed rows made question-like (or --tune-questions); saved "
-        "with the index and applied when it is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it",
+        "with the index and applied when it is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). "
+        "--nprobe / --ef-search fix it",
     )
     parser.add_argument("--tune-k", type=int, default=100, help="the k of the recall the search is tuned for")
     parser.add_argument("--tune-queries", type=int, default=1000, help="tuning queries, at most")
