@@ -110,6 +110,7 @@ def test_without_faiss_the_module_imports_and_using_an_index_says_what_to_instal
     path = sys.modules[PassageIndex.__module__].__file__
     spec = importlib.util.spec_from_file_location("index_without_faiss", path)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # as importing registers it (dataclasses look it up)
     spec.loader.exec_module(module)
     with pytest.raises(ImportError, match=r"rlm-corrector\[cpu\].*rlm-corrector\[gpu\]"):
         module.PassageIndex.build(EMB, IDS)
