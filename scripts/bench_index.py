@@ -69,9 +69,9 @@ FACTORIES = [
     "IVF{nlist},PQ64np",
     "OPQ64_256,IVF{nlist},PQ64np",
 ]
-# A factory ending in "+rescore<k_factor>": that index with `PassageIndex.rescore_from` the float16 rows (as
-# `rlm index --rescore` sets it); the codes are built once for the bare and the re-scored entry.
-RESCORED = "+rescore"
+RESCORED = (
+    "+rescore"  # a factory's suffix: its codes re-scored from the float16 rows (the module's docstring)
+)
 # 4-bit PQ trains in a second where 8-bit PQ takes a minute.
 QUICK_FACTORIES = [
     "Flat",
