@@ -219,6 +219,7 @@ class Rescoring:
         import torch
 
         candidates = torch.from_numpy(found)
+        self.rows.prefetch(candidates)  # every candidate row read from disk at once, not one after another
         exact = torch.empty(candidates.shape)
         for start in range(0, len(candidates), RESCORE_QUERIES):  # [64, k', D] float32 at a time
             part = slice(start, start + RESCORE_QUERIES)

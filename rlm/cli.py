@@ -55,7 +55,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "rlm.commands.bench",
-        "Run a benchmark: retrieval, reader, training, paper-step, index, demo-scale, two-stage, strategies, "
+        "Run a benchmark: retrieval, reader, training, paper-step, index, demo-scale, two-stage, rescoring, strategies, "
         "synthetic.",
     ),
 }

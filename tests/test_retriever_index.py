@@ -261,3 +261,38 @@ def test_rescoring_from_the_buffer_on_disk_lifts_what_pq_codes_cap_and_is_saved_
     with pytest.raises(ValueError, match="cannot be saved"):
         in_memory.save(tmp_path / "mem")
     assert not (tmp_path / "mem").exists()
+
+
+def test_rescoring_asks_for_every_candidate_row_from_disk_at_once(tmp_path, monkeypatch):
+    """Rows of a memory-mapped buffer that are not in the page cache are read one page fault after another; so
+    `Rescoring.best` first tells the kernel every candidate row it will read (`PassageBuffer.prefetch`:
+    `posix_fadvise(WILLNEED)` on exactly each row's bytes in its shard file), and the result is the same."""
+    import os
+
+    emb, queries = unit_vectors(300, 16, 4), unit_vectors(3, 16, 5)
+    buffer = buffer_folder(tmp_path / "buffer", emb, shard_size=128)  # 3 shards: 128, 128, 44 rows
+    index = PassageIndex.from_buffer(buffer, "IVF4,PQ4x4np")
+    index.set_search_params({"nprobe": 4})
+    index.rescore_from(buffer, 5)
+    quiet = index.search_rows(queries, 4)
+    asked = []
+    monkeypatch.setattr(
+        os, "posix_fadvise", lambda fd, offset, length, advice: asked.append((fd, offset, length, advice))
+    )
+    scores, rows = index.search_rows(queries, 4)
+    np.testing.assert_array_equal(rows, quiet[1])
+    np.testing.assert_array_equal(scores, quiet[0])
+    _, candidates = index.index.search(queries, 20)
+    header = np.load(tmp_path / "buffer" / "shard_00000.npy", mmap_mode="r").offset
+    expected = sorted(
+        (f"shard_{row // 128:05d}.npy", header + (row % 128) * 16 * 2)
+        for row in candidates.reshape(-1)
+        if row >= 0
+    )
+    named = {fd: os.readlink(f"/proc/self/fd/{fd}").rsplit("/", 1)[1] for fd, *_ in asked}
+    assert sorted((named[fd], offset) for fd, offset, _, _ in asked) == expected
+    assert {(length, advice) for _, _, length, advice in asked} == {(32, os.POSIX_FADV_WILLNEED)}
+    in_memory = PassageBuffer.from_embeddings(range(300), torch.from_numpy(emb))
+    asked.clear()
+    in_memory.prefetch(torch.arange(10))
+    assert asked == []  # nothing on disk to ask for
