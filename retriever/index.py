@@ -219,10 +219,10 @@ class Rescoring:
         import torch
 
         candidates = torch.from_numpy(found)
-        self.rows.prefetch(candidates)  # every candidate row read from disk at once, not one after another
         exact = torch.empty(candidates.shape)
         for start in range(0, len(candidates), RESCORE_QUERIES):  # [64, k', D] float32 at a time
             part = slice(start, start + RESCORE_QUERIES)
+            self.rows.prefetch(candidates[part])  # their rows read from disk at once, not one after another
             vectors = self.rows.rows(candidates[part].clamp(min=0)).float()
             exact[part] = torch.einsum("bd,bkd->bk", torch.from_numpy(queries[part]), vectors)
         exact = exact.masked_fill(candidates < 0, -math.inf)
