@@ -247,14 +247,23 @@ class PassageBuffer:
             return
         flat = indices.reshape(-1).to("cpu")
         flat = flat[flat >= 0]
-        shard_of = torch.searchsorted(torch.tensor(self._offsets), flat, right=True) - 1
+        shard_of = self._shard_of(flat)
         row_bytes = self.dim * self._shards[0].element_size()
-        for row, s in zip(flat.tolist(), shard_of.tolist()):
-            with self._descriptors_lock:
-                if s not in self._descriptors:
-                    self._descriptors[s] = os.open(self._files[s][0], os.O_RDONLY)
-            start = self._files[s][1] + (row - self._offsets[s]) * row_bytes
-            os.posix_fadvise(self._descriptors[s], start, row_bytes, os.POSIX_FADV_WILLNEED)
+        for s in shard_of.unique().tolist():
+            descriptor, (_, data_offset) = self._descriptor(s), self._files[s]
+            for row in (flat[shard_of == s] - self._offsets[s]).tolist():
+                os.posix_fadvise(descriptor, data_offset + row * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
+
+    def _descriptor(self, shard: int) -> int:
+        """An open read-only descriptor of shard `shard`'s file, opened once."""
+        with self._descriptors_lock:
+            if shard not in self._descriptors:
+                self._descriptors[shard] = os.open(self._files[shard][0], os.O_RDONLY)
+            return self._descriptors[shard]
+
+    def _shard_of(self, flat: Tensor) -> Tensor:
+        """The shard holding each row of `flat` (a 1-D LongTensor of rows)."""
+        return torch.searchsorted(torch.tensor(self._offsets), flat, right=True) - 1
 
     def __del__(self):
         for descriptor in getattr(self, "_descriptors", {}).values():
@@ -267,7 +276,7 @@ class PassageBuffer:
             out = self._shards[0][flat.to(self.device)]
         else:
             out = torch.empty(flat.numel(), self.dim, dtype=self.dtype, device=self.device)
-            shard_of = torch.searchsorted(torch.tensor(self._offsets), flat, right=True) - 1
+            shard_of = self._shard_of(flat)
             for s in shard_of.unique().tolist():
                 where = (shard_of == s).nonzero().squeeze(1)
                 out[where] = self._shards[s][flat[where] - self._offsets[s]]
