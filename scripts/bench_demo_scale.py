@@ -23,7 +23,7 @@ parameter is swept (nprobe or efSearch), and each figure is projected to 21M pas
 
     python scripts/bench_demo_scale.py --sentences ../shared/data/wiki_sample/passages.jsonl  # N = 1M
     python scripts/bench_demo_scale.py --quick                  # N = 5,000 and a few questions (a minute)
-    python scripts/bench_demo_scale.py --render docs/results/demo_scale/demo_scale.json
+    python scripts/bench_demo_scale.py --render docs/results/demo_scale_rescore/demo_scale.json
 
 `--checkpoint` is the `final/` folder of a run (`rlm quickstart --no-serve` makes runs/quickstart/final).
 """
@@ -786,10 +786,11 @@ def markdown(results: dict) -> str:
     )
     verdict = "meets" if proj["meets_retrieval_goal"] else "misses"
     omp = ", ".join(f"{v} in the {k}" for k, v in serving["faiss_omp_threads"].items())
+    from retriever.index import describe_tuning
+
     tuning = index.get("tuning") or {}
     tuned = (
-        f"tuned by `PassageIndex.tune` to {tuning['parameter']}={tuning['value']} (recall@{tuning['k']} "
-        f"{tuning['recall']:.3f} against exact search on {tuning['queries']} {tuning.get('queries_from', 'indexed rows')})"
+        f"tuned by `PassageIndex.tune`: {describe_tuning(tuning)}"
         if tuning
         else "no search parameter to tune"
     )

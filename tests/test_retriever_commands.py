@@ -95,7 +95,7 @@ def test_rlm_index_tunes_an_ivf_search_for_the_target_recall_or_takes_the_users(
     out = capsys.readouterr().out
     tuned = PassageIndex.load(tmp_path / "tuned")
     assert tuned.tuning["recall"] >= 0.9 and tuned.search_params["nprobe"] > 1
-    assert f"nprobe={tuned.search_params['nprobe']} gives recall@10" in out
+    assert f"nprobe={tuned.search_params['nprobe']}: the index's top 10 holds the source row of" in out
     assert main([*args, "--out", str(tmp_path / "fixed"), "--nprobe", "3"]) == 0
     assert PassageIndex.load(tmp_path / "fixed").search_params == {"nprobe": 3}
     assert main([*args, "--out", str(tmp_path / "bare"), "--target-recall", "0"]) == 0
@@ -154,7 +154,7 @@ def test_rlm_index_tunes_on_questions_embedded_by_the_query_tower(tmp_path, caps
     assert main([*args, "--out", str(tmp_path / "i"), "--query-encoder", default_retriever_path()]) == 0
     tuning = PassageIndex.load(tmp_path / "i").tuning
     assert tuning["queries_from"] == "query vectors" and tuning["queries"] == 2
-    assert "against exact search on 2 questions" in capsys.readouterr().out
+    assert "of exact search's top 3 for 2 questions" in capsys.readouterr().out
     assert main([*args, "--out", str(tmp_path / "j")]) == 2
     assert "--tune-questions needs --query-encoder" in capsys.readouterr().err
     other = tmp_path / "small"

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from retriever.index import DEFAULT_TARGET_RECALL
+from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, describe_tuning
 from rlm.errors import UserError, check_output_folder
 
 
@@ -50,12 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-recall",
         type=float,
         default=DEFAULT_TARGET_RECALL,
-        help="IVF and HNSW types: choose nprobe / efSearch as the smallest whose recall@--tune-k against exact "
-        "search reaches this, on --tune-queries indexed rows made question-like (or --tune-questions); saved "
-        "with the index and applied when it is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). "
-        "--nprobe / --ef-search fix it",
+        help="IVF and HNSW types: choose nprobe / efSearch as the smallest whose recall@--tune-k reaches this, "
+        "against exact search on --tune-queries indexed rows made question-like (the share of those whose "
+        "source row exact search ranks in its top k that the index ranks there too: the answers kept) or on "
+        "--tune-questions (the share of exact search's top k found); saved with the index and applied when it "
+        "is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it",
     )
-    parser.add_argument("--tune-k", type=int, default=100, help="the k of the recall the search is tuned for")
+    parser.add_argument(
+        "--tune-k", type=int, default=TUNE_K, help="the k of the recall the search is tuned for"
+    )
     parser.add_argument("--tune-queries", type=int, default=1000, help="tuning queries, at most")
     parser.add_argument(
         "--tune-questions",
@@ -133,11 +136,7 @@ def run(args: argparse.Namespace) -> int:
         tuning = index.tune(
             rows, args.target_recall, k=args.tune_k, queries=args.tune_queries, query_vectors=asked
         )
-        print(
-            f"search tuned: {tuning['parameter']}={tuning['value']} gives recall@{tuning['k']} "
-            f"{tuning['recall']:.3f} against exact search on {tuning['queries']} "
-            f"{'questions' if asked is not None else 'question-like rows'} (target {args.target_recall})"
-        )
+        print(f"search tuned: {describe_tuning(tuning)}")
     index.save(args.out)
     seconds = time.perf_counter() - started
     params = ", ".join(f"{k}={v}" for k, v in index.search_params.items()) or "no search parameters"
