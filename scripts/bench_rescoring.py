@@ -10,7 +10,10 @@ query per search, k in `--k`; per search p50/p95 of:
 - re-scored, rows on disk, read one by one: before each search the rows are dropped from this process's mapping
   (`madvise(MADV_DONTNEED)`) and from the page cache (`posix_fadvise(POSIX_FADV_DONTNEED)`), and
   `PassageBuffer.prefetch` is turned off: each row is a page fault that waits for its read;
-- re-scored, rows on disk, prefetched: the same eviction, with `prefetch` (what `Rescoring.best` does).
+- re-scored, rows on disk, prefetched: the same eviction, with `prefetch` (what `Rescoring.best` does);
+- the two re-scored ways a server meets, with `--concurrent` (20) searches at once: rounds of 20 threads
+  released together, each searching one query (the rows evicted before each round for "on disk"): 20 users'
+  reads queued on one disk at once.
 
 The eviction needs Linux (libc's `madvise`, `os.posix_fadvise`). What it measures is this machine's disk: a
 local NVMe drive, a network volume and a virtual disk differ by orders of magnitude.
@@ -26,7 +29,9 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +79,28 @@ def timed(search, queries: np.ndarray, before=None) -> list[float]:
     return seconds
 
 
-def measure(index, buffer, queries: np.ndarray, k: int) -> list[dict]:
-    """The four ways to search (the module's docstring) at this k."""
+def timed_together(search, queries: np.ndarray, threads: int, before=None) -> list[float]:
+    """Seconds of `search(one query)` for each query, in rounds of `threads` searches released at once (a
+    barrier), `before()` run untimed ahead of each round; a last partial round is left out."""
+
+    def one(query: np.ndarray, barrier: threading.Barrier) -> float:
+        barrier.wait()
+        began = time.perf_counter()
+        search(query[None])
+        return time.perf_counter() - began
+
+    seconds = []
+    with ThreadPoolExecutor(threads) as pool:
+        for start in range(0, len(queries) - threads + 1, threads):
+            if before is not None:
+                before()
+            barrier = threading.Barrier(threads)
+            seconds += pool.map(one, queries[start : start + threads], [barrier] * threads)
+    return seconds
+
+
+def measure(index, buffer, queries: np.ndarray, k: int, concurrent: int) -> list[dict]:
+    """The ways to search (the module's docstring) at this k."""
     evict, rescoring, prefetch = Eviction(buffer), index.rescoring, buffer.prefetch
     search = lambda q: index.search_rows(q, k)  # noqa: E731
     search(queries[:1])  # warm-up
@@ -89,6 +114,11 @@ def measure(index, buffer, queries: np.ndarray, k: int) -> list[dict]:
     finally:
         buffer.prefetch = prefetch
     runs["re-scored, rows on disk, prefetched"] = timed(search, queries, evict)
+    together = f"{concurrent} at once"
+    runs[f"re-scored, rows cached, {together}"] = timed_together(search, queries, concurrent)
+    runs[f"re-scored, rows on disk, prefetched, {together}"] = timed_together(
+        search, queries, concurrent, evict
+    )
     return [
         {
             "k": k,
@@ -121,7 +151,9 @@ def markdown(results: dict) -> str:
         f"N = {s['n']:,} synthetic rows x {s['dim']} (float16, {s['rows_mb']:,.0f} MB in {s['shards']} shards), "
         f"`{s['factory']}` at nprobe={s['nprobe']}, re-scored x{s['k_factor']}; one query per search, "
         f"{s['queries']} queries. 'On disk': before each search the rows are dropped from the process's "
-        "mapping and the page cache, so every candidate row is read from the disk.\n\n"
+        "mapping and the page cache, so every candidate row is read from the disk. 'At once': rounds of "
+        f"{s.get('concurrent', 20)} threads released together, one query each (rows evicted before each "
+        "round), as a server's users share one disk and the cores.\n\n"
         f"{reporting.table(results['rows'], COLUMNS)}\n"
     )
 
@@ -151,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rescore", type=int, default=5, help="k factor of the re-scoring")
     parser.add_argument("--k", default="4,20", help="results per search, comma-separated")
     parser.add_argument("--queries", type=int, default=None, help="searches per way (default 300)")
+    parser.add_argument("--concurrent", type=int, default=20, help="searches at once in the concurrent ways")
     parser.add_argument("--work", default="/tmp/rlm-bench-rescoring", help="folder for the buffer")
     parser.add_argument("--out", default=str(reporting.results_path("rescoring")), help="output stem")
     parser.add_argument("--render", default=None, help="redo the report from this JSON, measuring nothing")
@@ -181,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     index.set_search_params({"nprobe": args.nprobe})
     index.rescore_from(buffer, args.rescore)
     asked = queries(count).numpy()
-    rows = [row for k in reporting.int_list(args.k) for row in measure(index, buffer, asked, k)]
+    rows = [
+        row for k in reporting.int_list(args.k) for row in measure(index, buffer, asked, k, args.concurrent)
+    ]
     settings = {
         "n": n,
         "dim": dim,
@@ -189,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "nprobe": args.nprobe,
         "k_factor": args.rescore,
         "queries": count,
+        "concurrent": args.concurrent,
         "shards": len(buffer._files),
         "rows_mb": n * dim * 2 / 2**20,
         "disk": disk_of(folder),

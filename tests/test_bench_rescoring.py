@@ -24,6 +24,8 @@ def test_quick_run_measures_each_way_to_search_at_each_k(tmp_path):
         "re-scored, rows cached",
         "re-scored, rows on disk, read one by one",
         "re-scored, rows on disk, prefetched",
+        "re-scored, rows cached, 20 at once",
+        "re-scored, rows on disk, prefetched, 20 at once",
     ]
     assert [(r["k"], r["search"]) for r in results["rows"]] == [(k, w) for k in (4, 20) for w in ways]
     assert all(r["rows_read"] == 5 * r["k"] and r["p95_ms"] >= r["p50_ms"] > 0 for r in results["rows"])
