@@ -61,7 +61,8 @@ PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "p
 # share of exact search's top k the index finds.
 DEFAULT_TARGET_RECALL, TUNE_K = 0.99, 20
 EF_SEARCH_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# `tune` stops where doubling the search parameter gains less recall than this: the codes' limit, not the search's.
+# `tune` stops where doubling the search parameter finds less than this more of exact search's top k: the codes'
+# limit, not the search's.
 RECALL_PLATEAU = 0.002
 # `tune`'s queries when it is given none: rows made question-like (`question_like_rows`).
 QUESTION_FOUND_WITHIN, QUESTION_FOUND_SHARE = 20, 0.8
@@ -227,7 +228,10 @@ def describe_tuning(tuning: dict) -> str:
     asked = (
         "questions" if tuning.get("queries_from") == "query vectors" else tuning.get("queries_from", "rows")
     )
-    return f"{chosen}: the index's top {k} holds {share} of exact search's top {k} for {tuning['queries']} {asked} {target}"
+    return (
+        f"{chosen}: the index's top {k} holds {share} of exact search's top {k} for {tuning['queries']} "
+        f"{asked} {target}"
+    )
 
 
 @dataclass
@@ -457,6 +461,10 @@ class PassageIndex:
             sample, sources, made = question_like_rows(rows, queries, np.random.default_rng(seed))
         k = min(k, self.ntotal)
         exact = corrected_topk(sample, rows, None, k).indices.numpy()
+        if sources is not None and not (exact == sources[:, None]).any():
+            sources = (
+                None  # no source in its exact top k (rows of near-duplicates): count the neighbours found
+            )
         chosen, measured = self._smallest_reaching(name, sample.numpy(), exact, sources, target_recall)
         recall = {value: answers for value, (answers, _) in measured.items()}
         if recall[chosen] < target_recall:
@@ -497,7 +505,7 @@ class PassageIndex:
             hits = (found[:, :, None] == exact[:, None, :]).any(-1) & (found >= 0)
             top_k_found = float(hits.sum(-1).mean() / exact.shape[1])
             recall = top_k_found
-            if answerable is not None and answerable.any():
+            if answerable is not None:
                 kept = (found == sources[:, None]).any(-1) & answerable
                 recall = float(kept.sum() / answerable.sum())
             measured[value] = (recall, top_k_found)

@@ -204,6 +204,22 @@ def test_an_index_tuned_by_default_loses_at_most_a_point_of_the_answers_exact_se
     assert gold_recall_at_20(exact) > 0.7 and lost <= 0.01, (tuning["value"], lost)
 
 
+def test_made_questions_whose_sources_exact_search_never_finds_are_tuned_on_the_neighbours(monkeypatch):
+    """Where no made question's source row is in its exact top k (a corpus of near-duplicates, where ties rank
+    other copies first), there are no answers to keep: `tune` counts exact search's top k found instead, and
+    says so, rather than dividing by zero."""
+    import retriever.index as index_module
+
+    emb = unit_vectors(2000, 16, 4)
+    made = torch.from_numpy(unit_vectors(200, 16, 5))
+    far = np.argsort(made.numpy() @ emb.T, axis=1)[:, 0]  # each question's farthest row as its "source"
+    monkeypatch.setattr(index_module, "question_like_rows", lambda rows, count, rng: (made, far, {}))
+    index = PassageIndex.build(emb, [str(i) for i in range(2000)], factory="IVF16,Flat")
+    tuning = index.tune(emb, target_recall=0.9, k=10)
+    assert tuning["measure"] == "exact top-k found" and tuning["queries_from"] == "question-like rows"
+    assert tuning["recall"] >= 0.9 and "tried_top_k_found" not in tuning
+
+
 def test_question_like_rows_are_found_by_exact_search_as_often_as_a_retriever_finds_answers():
     """Each made question is its row plus noise of the corpus's spread, scaled so that exact search ranks the
     row in its top 20 for 80% of them (DPR's top-20 on NQ: 79%): on rows of 40 tight documents the noise
