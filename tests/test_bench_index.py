@@ -44,13 +44,13 @@ def test_quick_index_study_reports_each_factory_with_sane_figures(tmp_path, monk
     # recall far below it, so tune stops where probing more lists gains nothing (not at every list) and the
     # held-out sweep finds no setting within a point of Flat.
     for name in ("IVF16,SQ8", "HNSW32,SQ8"):
-        assert rows[name]["tuned"]["recall"] >= rows[name]["tuned"]["target_recall"] == 0.99
+        assert rows[name]["tuned"]["recall"] >= rows[name]["tuned"]["target_recall"] == 0.995
         # ... which is the goal's recall where the codes allow it: at the setting chosen, the held-out
         # questions' gold recall@20 is within a point of Flat's (tuned for 95% of exact search's top 100
         # instead, SQ8 stopped at nprobe 2 and lost 4.0 points, HNSW-SQ8 at efSearch 1024 and lost 1.5).
         assert flat["gold_recall_at_20"] - rows[name]["gold_recall_at_20"] <= 0.01, name
     capped = rows["IVF16,PQ32x4np"]
-    assert capped["tuned"]["recall"] < 0.99 and capped["tuned"]["value"] < capped["nlist"] == 16
+    assert capped["tuned"]["recall"] < 0.995 and capped["tuned"]["value"] < capped["nlist"] == 16
     assert capped["sweep"]["goal"] is None and capped["projection"]["meets_recall"] is False
     met = rows["IVF16,SQ8"]["sweep"]["goal"]
     assert met is not None and flat["gold_recall_at_20"] - met["gold_recall_at_20"] <= 0.01

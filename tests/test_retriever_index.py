@@ -184,8 +184,9 @@ def test_an_index_tuned_by_default_loses_at_most_a_point_of_the_answers_exact_se
     model of passages and questions (scripts/bench_index.py: topics, documents, questions drawn around one
     passage each) at 32k passages, the old default (recall@100 >= 0.95 of exact search's neighbours, on made
     questions) stopped at nprobe 4 of 32 and held-out questions lost 3.8 points of gold recall@20; the default
-    now counts the made questions' own source rows (the answers a reader would lose) and stops where 99% of
-    those exact search finds are kept."""
+    now counts the made questions' own source rows (the answers a reader would lose) and keeps 99.5% of those
+    exact search finds: nprobe 16 here, 0.2 points lost (over 5 corpora x 2 tuning seeds: 0.0-1.1, mean 0.3;
+    at a target of 0.99, 0.1-1.3, mean 0.8)."""
     from script_loader import load_script
 
     from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K
@@ -193,7 +194,7 @@ def test_an_index_tuned_by_default_loses_at_most_a_point_of_the_answers_exact_se
     passages, questions, gold = load_script("bench_index").synthetic(32_000, 1_000, seed=0)
     index = PassageIndex.build(passages, [str(i) for i in range(len(passages))], factory="IVF32,Flat")
     tuning = index.tune(passages)  # what `rlm index --factory IVF32,Flat` does without flags
-    assert tuning["measure"] == "source rows kept" and tuning["recall"] >= DEFAULT_TARGET_RECALL == 0.99
+    assert tuning["measure"] == "source rows kept" and tuning["recall"] >= DEFAULT_TARGET_RECALL == 0.995
     assert tuning["k"] == TUNE_K == 20 and set(tuning["tried_top_k_found"]) == set(tuning["tried"])
 
     def gold_recall_at_20(found):
@@ -202,6 +203,30 @@ def test_an_index_tuned_by_default_loses_at_most_a_point_of_the_answers_exact_se
     exact = np.argsort(-(questions @ passages.T), axis=1)[:, :20]
     lost = gold_recall_at_20(exact) - gold_recall_at_20(index.search_rows(questions, 20)[1])
     assert gold_recall_at_20(exact) > 0.7 and lost <= 0.01, (tuning["value"], lost)
+
+
+def test_tune_goes_on_while_the_answers_kept_grow_though_the_neighbours_found_do_not():
+    """PQ codes cap the share of exact search's top 20 an IVF index finds sooner than the share of the answers it
+    keeps: over 32k passages of the index study's model (128-d here), `IVF32,PQ16np` found 0.1% more of the
+    neighbours going from nprobe 8 to 16 (under `RECALL_PLATEAU`) and kept 0.5% more of the answers, and `tune`
+    stopped at 8 (on real text, SQ8 in HNSW: 0.973 of the answers kept where 0.991 was a doubling away). It
+    stops only where a doubling gains less than `RECALL_PLATEAU` in both."""
+    from script_loader import load_script
+
+    from retriever.index import RECALL_PLATEAU
+
+    study = load_script("bench_index")  # a fresh module: its width is this test's
+    study.D = 128
+    passages, _, _ = study.synthetic(32_000, 1, seed=0)
+    index = PassageIndex.build(passages, [str(i) for i in range(len(passages))], factory="IVF32,PQ16np")
+    with pytest.warns(UserWarning, match="below the target"):  # the codes cap it below 0.995
+        tuning = index.tune(passages)
+    kept = {int(v): r for v, r in tuning["tried"].items()}
+    found = {int(v): r for v, r in tuning["tried_top_k_found"].items()}
+    chosen = tuning["value"]
+    after = min(v for v in kept if v > chosen)  # the doubling that gained (almost) nothing
+    assert kept[after] - kept[chosen] < RECALL_PLATEAU and found[after] - found[chosen] < RECALL_PLATEAU
+    assert chosen >= 16 and kept[chosen] > kept[8] + 0.003
 
 
 def test_made_questions_whose_sources_exact_search_never_finds_are_tuned_on_the_neighbours(monkeypatch):
