@@ -58,9 +58,7 @@ PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "p
 # What `tune` aims for by default, at k = `TUNE_K` (DPR's top-20): on made questions (`question_like_rows`), the
 # share of those whose source row exact search ranks in its top k that the index ranks in its top k too; on given
 # questions, the share of exact search's top k the index finds. The goal is to lose at most 1 point of the
-# answers exact search finds; 0.99 on 1,000 made questions met it on average but not on every seed (held-out
-# questions lost 0.1-1.3 points over 10 seeds at 32k synthetic passages), 0.995 keeps a margin (0.0-1.1, mean
-# 0.3; docs/retriever.md).
+# answers exact search finds: 0.99 met it on average but not on every seed, 0.995 keeps a margin (docs/retriever.md).
 DEFAULT_TARGET_RECALL, TUNE_K = 0.995, 20
 EF_SEARCH_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 # `tune` stops where doubling the search parameter gains less than this, in its recall and in the share of exact
