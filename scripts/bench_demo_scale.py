@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from rlm.experiments import reporting
+from rlm.experiments.benchmarking import latency_ms
 
 TARGET_N = 21_015_324  # DPR's psgs_w100.tsv
 GOAL_P50_MS = 100.0
@@ -264,13 +265,7 @@ def timed_phases(phases: dict) -> Iterator[None]:
 
 
 def percentiles(seconds: Sequence[float]) -> dict:
-    ms = np.asarray(seconds) * 1000
-    return {
-        "count": len(ms),
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p95_ms": float(np.percentile(ms, 95)),
-        "mean_ms": float(ms.mean()),
-    }
+    return {"count": len(seconds), **latency_ms(seconds), "mean_ms": 1e3 * float(np.mean(seconds))}
 
 
 def alone(fn: Callable, items: Sequence) -> tuple[list[float], list]:

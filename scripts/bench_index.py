@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from rlm.experiments import reporting
-from rlm.experiments.benchmarking import timings
+from rlm.experiments.benchmarking import latency_ms, timings
 
 D = 768
 TARGET_N = 21_000_000
@@ -271,6 +271,7 @@ def measure(
     index.search_rows(queries[:1], K_READ)  # warm-up
     alone = latencies(index, queries[: args.latency_queries], 1, args.latency_seconds)
     together = latencies(index, queries[: args.concurrent_queries], CONCURRENT, args.latency_seconds)
+    together_ms = latency_ms(together)
     swept = sweep(index, queries, gold, exact, flat_gold, args)
     return {
         "factory": name + (f"{RESCORED}{k_factor}" if k_factor else ""),
@@ -295,10 +296,9 @@ def measure(
         "recall_at_20": recall(found, exact, K_READ),
         "recall_at_100": recall(found, exact, K_MAX),
         "gold_recall_at_20": float((found[:, :K_READ] == gold[:, None]).any(-1).mean()),
-        "p50_ms": 1e3 * float(np.percentile(alone, 50)),
-        "p95_ms": 1e3 * float(np.percentile(alone, 95)),
-        "p50_concurrent_ms": 1e3 * float(np.percentile(together, 50)),
-        "p95_concurrent_ms": 1e3 * float(np.percentile(together, 95)),
+        **latency_ms(alone),
+        "p50_concurrent_ms": together_ms["p50_ms"],
+        "p95_concurrent_ms": together_ms["p95_ms"],
         "searches_timed": [len(alone), len(together)],
         "sweep": swept,
     }
@@ -333,8 +333,7 @@ def sweep(index, queries, gold, exact, flat_gold: float, args) -> dict | None:
                 "recall_at_100": recall(found, exact, K_MAX),
             }
             alone = latencies(index, queries[: args.latency_queries], 1, args.latency_seconds)
-            met["p50_ms"] = 1e3 * float(np.percentile(alone, 50))
-            met["p95_ms"] = 1e3 * float(np.percentile(alone, 95))
+            met |= latency_ms(alone)
             break
     index.set_search_params(saved)
     return {"parameter": name, "steps": steps, "goal": met}

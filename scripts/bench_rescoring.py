@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from rlm.experiments import reporting
-from rlm.experiments.benchmarking import clustered, write_buffer
+from rlm.experiments.benchmarking import clustered, latency_ms, write_buffer
 
 MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
@@ -124,8 +124,7 @@ def measure(index, buffer, queries: np.ndarray, k: int, concurrent: int) -> list
             "k": k,
             "rows_read": k * rescoring.k_factor,
             "search": name,
-            "p50_ms": 1e3 * float(np.percentile(seconds, 50)),
-            "p95_ms": 1e3 * float(np.percentile(seconds, 95)),
+            **latency_ms(seconds),
             "searches": len(seconds),
         }
         for name, seconds in runs.items()

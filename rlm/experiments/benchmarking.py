@@ -1,4 +1,4 @@
-"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: best-of timing, a training step's
+"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: best-of timing, latency percentiles, a training step's
 phase timer, a time limit per case, peak RSS, top-k overlap, a corrector that moves vectors by a stated amount,
 synthetic buffers (in memory, or written the way `rlm embed` writes them), the ring all-reduce's time, and for
 steps at the paper's shapes a synthetic corpus and questions of fixed token lengths and random-init models of
@@ -34,6 +34,12 @@ def timings(reps: int, fn: Callable[[], Any]) -> tuple[list[float], Any]:
         out = fn()
         times.append(time.perf_counter() - start)
     return times, out
+
+
+def latency_ms(seconds: Sequence[float]) -> dict[str, float]:
+    """{"p50_ms", "p95_ms"}: the median and 95th percentile of `seconds`, in milliseconds."""
+    ms = 1e3 * np.asarray(seconds, dtype=float)
+    return {"p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95))}
 
 
 def best_of(reps: int, fn: Callable[[], Any]) -> tuple[float, Any]:
