@@ -4,13 +4,15 @@ confidence and latency, retrieved passages, and the whole result as JSON.
 The `/answer` API endpoint returns four named outputs: `Answer`, `status`, `passages` (HTML) and `result`
 (the `QAService.answer` dict: answer, confidence, abstained, reason, best_guess, passages, ...).
 
-`build_demo(service)` returns the Blocks (queued, with a concurrency limit); `launch_kwargs(...)` holds the
+`build_demo(service, answers)` returns the Blocks, whose questions go through `answers`, the batching queue of
+`answer_queue(service)` (questions of several users answered in one pass); `launch_kwargs(...)` holds the
 serving policy: bind 127.0.0.1 unless told otherwise, no server-side rendering, and no files served beyond
 Gradio's own assets (no allowed paths; the checkpoint, corpus and working folders explicitly blocked).
 """
 
 from __future__ import annotations
 
+import functools
 import html
 import math
 import os
@@ -21,15 +23,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.service import InvalidQuestion, QAService
+from rlm.inference.batching import BatchingQueue
 
 if TYPE_CHECKING:
     import gradio as gr
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
-CONCURRENCY_LIMIT = 2  # two CPU-bound requests at a time; the rest wait in the queue instead of thrashing
 QUEUE_MAX_SIZE = 64
-MAX_BATCH_SIZE = 8
+# The batching queue's defaults (`rlm demo --max-batch`, `--batch-window-ms`; docs/demo.md, "A paper-size reader",
+# has the table they are checked against): at most 8 questions in one pass, the batch Gradio's own queue gathered
+# before; the window is what a question waits for others when the worker is idle: users who click together
+# arrive within it, and it is a tenth of the quickstart reader's 0.14 s answer (docs/demo.md, "Load test") and
+# far less of a T5-base reader's seconds.
+MAX_BATCH = 8
+BATCH_WINDOW_S = 0.01
 # Below this confidence the page warns that the answer is probably wrong. With a calibrated checkpoint the
 # confidence is the estimated chance that the answer is right, so below one half it is more likely wrong than
 # right (and answers below the policy's own threshold are abstained, not shown); without calibration it is
@@ -77,10 +85,11 @@ def confidence_note(confidence: float, calibrated: bool = True) -> str:
     return f"confidence {100 * confidence:.0f}% ({what})"
 
 
-def render(result: dict, batch_size: int = 1) -> tuple[str, str, str, dict]:
+def render(result: dict) -> tuple[str, str, str, dict]:
     """(answer, status line, passages HTML, the result as JSON) of one `QAService` result.
 
     An abstention is shown as such: no answer, and the reason in the status line."""
+    batch_size = result.get("batch_size", 1)
     shared = f" (batch of {batch_size})" if batch_size > 1 else ""
     tail = f"{result['latency_ms']:.0f} ms{shared} · top-{result['k']} passages"
     if result.get("abstained"):
@@ -90,11 +99,37 @@ def render(result: dict, batch_size: int = 1) -> tuple[str, str, str, dict]:
     return result["answer"], status, passages_html(result), result
 
 
-def respond(service: QAService, question: str, k: float) -> tuple[str, str, str, dict]:
-    """(answer, status line, passages HTML, result JSON) for the page; refused input gives a message, never a
-    trace."""
-    answers, statuses, passages, results = respond_batch(service, [question], [k])
-    return answers[0], statuses[0], passages[0], results[0]
+def answer_queue(
+    service: QAService, max_batch: int = MAX_BATCH, window_s: float = BATCH_WINDOW_S
+) -> BatchingQueue:
+    """The page's questions answered in batches: (question, k) requests from any number of users, up to
+    `max_batch` of them in one `QAService.answer_requests` pass (retrieval and reading) on all of torch's
+    threads, gathered while the previous pass runs or within `window_s` of the first one's arrival."""
+    answer = functools.partial(service.answer_requests, best_guess=True)
+    return BatchingQueue(answer, max_batch=max_batch, window_s=window_s, name="demo-answers")
+
+
+def respond(
+    service: QAService, question: str, k: float, answers: BatchingQueue | None = None
+) -> tuple[str, str, str, dict]:
+    """(answer, status line, passages HTML, result JSON) for the page, answered through `answers` (the page's
+    `answer_queue` over `service`; None: answered here, alone).
+
+    Refused input (a question that is empty, too long or not text; a k that is not a number) gets its message,
+    never a trace. A question that breaks the service (a bug) gets a message, and its traceback goes to the
+    server's console; in a batch, the queue answers the others again without it, so they get their answers.
+    """
+    try:
+        if question is not None and not isinstance(question, str):
+            raise InvalidQuestion(f"The question must be text; got {question!r}.")
+        request = (service.check_question(question), requested_k(service, k))
+        result = answers(request) if answers is not None else service.answer(*request, best_guess=True)
+    except InvalidQuestion as err:
+        return _refused(str(err))
+    except Exception:
+        traceback.print_exc()
+        return _refused("Something went wrong answering this question; the server's log has the details.")
+    return render(result)
 
 
 def requested_k(service: QAService, k) -> int:
@@ -110,48 +145,9 @@ def _refused(message: str) -> tuple[str, str, str, dict]:
     return "", f"⚠️ {message}", "", {"error": message}
 
 
-def respond_batch(service: QAService, questions: list, ks: list) -> tuple[list, list, list, list]:
-    """Gradio's batched handler: the queued requests answered in one pass per distinct k.
-
-    Returns one list per output component (answers, status lines, passages HTML, result JSON), in request
-    order. Each request is checked on its own (question and k): a refused one gets its message in its own
-    row, and the others in its batch are answered as if it had not been sent.
-    """
-    rows: list[tuple[str, str, str, dict] | None] = [None] * len(questions)
-    by_k: dict[int, list[int]] = {}
-    for i, (question, k) in enumerate(zip(questions, ks)):
-        try:
-            if question is not None and not isinstance(question, str):
-                raise InvalidQuestion(f"The question must be text; got {question!r}.")
-            service.check_question(question)
-            by_k.setdefault(requested_k(service, k), []).append(i)
-        except InvalidQuestion as err:
-            rows[i] = _refused(str(err))
-    for k, members in by_k.items():
-        for i, row in zip(members, _answer_together(service, [questions[i] for i in members], k)):
-            rows[i] = row
-    answers, statuses, passages, results = (list(column) for column in zip(*rows))
-    return answers, statuses, passages, results
-
-
-def _answer_together(service: QAService, questions: list[str], k: int) -> list[tuple[str, str, str, dict]]:
-    """Rendered rows of questions answered in one pass. Should that pass fail, each question is answered
-    alone, so a question that breaks the service (a bug: its traceback goes to the server's console) fails
-    only its own row, not the other users' requests queued with it."""
-    try:
-        results = service.answer_many(questions, k, best_guess=True)
-    except Exception:
-        if len(questions) > 1:
-            return [row for question in questions for row in _answer_together(service, [question], k)]
-        traceback.print_exc()
-        return [_refused("Something went wrong answering this question; the server's log has the details.")]
-    return [render(result, len(questions)) for result in results]
-
-
-def build_demo(
-    service: QAService, concurrency_limit: int = CONCURRENCY_LIMIT, max_batch_size: int = MAX_BATCH_SIZE
-) -> gr.Blocks:
-    """The page; the answer endpoint is exposed to API clients as `/answer`."""
+def build_demo(service: QAService, answers: BatchingQueue | None = None) -> gr.Blocks:
+    """The page, its questions answered through `answers` (None: a new `answer_queue` over `service` with the
+    default settings); the answer endpoint is exposed to API clients as `/answer`."""
     import gradio as gr  # here, not above: the answering and rendering need none of its imports, which take seconds
 
     with gr.Blocks(title="rlm: retrieval-augmented QA") as demo:
@@ -182,21 +178,18 @@ def build_demo(
         if service.examples:
             gr.Examples(examples=[[q] for q in service.examples], inputs=[question], label="Dev questions")
 
-        def on_ask(questions: list[str], ks: list[float]):
-            return respond_batch(service, questions, ks)
+        answers = answers or answer_queue(service)
 
-        # Requests waiting in the queue are answered together: one FiD pass for 8 questions costs far less
-        # than 8 passes, which is what keeps p50 low when many users ask at once on a CPU.
-        io = {
-            "inputs": [question, k],
-            "outputs": [answer, status, passages, result],
-            "batch": True,
-            "max_batch_size": max_batch_size,
-            "concurrency_limit": concurrency_limit,
-        }
-        ask.click(on_ask, **io, api_name="answer")
-        question.submit(on_ask, **io, api_visibility="private")
-    demo.queue(default_concurrency_limit=concurrency_limit, max_size=QUEUE_MAX_SIZE)
+        def on_ask(asked: str, top_k: float):
+            return respond(service, asked, top_k, answers)
+
+        # Gradio only waits here: the batching queue answers. Twice its batch may wait at once, so that the
+        # next batch is gathered while one runs and starts the moment the worker is free.
+        waiting = 2 * answers.max_batch
+        io = {"inputs": [question, k], "outputs": [answer, status, passages, result]}
+        ask.click(on_ask, **io, concurrency_limit=waiting, api_name="answer")
+        question.submit(on_ask, **io, concurrency_limit=waiting, api_visibility="private")
+    demo.queue(default_concurrency_limit=waiting, max_size=QUEUE_MAX_SIZE)
     return demo
 
 
@@ -238,11 +231,13 @@ def serve(
     service: QAService,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    concurrency_limit: int = CONCURRENCY_LIMIT,
     blocked: list[str | os.PathLike] = (),
+    max_batch: int = MAX_BATCH,
+    window_s: float = BATCH_WINDOW_S,
 ) -> tuple[gr.Blocks, str]:
-    """Launch the page without blocking and warm it up; returns (demo, local URL). `demo.block_thread()` waits."""
-    demo = build_demo(service, concurrency_limit=concurrency_limit)
+    """Launch the page without blocking and warm it up; returns (demo, local URL). `demo.block_thread()` waits.
+    Its questions are answered in batches of up to `max_batch` (`answer_queue`)."""
+    demo = build_demo(service, answer_queue(service, max_batch, window_s))
     _, url, _ = demo.launch(prevent_thread_lock=True, **launch_kwargs(host, port, blocked=blocked))
     try:
         warm_up_server(url, service.examples[0] if service.examples else "warm up", service.default_k)

@@ -3,11 +3,12 @@
 `QAService.from_checkpoint(DIR, corpus_path, ServiceOptions(...))` loads a trained checkpoint (the `final/`
 folder of a run: `retriever/`, `reader/`, `config.yaml`) through `rlm.inference.checkpoint` onto a device (the
 accelerator when there is one), finds the corpus the run trained on, and embeds it once with the trained
-passage tower into a faiss index cached in the checkpoint folder. `ServiceOptions` says how: the device and
+passage tower into a faiss index cached outside the checkpoint (`rlm.cache`). `ServiceOptions` says how: the device and
 precision, which index (cached, prebuilt, or over h(B)), the example questions, whether to apply the
 checkpoint's answer policy; it refuses a bad value when made, before anything loads.
-`QAService.answer(question, k)` is what the Gradio page calls; it has no UI code so it can be tested (and
-reused) without a browser.
+`QAService.answer(question, k)` answers one question, and `answer_requests` several users' questions in one
+pass (what the Gradio page's batching queue calls, `app.demo.answer_queue`); it has no UI code so it can be
+tested (and reused) without a browser.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlm.errors import UserError
 from rlm.inference.answer_policy import AnswerPolicy, AnswerSignals, Decision
+from rlm.inference.indexing import EMBED_LIMIT
 from rlm.inference.metrics import has_answer
 
 if TYPE_CHECKING:  # torch, transformers and faiss load with the checkpoint, not with this module
@@ -31,9 +34,9 @@ if TYPE_CHECKING:  # torch, transformers and faiss load with the checkpoint, not
 
 MAX_QUESTION_CHARS = 300
 MAX_K = 20
+# The demo's indexes, in the cache folder (`ServiceOptions.cache_dir`); where earlier versions kept them inside
+# the checkpoint, they are still read from there, never written.
 INDEX_CACHE = "demo_index"
-# The corpus fingerprint per corpus file (path, size, mtime): a restart scans the corpus but does not hash it.
-FINGERPRINT_CACHE = "demo_corpus_fingerprint.json"
 
 
 class InvalidQuestion(ValueError):
@@ -50,7 +53,7 @@ class ServiceOptions:
     # Answer (and embed the corpus) under bf16 autocast where it pays (--bf16; `rlm.inference.device`).
     bf16: bool = False
     # A prebuilt index of the corpus under the trained passage tower (--index; `rlm embed` then `rlm index`),
-    # instead of the one embedded here and cached in the checkpoint; `index_search` overrides its search
+    # instead of the one embedded here and cached (`cache_dir`); `index_search` overrides its search
     # parameters (--nprobe, --ef-search: e.g. {"nprobe": 64}).
     index_path: str | os.PathLike | None = None
     index_search: dict[str, int] | None = None
@@ -65,6 +68,15 @@ class ServiceOptions:
     # False ignores the checkpoint's answer policy (what `rlm calibrate` does before it fits a new one).
     load_policy: bool = True
     show_progress: bool = False  # (--no-progress turns it off)
+    # Where the corpus's fingerprint and scan and the index embedded here are kept between starts (--cache-dir;
+    # None: `rlm.cache.cache_dir()`, never the checkpoint, which stays as training wrote it).
+    cache_dir: str | os.PathLike | None = None
+    # Above this many passages the corpus is not embedded here (--embed-limit; 0: no limit): it needs an index
+    # built once (`rlm.inference.indexing.check_embed_limit` names the commands).
+    embed_limit: int = EMBED_LIMIT
+    # The buffer a prebuilt index re-scores its candidates from, when it is not where the index finds it
+    # (--rescore-buffer; None: as its index.json records).
+    rescore_buffer: str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         if self.index_path is not None and self.corrected_buffer:
@@ -75,6 +87,12 @@ class ServiceOptions:
             raise UserError(
                 "--nprobe and --ef-search go with --index (a prebuilt index; the demo's own is exact)"
             )
+        if self.rescore_buffer is not None and self.index_path is None:
+            raise UserError(
+                "--rescore-buffer goes with --index (a prebuilt index that re-scores its candidates)"
+            )
+        if not isinstance(self.embed_limit, int) or self.embed_limit < 0:
+            raise UserError(f"--embed-limit is a number of passages (0: no limit), got {self.embed_limit!r}")
         if not isinstance(self.num_examples, int) or self.num_examples < 0:
             raise UserError(f"num_examples must be a whole number >= 0, got {self.num_examples!r}")
         if self.device is not None:
@@ -111,37 +129,42 @@ class QAService:
         """Load reader + retriever from `checkpoint` (`rlm.inference.checkpoint.load_checkpoint`) onto
         `options.device`, the corpus from `corpus_path` or the run's config, and its index as `options` say.
 
-        The faiss index is read from `<checkpoint>/demo_index/<key>` when present, else built and saved there
-        atomically; the key hashes the passage tower's and the corpus's fingerprints (the corpus's remembered in
-        `<checkpoint>/demo_corpus_fingerprint.json` by the file's path, size and mtime, so a restart does not hash
-        it again). `options.index_path` uses a prebuilt index instead (`rlm embed --encoder
+        The faiss index is read from `<cache>/demo_index/<key>` when present (`options.cache_dir`, or
+        `rlm.cache.cache_dir()`), else built and saved there atomically; the key hashes the passage tower's and the
+        corpus's fingerprints (the corpus's remembered in the same cache by the file's path and stamp, so a
+        restart neither hashes nor parses it again). A corpus above `options.embed_limit` passages is refused
+        unless its index is cached. `options.index_path` uses a prebuilt index instead (`rlm embed --encoder
         <checkpoint>/retriever` then `rlm index`: the way for a corpus too large to embed here), refused unless
         built for this corpus under this passage tower. `options.corrected_buffer` retrieves over h(B) instead:
         nothing is re-embedded (`rlm.inference.corrected_index`); that index is cached in `demo_index/` too.
+        Nothing is written into the checkpoint.
         The index is on the GPU when the models are and faiss sees one (`rlm.inference.device.index_on_gpu`).
         """
         import rlm.inference.checkpoint  # by module: the loading can be watched (scripts/bench_demo_scale.py)
+        from rlm.cache import cache_dir
         from rlm.inference import indexing
         from rlm.inference.device import index_on_gpu, inference_bf16, inference_device
 
         options = options or ServiceOptions()
         root = _checkpoint_folder(checkpoint)
+        cache = cache_dir(options.cache_dir)
         device = inference_device(options.device)
         bf16 = inference_bf16(device, options.bf16)
         retriever, reader, config = rlm.inference.checkpoint.load_checkpoint(root, device=device)
-        corpus_file, corpus = _checkpoint_corpus(root, config, corpus_path)
+        corpus_file, corpus = _checkpoint_corpus(root, config, corpus_path, cache)
         retriever.eval()
         reader.eval()
         progress = options.show_progress
         if options.index_path is not None:
             use_gpu = index_on_gpu(device)
             index = indexing.prebuilt_index(
-                options.index_path, retriever, corpus, use_gpu, options.index_search
+                options.index_path, retriever, corpus, use_gpu, options.index_search, options.rescore_buffer
             )
         elif options.corrected_buffer:
-            index = cached_corrected_index(root, corpus, options.buffer_path, device, progress)
+            index = cached_corrected_index(root, corpus, options.buffer_path, device, progress, cache)
         else:
-            index = cached_index(root, retriever.passage_tower, corpus, progress, bf16)
+            tower = retriever.passage_tower
+            index = cached_index(cache, tower, corpus, progress, bf16, options.embed_limit, checkpoint=root)
         examples = options.examples_path
         examples_file = Path(examples) if examples else corpus_file.parent / "dev.jsonl"
         service = cls(
@@ -176,7 +199,8 @@ class QAService:
         """Answer one question from its top-k passages, or abstain when the corpus does not answer it.
 
         Returns {"question", "answer", "confidence", "abstained", "reason", "calibrated", "reader_probability",
-        "k", "latency_ms", "passages": [{"id", "title", "text", "score", "has_answer"}]}, passages best first.
+        "k", "latency_ms", "batch_size", "passages": [{"id", "title", "text", "score", "has_answer"}]}, passages
+        best first (`latency_ms` is the pass's, which answered `batch_size` questions).
         With the checkpoint's answer policy (`rlm calibrate`), `confidence` is the estimated probability that
         the answer is right and `abstained` is true (with `reason` in plain words, and `answer` empty) when the
         corpus does not answer the question; without one, `confidence` is the reader's own probability of its
@@ -190,6 +214,27 @@ class QAService:
         FiD generation); `latency_ms` is the batch's. Raises InvalidQuestion if any question is refused."""
         return [result for result, _ in self.answer_with_signals(questions, k, best_guess)]
 
+    def answer_requests(
+        self, requests: Sequence[tuple[str, int | None]], best_guess: bool = False
+    ) -> list[dict | Exception]:
+        """Results for (question, k) requests that may ask for different k, in request order: one `answer_many`
+        per distinct k (after `clamp_k`). A refused question gets its `InvalidQuestion` in its place, and the
+        others are answered as if it had not been sent. What the demo's batching queue runs
+        (`app.demo.answer_queue`), so questions from several users are answered in one pass."""
+        results: list[dict | Exception | None] = [None] * len(requests)
+        by_k: dict[int, list[int]] = {}
+        for i, (question, k) in enumerate(requests):
+            try:
+                self.check_question(question)
+            except InvalidQuestion as err:
+                results[i] = err
+                continue
+            by_k.setdefault(self.clamp_k(k), []).append(i)
+        for k, members in by_k.items():
+            for i, result in zip(members, self.answer_many([requests[i][0] for i in members], k, best_guess)):
+                results[i] = result
+        return results
+
     def answer_with_signals(
         self, questions: list[str], k: int | None = None, best_guess: bool = False
     ) -> list[tuple[dict, AnswerSignals]]:
@@ -202,7 +247,9 @@ class QAService:
         texts = [self.check_question(q) for q in questions]
         k = self.clamp_k(k)
         start = time.perf_counter()
-        with torch.inference_mode(), autocast(self.reader.device, self.bf16):
+        # no_grad, not inference_mode: under inference_mode autocast keeps no cache of its bf16 weight copies and
+        # casts the weights again at each decoder step (a T5-base's decoder and LM head: 138M, per answer token).
+        with torch.no_grad(), autocast(self.reader.device, self.bf16):
             # `encode` hands back host float32 whatever the tower's device: what faiss takes.
             queries = self.retriever.query_tower.encode(texts).numpy()
             # Index row r is corpus row r (checked when the index was loaded): no id lookups.
@@ -230,6 +277,7 @@ class QAService:
                 "reader_probability": round(probability, 4),
                 "k": k,
                 "latency_ms": latency_ms,
+                "batch_size": len(texts),  # the questions answered in this pass, this one among them
                 "passages": [
                     {
                         "id": p.id,
@@ -268,15 +316,17 @@ def _checkpoint_folder(checkpoint: str | os.PathLike) -> Path:
 
 
 def _checkpoint_corpus(
-    root: Path, config: dict, corpus_path: str | os.PathLike | None
+    root: Path, config: dict, corpus_path: str | os.PathLike | None, cache: Path
 ) -> tuple[Path, Corpus]:
-    """(corpus file, corpus): `corpus_path`, else the corpus the run trained on."""
+    """(corpus file, corpus): `corpus_path`, else the corpus the run trained on; its fingerprint and scan
+    remembered in the `cache` folder."""
+    from rlm.cache import corpus_fingerprint_cache
     from rlm.data.corpus import load_corpus
 
     corpus_file = Path(corpus_path) if corpus_path else corpus_from_config(config, root)
     if not corpus_file.is_file():
         raise FileNotFoundError(f"corpus file {corpus_file} not found: pass --corpus PATH")
-    return corpus_file, load_corpus(corpus_file, fingerprint_cache=root / FINGERPRINT_CACHE)
+    return corpus_file, load_corpus(corpus_file, fingerprint_cache=corpus_fingerprint_cache(cache))
 
 
 def corpus_from_config(config: dict, checkpoint: Path) -> Path:
@@ -307,71 +357,85 @@ def corpus_from_config(config: dict, checkpoint: Path) -> Path:
 
 
 def cached_index(
-    root: Path,
+    cache: Path,
     passage_tower: SentenceEncoder,
     corpus: Corpus,
     show_progress: bool = False,
     bf16: bool = False,
+    embed_limit: int = EMBED_LIMIT,
+    checkpoint: Path | None = None,
 ) -> PassageIndex:
-    """The faiss index of `corpus` under `passage_tower`, cached in `root/demo_index/<key>` (atomic save), on
+    """The faiss index of `corpus` under `passage_tower`, cached in `cache/demo_index/<key>` (atomic save), on
     the GPU when the tower is on one and faiss sees one.
 
     Built by `rlm.inference.indexing.index_corpus`: the corpus embedded into float16 shards in a temporary
     folder, then an exact index built from them a chunk at a time, so no float32 copy of the corpus is held
     beside the index. The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its
     scan); an index of passages embedded under bf16 (`bf16`) has a key of its own, since its rows differ. A
-    corpus too large to embed at start-up gets a prebuilt index instead (`--index`)."""
+    corpus of more than `embed_limit` passages is refused before it is embedded (`check_embed_limit`): it gets
+    a prebuilt index instead (`--index`). `checkpoint`: where an earlier version cached the index (its
+    `demo_index/`), read when the cache has none, never written; and the folder the refusal's commands name."""
     from rlm.inference import indexing
     from rlm.inference.device import index_on_gpu
 
     key = _index_key(passage_tower.fingerprint(), corpus.fingerprint) + ("-bf16" if bf16 else "")
-    folder = root / INDEX_CACHE / key
+    folder = cache / INDEX_CACHE / key
     use_gpu = index_on_gpu(passage_tower.device)
-    if (folder / "index.faiss").is_file():
-        return indexing.load_index_for(folder, corpus.ids, use_gpu=use_gpu)
+    for cached in (folder, None if checkpoint is None else checkpoint / INDEX_CACHE / key):
+        if cached is not None and (cached / "index.faiss").is_file():
+            return indexing.load_index_for(cached, corpus.ids, use_gpu=use_gpu)
+    encoder = str(checkpoint / "retriever") if checkpoint is not None else "<checkpoint>/retriever"
+    indexing.check_embed_limit(corpus, embed_limit, encoder, "rlm demo")
     precision = "bf16" if bf16 else "float32"
     index = indexing.index_corpus(
         passage_tower, corpus, use_gpu=use_gpu, precision=precision, show_progress=show_progress
     )
-    try:
-        index.save(folder)
-    except OSError as err:  # a read-only checkpoint still serves; it just embeds again next time
-        print(f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start")
+    _save_cached(index, folder)
     return index
 
 
+def _save_cached(index: PassageIndex, folder: Path) -> None:
+    """`index` saved in the cache `folder`; a cache that cannot be written is a warning, not an error: the
+    demo still serves, and embeds again at its next start."""
+    try:
+        index.save(folder)
+    except OSError as err:
+        print(f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start")
+
+
 def cached_corrected_index(
-    root: Path, corpus: Corpus, buffer_path=None, device=None, show_progress: bool = False
+    root: Path,
+    corpus: Corpus,
+    buffer_path=None,
+    device=None,
+    show_progress: bool = False,
+    cache: Path | None = None,
 ) -> PassageIndex:
-    """The h(B) index of the run of checkpoint `root`, cached in `root/demo_index/corrected-<key>`; h runs on
+    """The h(B) index of the run of checkpoint `root`, cached in `<cache>/demo_index/corrected-<key>` (None:
+    `rlm.cache.cache_dir()`; an earlier version's in `root/demo_index/` is read, never written); h runs on
     `device` and the index goes to the GPU with it (`rlm.inference.corrected_index.corrected_index`)."""
     import json
 
+    from rlm.cache import cache_dir
     from rlm.inference import indexing
     from rlm.inference.corrected_index import corrected_index, corrected_index_key, run_buffer_dir
     from rlm.inference.device import index_on_gpu
 
     meta_file = run_buffer_dir(root, buffer_path) / "meta.json"
+    folder = None
     if (root / "corrector").is_dir() and meta_file.is_file():
-        folder = (
-            root / INDEX_CACHE / f"corrected-{corrected_index_key(root, json.loads(meta_file.read_text()))}"
-        )
-        if (folder / "index.faiss").is_file():
-            return indexing.load_index_for(folder, corpus.ids, use_gpu=index_on_gpu(device))
-    else:
-        folder = None
+        name = f"corrected-{corrected_index_key(root, json.loads(meta_file.read_text()))}"
+        folder = cache_dir(cache) / INDEX_CACHE / name
+        for cached in (folder, root / INDEX_CACHE / name):
+            if (cached / "index.faiss").is_file():
+                return indexing.load_index_for(cached, corpus.ids, use_gpu=index_on_gpu(device))
     # Verifies the buffer (and says what is missing).
     built = corrected_index(root, corpus, buffer_path, device=device, show_progress=show_progress)
     print(
         f"index over h(B): {built.rows:,} rows through the corrector in {built.correct_s:.2f} s, none re-embedded"
     )
     if folder is not None:
-        try:
-            built.index.save(folder)
-        except OSError as err:
-            print(
-                f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start"
-            )
+        _save_cached(built.index, folder)
     return built.index
 
 

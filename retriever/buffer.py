@@ -46,6 +46,7 @@ from retriever.ids import IdSequence, id_lines
 META_NAME = "meta.json"
 BUILD_NAME = "build.json"
 IDS_NAME = "ids.txt"
+BUFFER_FILES = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json")  # all a buffer folder holds
 FORMAT_VERSION = 1
 DTYPES = {"float16": np.float16, "float32": np.float32}
 PRECISIONS = ("float32", "bf16")  # what the passage tower computes in while it builds a buffer
@@ -320,11 +321,14 @@ def _nonfinite_error(where: str, rows: np.ndarray, ids: Sequence[str], remedy: s
 
 
 def _shard_receipt(array: np.ndarray) -> dict[str, Any]:
+    # Hashed through a view of the rows, not `tobytes()`'s copy: a shard of a process's whole share (one
+    # validation's 2.6M rows of 768 at 21M passages on 8 GPUs: 4 GB) would be held twice.
+    contiguous = np.ascontiguousarray(array)
     return {
         "rows": int(array.shape[0]),
         "dim": int(array.shape[1]),
         "dtype": str(array.dtype),
-        "sha256": hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest(),
+        "sha256": hashlib.sha256(memoryview(contiguous.reshape(-1).view(np.uint8))).hexdigest(),
     }
 
 

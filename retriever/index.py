@@ -67,6 +67,7 @@ RECALL_PLATEAU = 0.002
 # `tune`'s queries when it is given none: rows made question-like (`question_like_rows`).
 QUESTION_FOUND_WITHIN, QUESTION_FOUND_SHARE = 20, 0.8
 QUESTION_CALIBRATION, QUESTION_SCALE_STEPS, QUESTION_SCALE_MAX = 128, 8, 8.0
+TUNE_QUERIES = 1000  # queries `tune` measures recall on, at most: 1,000 measure the share kept to about 0.3%
 RESCORE_QUERIES = 64  # queries whose candidates' rows are gathered at once when re-scoring
 TRAIN_SAMPLE = 262_144  # rows an IVF or PQ index is trained on, at least
 TRAIN_ROWS_PER_LIST = 40  # and this many per IVF list (faiss warns below 39: k-means needs them)
@@ -110,6 +111,19 @@ def _rank_device(ngpu: int) -> int | None:
         # A CPU build of torch (gloo) next to faiss-gpu has no current device: spread the ranks instead.
         return torch.cuda.current_device() if torch.cuda.is_available() else dist.get_rank() % ngpu
     return None
+
+
+def mmap_flag(factory: str) -> str | None:
+    """The faiss IO flag that memory-maps what an index of `factory` stores, or None where faiss reads it whole.
+
+    IVF types: `IO_FLAG_MMAP`, their inverted lists (all but the centroids) mapped as `OnDiskInvertedLists`
+    (every faiss version). Flat, SQ, PQ and HNSW: `IO_FLAG_MMAP_IFC` (faiss 1.15 maps their codes and an HNSW
+    graph; a faiss without the flag reads them whole). Fast-scan codes (`x4fs`) are read whole by both."""
+    if "x4fs" in factory:
+        return None
+    if "IVF" in factory:
+        return "IO_FLAG_MMAP"
+    return "IO_FLAG_MMAP_IFC" if hasattr(_faiss(), "IO_FLAG_MMAP_IFC") else None
 
 
 def _stores_flat_vectors(index) -> bool:
@@ -165,6 +179,24 @@ def _as_float32(array, dim: int | None = None) -> np.ndarray:
     if array.ndim != 2 or (dim is not None and array.shape[1] != dim):
         raise ValueError(f"expected a [n, {dim or 'D'}] array, got shape {array.shape}")
     return array
+
+
+def _array_rows(array) -> PassageBuffer:
+    """An [N, D] array as a `PassageBuffer` over it: a float16 or float32 array (a memory-mapped .npy too) is
+    viewed, not copied, so exact search streams it a chunk at a time; other types are converted once."""
+    import torch
+
+    from retriever.buffer import PassageBuffer
+
+    array = np.asarray(array)
+    if array.ndim != 2:
+        raise ValueError(f"expected a [n, D] array, got shape {array.shape}")
+    if array.dtype not in (np.float16, np.float32) or not array.flags.c_contiguous:
+        array = _as_float32(array)
+    with warnings.catch_warnings():
+        # A read-only memmap: torch warns that writing would be undefined; nothing here writes to the rows.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return PassageBuffer(range(len(array)), [torch.from_numpy(array)])
 
 
 def question_like_rows(
@@ -263,26 +295,38 @@ class Rescoring:
         order = exact.argsort(dim=-1, descending=True, stable=True)[:, :k]
         return exact.gather(1, order).numpy(), candidates.gather(1, order).numpy()
 
-    def saved(self) -> dict:
-        """What `index.json` records: the buffer's folder (absolute) and the k factor."""
+    def saved(self, index_dir: str | os.PathLike) -> dict:
+        """What `index.json` in `index_dir` records: the buffer's folder relative to the index (an index copied or
+        moved with its buffer finds it there) and absolute (one moved alone finds it where it was), and the k
+        factor."""
         if self.rows.path is None:
             raise InputError(
                 "an index re-scored from rows in memory cannot be saved: re-score from a buffer folder"
             )
-        return {"rows": str(Path(self.rows.path).resolve()), "k_factor": self.k_factor}
+        rows = Path(self.rows.path).resolve()
+        try:
+            relative = os.path.relpath(rows, Path(index_dir).resolve())
+        except ValueError:  # another drive (Windows): there is no relative path
+            relative = str(rows)
+        return {"rows": relative, "rows_absolute": str(rows), "k_factor": self.k_factor}
 
     @staticmethod
-    def rows_saved(saved: dict, index_dir: Path) -> PassageBuffer:
-        """The buffer an index's `saved` rescoring names, opened memory-mapped."""
-        from retriever.buffer import PassageBuffer
+    def candidate_folders(saved: dict, index_dir: Path) -> list[Path]:
+        """Where an index's `saved` rescoring may find its buffer, in order: relative to the index (an index
+        of an older version recorded only the absolute path, which this gives too), then absolute."""
+        # Joined lexically to the index's resolved folder, as `saved` made it from resolved paths; an absolute
+        # "rows" stays absolute.
+        found = [Path(os.path.normpath(Path(index_dir).resolve() / saved["rows"]))]
+        if saved.get("rows_absolute") and Path(saved["rows_absolute"]) != found[0]:
+            found.append(Path(saved["rows_absolute"]))
+        return found
 
-        try:
-            return PassageBuffer.load(saved["rows"])
-        except FileNotFoundError as err:
-            raise InputError(
-                f"index {index_dir} re-scores its candidates from {saved['rows']}, which is not there ({err}); "
-                "put the buffer back, or rebuild the index (`rlm index --rescore 0` builds one without it)"
-            ) from None
+
+def _open_rows(folder: Path) -> PassageBuffer:
+    """The buffer in `folder`, opened memory-mapped."""
+    from retriever.buffer import PassageBuffer
+
+    return PassageBuffer.load(folder)
 
 
 class PassageIndex:
@@ -311,6 +355,7 @@ class PassageIndex:
         self.tuning: dict = {}  # how `tune` chose `search_params` (saved with them)
         self.provenance: dict = {}  # the buffer's encoder and corpus fingerprints (`from_buffer`), saved
         self.rescoring: Rescoring | None = None  # exact re-scoring of the candidates (`rescore_from`), saved
+        self.mapped: str | None = None  # the faiss IO flag `load(mmap=True)` used (None: read whole)
         self._gpu_lock = threading.Lock()
         if search_params:
             self.set_search_params(search_params)
@@ -334,26 +379,29 @@ class PassageIndex:
         seed: int = 0,
         show_progress: bool = False,
     ) -> PassageIndex:
-        """Index `embeddings` [N, D] (float32) with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`,
-        built on the host.
+        """Index `embeddings` [N, D] with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`, built on the
+        host.
 
+        `embeddings` may be any float array, a memory-mapped .npy too (`np.load(mmap_mode=...)`): it is read
+        `ADD_ROWS` rows at a time (and the training sample's rows), each block converted to float32 on its own,
+        so a float16 file of 21M rows never becomes a 64 GB float32 copy beside the index.
         `use_gpu`: None clones the built index to the GPU(s) when faiss sees any (faiss-gpu), True insists,
         False keeps it on the host."""
-        embeddings = _as_float32(embeddings)
-        if len(ids) != embeddings.shape[0]:
-            raise ValueError(f"{embeddings.shape[0]} embeddings but {len(ids)} ids")
+        embeddings = np.asarray(embeddings)  # a memmap stays one: nothing is read yet
+        if embeddings.ndim != 2:
+            raise ValueError(f"expected a [n, D] array, got shape {embeddings.shape}")
+        n = embeddings.shape[0]
+        if len(ids) != n:
+            raise ValueError(f"{n} embeddings but {len(ids)} ids")
         index = cls._empty(embeddings.shape[1], factory)
         if not index.is_trained:
             rng = np.random.default_rng(seed)
-            sample = embeddings
             train_sample = train_sample or training_rows(factory)
-            if embeddings.shape[0] > train_sample:
-                sample = embeddings[np.sort(rng.choice(embeddings.shape[0], train_sample, replace=False))]
-            index.train(sample)
-        n = embeddings.shape[0]
+            picked = np.sort(rng.choice(n, train_sample, replace=False)) if n > train_sample else slice(None)
+            index.train(_as_float32(embeddings[picked]))
         with tqdm(total=n, desc="index", unit="psg", disable=not show_progress) as bar:
             for start in range(0, n, ADD_ROWS):
-                index.add(embeddings[start : start + ADD_ROWS])
+                index.add(_as_float32(embeddings[start : start + ADD_ROWS]))
                 bar.update(min(ADD_ROWS, n - start))
         index, on_gpu = _to_gpu(index, use_gpu)
         return cls(index, ids, factory, on_gpu)
@@ -423,7 +471,7 @@ class PassageIndex:
         rows,
         target_recall: float = DEFAULT_TARGET_RECALL,
         k: int = TUNE_K,
-        queries: int = 1000,
+        queries: int = TUNE_QUERIES,
         seed: int = 0,
         query_vectors: np.ndarray | None = None,
     ) -> dict:
@@ -453,7 +501,7 @@ class PassageIndex:
         if not 0.0 < target_recall <= 1.0:
             raise InputError(f"target recall must be in (0, 1], got {target_recall}")
         if not isinstance(rows, PassageBuffer):
-            rows = PassageBuffer(range(len(rows)), [torch.from_numpy(_as_float32(rows))])
+            rows = _array_rows(rows)
         made, sources = {}, None
         if query_vectors is not None:
             sample = torch.from_numpy(_as_float32(query_vectors, self.dim)[:queries])
@@ -556,7 +604,8 @@ class PassageIndex:
         """Re-score each search's top `k_factor` x k candidates exactly from `rows` (a `PassageBuffer` of the
         vectors this index holds, in its row order: the float16 shards it was built from, memory-mapped, so
         they stay on disk and each search reads its candidates' rows by offset). Lifts the recall that
-        compressed codes (PQ) cap; `save` records the buffer's folder and `load` opens it again.
+        compressed codes (PQ) cap; `save` records the buffer's folder (relative to the index, and absolute) and
+        `load` opens it again, wherever the two were moved together.
         `k_factor` 0 turns it off."""
         if k_factor == 0:
             self.rescoring = None
@@ -607,15 +656,24 @@ class PassageIndex:
             meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
             meta |= {"search_params": self.search_params, "tuning": self.tuning, **self.provenance}
             if self.rescoring is not None:
-                meta["rescoring"] = self.rescoring.saved()
+                meta["rescoring"] = self.rescoring.saved(out_dir)
             atomic_write_text(tmp / META_NAME, json.dumps(meta, indent=2))
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike, use_gpu: bool | None = None, search_params: dict[str, int] | None = None
+        cls,
+        path: str | os.PathLike,
+        use_gpu: bool | None = None,
+        search_params: dict[str, int] | None = None,
+        rescore_rows: str | os.PathLike | None = None,
+        mmap: bool = False,
     ) -> PassageIndex:
         """Read a folder written by `save`, with the search parameters saved there (`tune`'s) and then
-        `search_params` over them."""
+        `search_params` over them. An index that re-scores its candidates finds its buffer relative to itself,
+        else where it was built; `rescore_rows` names the buffer folder instead (checked like any).
+
+        `mmap`: map the file read-only instead of reading it into this process's memory, where faiss can
+        (`mmap_flag`) and the index stays on the host: processes that map one file share its pages."""
         folder = Path(path)
         if not (folder / INDEX_NAME).exists():
             raise FileNotFoundError(
@@ -623,7 +681,11 @@ class PassageIndex:
             )
         meta = json.loads((folder / META_NAME).read_text())
         faiss = _faiss()
-        index, on_gpu = _to_gpu(faiss.read_index(str(folder / INDEX_NAME)), use_gpu)
+        # A GPU clone is a copy of its own: the host index it is made from is read whole.
+        stays_on_host = not (_gpu_count() > 0 if use_gpu is None else use_gpu)
+        mapped = mmap_flag(meta["factory"]) if mmap and stays_on_host else None
+        io_flags = (getattr(faiss, mapped) | faiss.IO_FLAG_READ_ONLY) if mapped else 0
+        index, on_gpu = _to_gpu(faiss.read_index(str(folder / INDEX_NAME), io_flags), use_gpu)
         try:
             ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
         except ValueError as err:
@@ -633,8 +695,27 @@ class PassageIndex:
         )
         loaded.tuning = meta.get("tuning", {})
         loaded.provenance = {key: meta[key] for key in PROVENANCE_KEYS if key in meta}
+        loaded.mapped = mapped
         if "rescoring" in meta:
-            loaded.rescore_from(
-                Rescoring.rows_saved(meta["rescoring"], folder), meta["rescoring"]["k_factor"]
-            )
+            loaded._rescore_from_saved(meta["rescoring"], folder, rescore_rows)
         return loaded
+
+    def _rescore_from_saved(self, saved: dict, folder: Path, rescore_rows: str | os.PathLike | None) -> None:
+        """Re-score from the buffer `saved` (index.json's `rescoring`) names, or from `rescore_rows` when given:
+        the first of its folders that holds this index's rows (size, width, encoder and corpus)."""
+        k_factor = saved["k_factor"]
+        if rescore_rows is not None:
+            self.rescore_from(_open_rows(Path(rescore_rows)), k_factor)
+            return
+        tried = []
+        for candidate in Rescoring.candidate_folders(saved, folder):
+            try:
+                self.rescore_from(_open_rows(candidate), k_factor)
+                return
+            except (FileNotFoundError, InputError) as err:
+                tried.append(f"{candidate} ({' '.join(str(err).split())})")
+        raise InputError(
+            f"index {folder} re-scores its candidates from a buffer found at none of: {'; '.join(tried)}; "
+            "copy the buffer beside the index as it was, point to it (`--rescore-buffer DIR`), or rebuild the "
+            "index (`rlm index --rescore 0` builds one without it)"
+        )

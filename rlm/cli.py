@@ -37,6 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rlm.commands.toy_world",
         "Generate the offline toy world: a corpus of invented facts and held-out QA splits.",
     ),
+    "splits": (
+        "rlm.commands.splits",
+        "Write a QA dataset's train, dev and test as the literature names them, with dev's ids, to a folder.",
+    ),
     "evaluate": (
         "rlm.commands.evaluate",
         "Evaluate a checkpoint: EM/F1, recall@k, predictions JSONL (with its answer policy).",
@@ -55,8 +59,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "rlm.commands.bench",
-        "Run a benchmark: retrieval, reader, training, paper-step, index, demo-scale, two-stage, rescoring, strategies, "
-        "synthetic.",
+        "Run a benchmark: retrieval, reader, training, paper-step, index, demo-scale, demo-reader, two-stage, rescoring, "
+        "strategies, synthetic.",
     ),
 }
 

@@ -7,7 +7,7 @@ checkpoint is loaded, so a resumed run checks its buffer against the same encode
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from reader.fid import FiDConfig, FiDReader
@@ -20,7 +20,8 @@ from retriever.distributed import Processes
 from retriever.encoder import DualEncoder, default_retriever_path
 from rlm.config import STRATEGY_FACTS, ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
-from rlm.data.qa import QAExample, load_qa_dataset
+from rlm.data.qa import QAExample, QASplit, dataset_name, load_qa_split
+from rlm.data.splits import check_training_splits
 from rlm.errors import UserError
 
 
@@ -34,6 +35,8 @@ class Components:
     collator: FiDCollator | None
     corrector: CorrectorNetwork | None
     buffer: PassageBuffer
+    # What each split is (`QASplit.record`: dataset, split, questions, source), for summary.json and the card.
+    data_splits: dict = field(default_factory=dict)
 
 
 def resolve_data(cfg: TrainConfig) -> tuple[str, str | None, str | None]:
@@ -54,19 +57,21 @@ def resolve_data(cfg: TrainConfig) -> tuple[str, str | None, str | None]:
             )
     corpus = data.corpus or str(toy_dir / "corpus.jsonl")
 
-    def dataset_path(name: str | None) -> str | None:
-        return str(toy_dir) if name == "toy" else None
+    def dataset_path(name: str | None, local: str | None) -> str | None:
+        return local if local is not None else str(toy_dir) if name == "toy" else None
 
-    return corpus, dataset_path(data.train), dataset_path(data.dev)
+    return corpus, dataset_path(data.train, data.train_path), dataset_path(data.dev, data.dev_path)
+
+
+def load_split(name: str, split: str, path: str | None, limit: int | None) -> QASplit:
+    """A run's questions: `name` a registry name (a local layout at `path`, else the hub) or a JSONL file."""
+    if Path(name).suffix == ".jsonl" or Path(name).is_file():
+        return load_qa_split("jsonl", split, name).limited(limit)
+    return load_qa_split(name, split, path).limited(limit)
 
 
 def load_examples(name: str, split: str, path: str | None, limit: int | None) -> list[QAExample]:
-    # A name that is a file is a local JSONL dataset; otherwise a registry name.
-    if Path(name).suffix == ".jsonl" or Path(name).is_file():
-        examples = load_qa_dataset("jsonl", split, name)
-    else:
-        examples = load_qa_dataset(name, split, path)
-    return examples[:limit] if limit else examples
+    return load_split(name, split, path, limit).examples
 
 
 def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample], accelerator=None) -> FiDReader:
@@ -193,19 +198,46 @@ def build_retriever(cfg: TrainConfig) -> DualEncoder:
     return retriever
 
 
-def load_train_examples(cfg: TrainConfig) -> list[QAExample]:
+def check_splits(cfg: TrainConfig) -> None:
+    """`check_training_splits` on the run's datasets, by their registry names (a file is its own name)."""
+    data = cfg.data
+
+    def registry_name(name: str | None) -> str | None:
+        if name is None or Path(name).suffix == ".jsonl" or Path(name).is_file():
+            return name
+        return dataset_name(name)
+
+    check_training_splits(
+        registry_name(data.train), data.train_split, registry_name(data.dev), data.dev_split
+    )
+
+
+def load_train_split(cfg: TrainConfig) -> QASplit:
     """The run's training questions (`data.train`, `data.train_split`, at most `data.max_train_examples`)."""
     _, train_path, _ = resolve_data(cfg)
     data = cfg.data
-    return load_examples(data.train, data.train_split, train_path, data.max_train_examples)
+    check_splits(cfg)
+    return load_split(data.train, data.train_split, train_path, data.max_train_examples)
+
+
+def load_dev_split(cfg: TrainConfig) -> QASplit | None:
+    """The run's dev questions (`data.dev`, `data.dev_split`, at most `data.max_dev_examples`); None without
+    `data.dev`. Never a test set: training validates on dev only (`check_training_splits`)."""
+    _, _, dev_path = resolve_data(cfg)
+    data = cfg.data
+    if not data.dev:
+        return None
+    check_splits(cfg)
+    return load_split(data.dev, data.dev_split, dev_path, data.max_dev_examples)
+
+
+def load_train_examples(cfg: TrainConfig) -> list[QAExample]:
+    return load_train_split(cfg).examples
 
 
 def load_dev_examples(cfg: TrainConfig) -> list[QAExample]:
-    """The run's dev questions (`data.dev`, `data.dev_split`, at most `data.max_dev_examples`); none without
-    `data.dev`."""
-    _, _, dev_path = resolve_data(cfg)
-    data = cfg.data
-    return load_examples(data.dev, data.dev_split, dev_path, data.max_dev_examples) if data.dev else []
+    dev = load_dev_split(cfg)
+    return [] if dev is None else dev.examples
 
 
 def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Components:
@@ -215,8 +247,9 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
     # Every process scans the corpus; the main one alone hashes it (`load_corpus`).
     procs = Processes.of(accelerator)
     corpus = load_corpus(resolve_data(cfg)[0], procs=procs)
-    train_examples = load_train_examples(cfg)
-    dev_examples = load_dev_examples(cfg)
+    train_split, dev_split = load_train_split(cfg), load_dev_split(cfg)
+    train_examples, dev_examples = train_split.examples, [] if dev_split is None else dev_split.examples
+    data_splits = {"train": train_split.record(), **({"dev": dev_split.record()} if dev_split else {})}
     if cfg.algorithm == 1:
         # One (question, gold passage) pair per gold passage that is in the corpus. The pair's label goes
         # first and the question's other gold passages follow it: make_batch keeps those out of the
@@ -249,7 +282,9 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
             cfg.corrector.num_hidden_layers,
             linear=cfg.corrector.linear,
         )
-    return Components(corpus, train_examples, dev_examples, retriever, reader, collator, corrector, buffer)
+    return Components(
+        corpus, train_examples, dev_examples, retriever, reader, collator, corrector, buffer, data_splits
+    )
 
 
 def main_process_first(accelerator):

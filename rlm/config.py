@@ -181,10 +181,16 @@ class DataToyWorldConfig:
 class DataConfig:
     # The paper's settings
     corpus: str | None = None  # corpus file (jsonl / dpr tsv / pyserini); None: the toy world's corpus
-    train: str = "toy"  # dataset name in rlm.data.qa's registry, or a path to a local JSONL
+    # Questions: a name in rlm.data.qa's registry (nq_open, trivia_qa, hotpot_qa, toy; nq, tqa, hotpotqa), or a
+    # path to a local JSONL. Splits as the literature names them: train, dev (for nq_open, trivia_qa and
+    # hotpot_qa a fixed carve-out of the published train, docs/data.md); never a test set here.
+    train: str = "toy"
     train_split: str = "train"
     dev: str | None = "toy"
     dev_split: str = "dev"
+    # A local copy of `train`'s / `dev`'s dataset in its layout (docs/data.md); None: the hub.
+    train_path: str | None = None
+    dev_path: str | None = None
     max_train_examples: int | None = setting(None, ge=1)
     # Beyond the paper: the offline toy world.
     toy_world: DataToyWorldConfig = field(default_factory=DataToyWorldConfig)
@@ -427,6 +433,11 @@ class TrainConfig:
     # for the corrector, over the buffer as last refreshed for the others), what the reader read in its final
     # reader-only phase; `dev_*` stay on the corpus re-embedded with the trained passage tower (the paper).
     eval_selection: bool = False
+    # Keep the corpus as the trained passage tower embeds it at the end (the final validation's embedding, or
+    # one made for it) in this folder, a buffer as `rlm embed` writes it: `rlm index --buffer <it>` then builds
+    # the inference index without embedding the corpus a second time (21M passages: hours of GPU time).
+    # None: not kept. A folder holding other files is refused before the run starts.
+    final_embeddings: str | None = None
     save_every: int = setting(100, ge=0)  # 0: only at the end
     keep_last: int = setting(2, ge=1)  # fewer would delete the checkpoint just written
     max_nonfinite_in_a_row: int = setting(10, ge=1)
@@ -475,6 +486,11 @@ class TrainConfig:
             )
         if self.retriever.align_steps and self.retriever.shared_towers:
             raise UserError("retriever.align_steps trains the query tower alone: not with shared_towers")
+        if self.final_embeddings and not facts.uses_passages:
+            raise UserError(
+                f"final_embeddings keeps the corpus embedded by the passage tower: strategy {name!r} reads no "
+                "passages; drop final_embeddings"
+            )
         return self
 
 

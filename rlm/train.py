@@ -30,6 +30,7 @@ from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from atomicio import atomic_directory, atomic_write_json, atomic_write_text
+from retriever.distributed import Processes
 from rlm.config import TrainConfig, dump_config
 from rlm.training import checkpointing
 from rlm.training.accelerator import (
@@ -48,6 +49,7 @@ from rlm.training.preemption import Preempted, StopSignals
 from rlm.training.run import NonFiniteLossError, TrainRun, build_run
 from rlm.training.schedule import reader_only_step
 from rlm.training.throughput import Throughput
+from rlm.training.validation import check_kept_embeddings_folder, keep_passage_embeddings
 
 
 def train(
@@ -68,6 +70,7 @@ def training_run(
 ) -> Iterator[TrainRun]:
     """The run `cfg` describes, built and resumed (`rlm.training.run.build_run`); while it is open SIGTERM and
     SIGUSR1 ask it to stop after the current step."""
+    check_kept_embeddings_folder(cfg)  # refused now, not after hours of training
     stops = StopSignals()
     with stops.installed():
         yield build_run(cfg, accelerator or make_accelerator(cfg), resume, overwrite, allow_changed, stops)
@@ -264,6 +267,7 @@ def finish(run: TrainRun) -> dict:
         "reembedded": run.strategy.reembedded,
         "nonfinite_skipped": state.nonfinite_total,
         **({"prefix": state.prefix} if state.prefix is not None else {}),
+        "data": run.data_splits,  # which questions the figures below are on: dataset, split, size
     }
     if run.dev_examples:
         summary.update(run.validate(subcorpus=False))  # the whole corpus, sharded
@@ -284,6 +288,8 @@ def finish(run: TrainRun) -> dict:
     # Every process ends together: one that tears down its process group while another is still at work (the
     # main process writing final/) can leave that one waiting on a rendezvous store that is gone.
     acc.wait_for_everyone()
+    if cfg.final_embeddings:  # after final/: a full disk here loses no model
+        keep_final_embeddings(run)
     if acc.num_processes > 1:
         # gloo's worker thread frees a finished collective's tensors under the GIL; the process group's
         # destructor (when the DDP wrapper goes) joins that thread holding the GIL: a deadlock seen at exit
@@ -292,6 +298,28 @@ def finish(run: TrainRun) -> dict:
         time.sleep(0.5)
     acc.end_training()
     return summary
+
+
+def keep_final_embeddings(run: TrainRun) -> None:
+    """The corpus as the trained passage tower embeds it, kept in `final_embeddings` as a buffer (every process
+    writes its share: the final validation's, reused when it held them; under DeepSpeed the tower has just
+    taken its fp32 master weights, the ones final/ holds, so they are embedded again)."""
+    cfg, acc = run.cfg, run.accelerator
+    with acc.autocast():  # as validation embedded: its rows are then reused
+        keep_passage_embeddings(
+            run.raw.retriever,
+            run.corpus,
+            cfg.final_embeddings,
+            Processes.of(acc),
+            cfg.buffer.batch_size,
+            run.validation_cache,
+        )
+    if acc.is_main_process:
+        print(
+            f"kept the corpus embedded by the trained passage tower in {cfg.final_embeddings}: `rlm index "
+            f"--buffer {cfg.final_embeddings} --out INDEX` indexes it without embedding it again",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

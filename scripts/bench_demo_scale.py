@@ -18,7 +18,7 @@ timed by wrapping the library functions the service calls (models, corpus scan, 
 warm-up). Resident memory after start and its peak, with what grows with N: the corpus's offset/id arrays and
 the index (its file size, its ids). Latency p50/p95 of index search alone, retrieval (query encoding, search,
 passage reads) and `answer`: alone, from 20 threads at once, and for 20 users served as the Gradio page serves
-them (a queue, 2 requests at a time, up to 8 questions answered in one `answer_many`). Then the search
+them (its batching queue, `app.demo.answer_queue`: one pass at a time, up to 8 questions in it). Then the search
 parameter is swept (nprobe or efSearch), and each figure is projected to 21M passages.
 
     python scripts/bench_demo_scale.py --sentences ../shared/data/wiki_sample/passages.jsonl  # N = 1M
@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import math
-import queue
 import re
 import resource
 import shutil
@@ -63,7 +62,7 @@ DEFAULT_OUT = reporting.RESULTS / "demo_scale"
 MB = 2**20
 LATENCY_KINDS = ("search", "retrieval", "answer")
 # What the last start measures of the running service (the others measure only their start).
-SERVING_KEYS = ("latency", "sweep_parameter", "sweep", "quantizer_p50_ms", "faiss_omp_threads")
+SERVING_KEYS = ("latency", "sweep_parameter", "sweep", "quantizer_p50_ms", "faiss_omp_threads", "demo_queue")
 # How many questions each measurement asks: (alone, per thread of the 20); quick runs ask a handful.
 COUNTS = {
     "full": {"search": (200, 20), "retrieval": (100, 10), "answer": (50, 5), "sweep": 100},
@@ -200,16 +199,20 @@ def build_index(work: Path, corpus: dict, factory: str, checkpoint: Path, rescor
 
 
 def checkpoint_copy(checkpoint: Path, work: Path) -> Path:
-    """The checkpoint copied into `work` without the demo's caches (its index, its corpus fingerprints): the
-    service writes its fingerprint cache there, not into the user's checkpoint."""
-    from app.service import FINGERPRINT_CACHE, INDEX_CACHE
+    """The checkpoint copied into `work` without the caches earlier versions of the demo wrote into it (its
+    index, its corpus fingerprints), which the service would still read. Its own caches go to
+    `service_cache(copy)`, not the user's cache folder."""
+    from app.service import INDEX_CACHE
 
     copy = work / "checkpoint"
     shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(
-        checkpoint, copy, ignore=shutil.ignore_patterns(INDEX_CACHE, f"{Path(FINGERPRINT_CACHE).stem}*")
-    )
+    shutil.copytree(checkpoint, copy, ignore=shutil.ignore_patterns(INDEX_CACHE, "demo_corpus_fingerprint*"))
     return copy
+
+
+def service_cache(checkpoint: Path) -> Path:
+    """The cache folder of the service started over the checkpoint copy `checkpoint` (`--cache-dir`)."""
+    return checkpoint.parent / "demo_cache"
 
 
 # ---- the service in a fresh process ------------------------------------------------------------------------
@@ -309,44 +312,12 @@ def served_as_the_demo(
     service, questions: Sequence[str], users: int, per_user: int
 ) -> tuple[list, list, float]:
     """`users` users, each asking `per_user` questions one after another, answered as the Gradio page answers
-    them (`app.demo.build_demo`): a queue, `CONCURRENCY_LIMIT` requests at a time, each taking up to
-    `MAX_BATCH_SIZE` waiting questions into one `answer_many`. Each latency includes the wait in the queue."""
-    from app.demo import CONCURRENCY_LIMIT, MAX_BATCH_SIZE
+    them: through its batching queue (`app.demo.answer_queue`: one pass at a time, up to `MAX_BATCH` waiting
+    questions in it). Each latency includes the wait in the queue."""
+    from app.demo import answer_queue
 
-    requests: queue.Queue = queue.Queue()
-
-    def worker() -> None:
-        stop = False
-        while not stop and (first := requests.get()) is not None:
-            batch = [first]
-            with contextlib.suppress(queue.Empty):
-                while len(batch) < MAX_BATCH_SIZE:
-                    if (item := requests.get_nowait()) is None:  # this worker's stop, after this batch
-                        stop = True
-                        break
-                    batch.append(item)
-            for (_, done, out), result in zip(
-                batch, service.answer_many([q for q, _, _ in batch], best_guess=True)
-            ):
-                out.append(result)
-                done.set()
-
-    def ask(question: str) -> dict:
-        done, out = threading.Event(), []
-        requests.put((question, done, out))
-        done.wait()
-        return out[0]
-
-    workers = [threading.Thread(target=worker) for _ in range(CONCURRENCY_LIMIT)]
-    for thread in workers:
-        thread.start()
-    try:
-        return concurrently(ask, questions, users, per_user)
-    finally:
-        for _ in workers:
-            requests.put(None)
-        for thread in workers:
-            thread.join()
+    with answer_queue(service) as answers:
+        return concurrently(lambda question: answers((question, None)), questions, users, per_user)
 
 
 def retrieval(service) -> Callable[[str], dict]:
@@ -440,11 +411,14 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     """In the fresh process: start the service as `rlm demo` does, then measure it (with `--latency`)."""
     import torch
 
+    from app.demo import BATCH_WINDOW_S, MAX_BATCH
     from app.service import QAService, ServiceOptions
     from rlm.data.qa import read_qa_jsonl
     from rlm.experiments.benchmarking import PeakRSS
 
-    torch.set_num_threads(1)  # as `rlm demo` (rlm.commands.demo.start_demo): one thread per request
+    # One thread, as `rlm demo` ran before issue 47 (this study's reports were measured so); it now runs on
+    # all cores, one pass at a time (rlm.commands.demo.start_demo).
+    torch.set_num_threads(1)
     # After the line above, as the demo imports it (on the index's first use): counted with the imports
     # here, not with the index read that grows with N.
     import faiss
@@ -452,7 +426,12 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     imported = time.time()
     phases: dict = {}
     with timed_phases(phases), PeakRSS() as peak:
-        options = ServiceOptions(device=args.device, index_path=args.index, examples_path=args.questions)
+        options = ServiceOptions(
+            device=args.device,
+            index_path=args.index,
+            examples_path=args.questions,
+            cache_dir=service_cache(Path(args.checkpoint)),
+        )
         service = QAService.from_checkpoint(args.checkpoint, args.corpus, options)
     ready = time.time()
     read = phases.pop("index read")
@@ -519,6 +498,7 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     times, results, wall = concurrently(service.answer, questions, CONCURRENT, per_thread)
     latency[f"answer, {CONCURRENT} threads"] = {**percentiles(times), "wall_s": wall} | answered(results, k)
     times, results, wall = served_as_the_demo(service, questions, CONCURRENT, per_thread)
+    record["demo_queue"] = {"max_batch": MAX_BATCH, "window_s": BATCH_WINDOW_S}
     latency[f"answer, {CONCURRENT} users through the demo's queue"] = {
         **percentiles(times),
         "wall_s": wall,
@@ -781,6 +761,13 @@ def markdown(results: dict) -> str:
     )
     verdict = "meets" if proj["meets_retrieval_goal"] else "misses"
     omp = ", ".join(f"{v} in the {k}" for k, v in serving["faiss_omp_threads"].items())
+    queued = serving.get("demo_queue")  # absent from reports measured before the demo's batching queue
+    served = (
+        f"its batching queue: one pass at a time, up to {queued['max_batch']} waiting questions in one "
+        f"`answer_requests`, a {1000 * queued['window_s']:g} ms window"
+        if queued
+        else "2 requests at a time, up to 8 waiting questions in one `answer_many`"
+    )
     from retriever.index import describe_tuning
 
     tuning = index.get("tuning") or {}
@@ -833,8 +820,8 @@ What grows with N (second start):
 
 Retrieval alone, by part (p50): encode {parts["encode_p50_ms"]:.1f} ms, search {parts["search_p50_ms"]:.2f} ms,
 passage reads {parts["read_p50_ms"]:.2f} ms. "{CONCURRENT} threads": {CONCURRENT} threads call the service at
-once; "through the demo's queue": {CONCURRENT} users served as the Gradio page serves them (2 requests at a
-time, up to 8 waiting questions in one `answer_many`), the wait in the queue included.
+once; "through the demo's queue": {CONCURRENT} users served as the Gradio page serves them ({served}), the
+wait in the queue included.
 
 {latency_table}
 
@@ -971,14 +958,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "index": results["index"]["path"],
         "questions": questions,
     }
-    from app.service import FINGERPRINT_CACHE
+    from rlm.cache import corpus_fingerprint_cache
 
     runs: dict[str, list[dict]] = {"first": [], "second": []}
     for name in runs:
         for r in range(repeats):
             print(f"{name} start of the service ({r + 1} of {repeats})", file=sys.stderr)
             if name == "first":  # what the previous start remembered, forgotten
-                (paths["checkpoint"] / FINGERPRINT_CACHE).unlink(missing_ok=True)
+                corpus_fingerprint_cache(service_cache(paths["checkpoint"])).unlink(missing_ok=True)
             runs[name].append(start_service(args, paths, latency=name == "second" and r == repeats - 1))
     # The latency is measured once, after the last start; each start's figures are its fastest run's (the
     # least disturbed by other jobs on the shared cores), every run's start-up kept.

@@ -23,6 +23,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def rlm_cache(tmp_path_factory) -> Path:
+    """The session's own `rlm.cache` folder (`RLM_CACHE_DIR`, inherited by the processes tests start): the
+    commands and the demo under test keep corpus fingerprints and indexes there, never in the user's
+    ~/.cache/rlm. One per pytest-xdist worker, as its `tiny_quickstart` is."""
+    from rlm.cache import CACHE_ENV
+
+    folder = tmp_path_factory.mktemp("rlm_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(folder))
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real third-party files in ../shared/data (read in place, never copied into the project)."""
@@ -113,7 +126,7 @@ def tiny_quickstart(tmp_path_factory) -> Path:
 def two_process_run(tmp_path_factory) -> Path:
     """A root holding the tiny run (tests/tiny_run.py's `train_args`) trained uninterrupted for 6 steps on two
     processes of one machine (`accelerate launch`, cpu_2proc.yaml) in `reference/`, with the toy world, tiny
-    retriever and buffer it built. Launched once for the two tests that compare with it: a run stopped by
+    retriever and buffer it built, and its final embeddings (`final_embeddings`) in `reference_embeddings/`. Launched once for the two tests that compare with it: a run stopped by
     SIGTERM and resumed (test_run_lifecycle.py) and a run over two machines of one process each
     (test_multinode.py); once for all pytest-xdist workers too (the first to ask launches it, under a lock, in
     their common folder). Tests add runs of their own beside `reference/`, which none changes."""
@@ -130,7 +143,11 @@ def two_process_run(tmp_path_factory) -> Path:
             shutil.rmtree(root, ignore_errors=True)  # a launch that failed before
             root.mkdir()
             done = subprocess.run(
-                launch_two(root, "reference"), capture_output=True, text=True, env=launch_env(), timeout=600
+                launch_two(root, "reference", f"final_embeddings={root / 'reference_embeddings'}"),
+                capture_output=True,
+                text=True,
+                env=launch_env(),
+                timeout=600,
             )
             assert done.returncode == 0, done.stderr[-3000:]
     return root

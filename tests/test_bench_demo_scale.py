@@ -13,7 +13,7 @@ import pytest
 import torch
 from script_loader import load_script
 
-from app.service import FINGERPRINT_CACHE
+from rlm.cache import corpus_fingerprint_cache
 from rlm.data.toy_world import build_toy_world
 
 LATENCIES = [
@@ -104,9 +104,12 @@ def test_both_starts_report_time_memory_and_what_grows_with_the_corpus(quick_run
         assert start["index_ids_bytes"] > 0
         assert start["search_params"] == {"nprobe": results["index"]["tuning"]["value"]}
         assert start["all_startup_s"] == [start["startup_s"]]  # --quick: one start of each kind
-    # The service remembered the corpus fingerprint in the copy of the checkpoint, not in the user's.
-    assert (work / "checkpoint" / FINGERPRINT_CACHE).is_file()
-    assert not (checkpoint / FINGERPRINT_CACHE).exists()
+    # The service remembered the corpus fingerprint in the study's own cache folder, in neither checkpoint.
+    assert corpus_fingerprint_cache(work / "demo_cache").is_file()
+    assert (
+        not list(checkpoint.glob("demo_corpus_fingerprint*"))
+        and not (work / "checkpoint" / "demo_index").exists()
+    )
 
 
 def test_latencies_are_ordered_and_every_question_is_answered(quick_run):

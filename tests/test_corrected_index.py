@@ -100,7 +100,7 @@ def test_a_buffer_of_another_corpus_or_a_run_without_corrector_is_refused(run, t
         corrected_index(final, corpus, buffer_dir=tmp_path / "nowhere")
 
 
-def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
+def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys, rlm_cache):
     from app.service import INDEX_CACHE, QAService, ServiceOptions
 
     final = run / "final"
@@ -124,8 +124,8 @@ def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys):
     service = QAService.from_checkpoint(final, options=over_hb)
     result = service.answer(service.examples[0], 3)
     assert len(result["passages"]) == 3 and isinstance(result["answer"], str)
-    cached = [p.name for p in (final / INDEX_CACHE).iterdir() if p.name.startswith("corrected-")]
-    assert len(cached) == 1
+    cached = [p.name for p in (rlm_cache / INDEX_CACHE).glob("corrected-*")]
+    assert len(cached) == 1 and not (final / INDEX_CACHE).exists()
     again = QAService.from_checkpoint(final, options=over_hb)  # from the cache: the same passages
     assert [p["id"] for p in again.answer(service.examples[0], 3)["passages"]] == [
         p["id"] for p in result["passages"]

@@ -209,6 +209,47 @@ def test_fingerprint_cache_entry_is_trusted_only_for_its_stamp(tmp_path):
     assert load_corpus(path, fingerprint_cache=cache).fingerprint == real
 
 
+def _edit_in_place(path, old: bytes, new: bytes) -> None:
+    """Replace `old` by `new` (same length) in `path` and give it back its mtime, as `touch -d` or `rsync -t`
+    can: only the file's ctime and bytes tell the edit."""
+    import os
+
+    assert len(old) == len(new)
+    before = path.stat()
+    path.write_bytes(path.read_bytes().replace(old, new, 1))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def test_the_fingerprint_cache_notices_an_edit_that_keeps_the_size_and_the_mtime(tmp_path):
+    from rlm.data.corpus import _file_stamp
+
+    path, cache = _write(tmp_path / "a.tsv", _dpr_lines(20_000)), tmp_path / "fp.json"
+    first, sampled = load_corpus(path, fingerprint_cache=cache), _file_stamp(path)["sampled_blake2b"]
+    _edit_in_place(path, b"Text number 10000 about", b"Text number 10000 ABOUT")
+    assert _file_stamp(path)["sampled_blake2b"] == sampled  # between the sampled blocks: the ctime tells
+    edited = load_corpus(path, fingerprint_cache=cache)
+    assert edited.fingerprint == load_corpus(path).fingerprint != first.fingerprint
+    assert edited[10000].text == "Text number 10000 ABOUT things."
+
+
+def test_the_fingerprint_cache_notices_an_edit_in_a_sampled_block_where_the_ctime_stays(tmp_path):
+    """Where a file system keeps no ctime (some network and FUSE ones), the hash of the sampled blocks still
+    tells an edit of the file's first block (every sample starts there)."""
+    path, cache = _write(tmp_path / "a.tsv", _dpr_lines(2000)), tmp_path / "fp.json"
+    first = load_corpus(path, fingerprint_cache=cache)
+    _edit_in_place(path, b"Text number 3 about", b"Text number 3 ABOUT")
+    entries = json.loads(cache.read_text())
+    (entry,) = entries["corpora"].values()
+    entry["ctime_ns"] = path.stat().st_ctime_ns  # as if the edit had left the ctime as it was
+    cache.write_text(json.dumps(entries))
+    assert (
+        load_corpus(path, fingerprint_cache=cache).fingerprint
+        == load_corpus(path).fingerprint
+        != first.fingerprint
+    )
+
+
 def test_subset_fingerprint_follows_its_rows_and_corpus(shared_data, tmp_path):
     corpus = load_corpus(shared_data / "wiki_sample" / "passages.jsonl")
     a = CorpusSubset(corpus, [10, 3, 500])

@@ -11,7 +11,7 @@ def test_registry_names():
 
 
 def test_nq_open_local_layout(shared_data):
-    dev = load_qa_dataset("nq_open", "dev", shared_data / "nq_open")
+    dev = load_qa_dataset("nq_open", "test", shared_data / "nq_open")  # Google's NQ-open.dev.jsonl
     assert len(dev) == 3610
     assert dev[0].question == "when was the last time anyone was on the moon"
     assert dev[0].answers == ["14 December 1972 UTC", "December 1972"]

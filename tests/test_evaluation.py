@@ -48,6 +48,7 @@ def test_full_evaluation_writes_consistent_predictions_and_metrics(setup, tmp_pa
     )
     m = json.loads((out / "metrics.json").read_text())
     assert m.pop("mode") == result.mode == "retrieve+read"
+    assert m.pop("data") == {}  # no split named by the caller
     assert m == pytest.approx(result.metrics)
     for key in ("recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@20", "exact_match", "f1"):
         assert 0.0 <= m[key] <= 1.0, key
@@ -102,6 +103,15 @@ def test_cli_evaluate_and_errors(setup, tmp_path, capsys):
     assert "retrieve + read" in out and "| exact_match |" in out
     metrics = json.loads((tmp_path / "o" / "metrics.json").read_text())
     assert metrics["reader_passages"] == 3 and metrics["num_questions"] == 6  # from the checkpoint's config
+    # The report names the questions: dataset, split and size (of the whole split).
+    data = metrics["data"]
+    assert (data["dataset"], data["split"], data["questions"], data["of_questions"]) == (
+        "toy",
+        "dev",
+        6,
+        len(dev),
+    )
+    assert "toy dev: 6 questions" in out
     assert main(["evaluate", "--data-path", str(world.root)]) == 2
     assert "pass --checkpoint" in capsys.readouterr().err
     assert (
@@ -245,6 +255,63 @@ def test_rlm_evaluate_under_accelerate_launch_shares_the_questions_and_writes_on
     assert sys.executable  # the launch used this interpreter (local_port.accelerate_launch)
 
 
+@pytest.mark.slow
+def test_rlm_evaluate_under_accelerate_launch_outlasts_its_index_build_maps_the_index_and_scores_once(
+    setup, tmp_path, monkeypatch
+):
+    """Two processes, the main one's IVF build slowed past the process group's timeout (`--dist-timeout 10`, the least it takes):
+    the other waits for the index on disk, not at a collective, and maps it instead of reading a copy; the index
+    is tuned once, on every question (as one process tunes it), and each question's passages are checked for
+    its answer once, by one process. The results are one process's. Then, in the same processes, that index
+    reused (`--index`): every process maps it."""
+    import subprocess
+    from pathlib import Path
+
+    from local_port import launch_env, two_processes
+
+    from retriever.index import PassageIndex
+    from rlm.inference import metrics
+
+    world, corpus, dev, ckpt, retriever_model, reader = setup
+    embeddings, reports = tmp_path / "emb", tmp_path / "reports"
+    args = ["evaluate", "--checkpoint", str(ckpt), "--dataset", "toy", "--data-path", str(world.root)]
+    args += ["--k", "5", "--retrieval-only", "--factory", "IVF4,Flat", "--no-progress"]
+    args += ["--dist-timeout", "10", "--embeddings", str(embeddings)]
+    has_answer, checked = metrics.has_answer, []
+    monkeypatch.setattr(metrics, "has_answer", lambda *a: checked.append(a) or has_answer(*a))
+    # One process: the reference, and the embeddings the launch reuses (its processes then wait only for the index).
+    assert main([*args, "--out", str(tmp_path / "one"), "--save-index", str(tmp_path / "one_index")]) == 0
+    monkeypatch.undo()
+    two = [*args, "--out", str(tmp_path / "two"), "--save-index", str(tmp_path / "two_index")]
+    reuse = [*args[: args.index("--factory")], "--index", str(tmp_path / "two_index")]
+    reuse += ["--no-progress", "--dist-timeout", "10", "--out", str(tmp_path / "reused")]
+    helper = Path(__file__).with_name("multiprocess_evaluate.py")
+    # The main process sleeps 16 s before it builds: past the timeout of every collective, with room for skew.
+    launch = two_processes(str(helper), str(reports), "16", *two, "--", *reuse)
+    done = subprocess.run(launch, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    main_process, other = (json.loads((reports / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert main_process["timeout_s"] == other["timeout_s"] == 10
+    assert (main_process["tunes"], other["tunes"]) == (1, 0)
+    mapped = {"mapped": "IO_FLAG_MMAP", "factory": "IVF4,Flat"}
+    assert other["loads"] == [mapped, mapped] and main_process["loads"] == [mapped]
+    assert main_process["has_answer_calls"] > 0 and other["has_answer_calls"] > 0
+    # Two evaluations (built, then reused), each checking every question's passages once, as one process does.
+    assert main_process["has_answer_calls"] + other["has_answer_calls"] == 2 * len(checked)
+    one_index, two_index = (PassageIndex.load(tmp_path / f"{o}_index") for o in ("one", "two"))
+    assert two_index.tuning["queries"] == one_index.tuning["queries"] == len(dev)
+    assert two_index.search_params == one_index.search_params
+    one, two, reused = (
+        [json.loads(line) for line in (tmp_path / o / "predictions.jsonl").read_text().splitlines()]
+        for o in ("one", "two", "reused")
+    )
+    assert [r["retrieved_ids"] for r in one] == [r["retrieved_ids"] for r in two]
+    assert [r["retrieved_ids"] for r in one] == [r["retrieved_ids"] for r in reused]
+    scores = [json.loads((tmp_path / o / "metrics.json").read_text()) for o in ("one", "two", "reused")]
+    recall = [{key: value for key, value in s.items() if "recall@" in key} for s in scores]
+    assert recall[0] == recall[1] == recall[2] and "recall@5" in recall[0]
+
+
 def test_the_demos_own_index_is_built_from_float16_shards_and_records_its_tower(setup, tmp_path, monkeypatch):
     """The demo's index of a corpus it was given no index for is built through `index_corpus` (no float32
     array of every passage beside the index), records the tower and corpus it came from, and leaves only the
@@ -276,3 +343,34 @@ def test_rlm_evaluate_tunes_an_approximate_index_on_its_own_questions(setup, tmp
     assert index.factory == "IVF4,Flat" and index.tuning["queries_from"] == "query vectors"
     assert index.tuning["queries"] == len(dev) and index.tuning["recall"] >= 0.95
     assert index.provenance["encoder_fingerprint"] == retriever_model.passage_tower.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "typed, published",
+    [
+        ("nq", {"NQ-open.train.jsonl": 60, "NQ-open.dev.jsonl": 7}),
+        ("tqa", {"train.jsonl": 60, "validation.jsonl": 7}),
+        ("hotpotqa", {"train.jsonl": 60, "validation.jsonl": 7}),
+    ],
+)
+def test_rlm_evaluate_scores_each_datasets_test_split_from_a_local_copy(
+    setup, tmp_path, capsys, typed, published
+):
+    """`--split test` is the published validation (what papers report), for every dataset, by the names users
+    type; the questions are the toy world's, laid out as each dataset's local copy."""
+    world, corpus, dev, ckpt, retriever, reader = setup
+    asked = load_qa_dataset("toy", "train", world.root)
+    folder = tmp_path / typed
+    folder.mkdir()
+    start = 0
+    for name, count in published.items():
+        rows = [{"question": ex.question, "answers": ex.answers} for ex in asked[start : start + count]]
+        (folder / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        start += count
+    argv = ["evaluate", "--retriever", str(ckpt / "retriever"), "--retrieval-only", "--k", "5"]
+    argv += ["--dataset", typed, "--split", "test", "--data-path", str(folder), "--corpus", str(world.corpus)]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "metrics.json").read_text())["data"]
+    assert (data["split"], data["questions"]) == ("test", 7)
+    assert "validation: the test set" in data["source"]
+    assert f"{data['dataset']} test: 7 questions" in capsys.readouterr().out

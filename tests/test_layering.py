@@ -28,7 +28,7 @@ MAY_IMPORT = {
 }
 # Lowest first; a module of a layer may import its own layer and the ones before it.
 RLM_LAYERS = [
-    {"rlm", "rlm.errors", "rlm.precision"},  # rlm/__init__.py is empty
+    {"rlm", "rlm.errors", "rlm.precision", "rlm.cache"},  # rlm/__init__.py is empty
     {"rlm.config"},
     {"rlm.data"},
     {"rlm.components"},

@@ -74,6 +74,12 @@ def test_final_carries_a_model_card_with_the_hub_metadata_and_the_runs_figures(r
     assert recall == pytest.approx(100 * summary["dev_recall@20"], abs=0.01)
 
     body = card.text
+    # The figures name the split they are on and its size (the dev set capped at data.max_dev_examples).
+    dev = summary["data"]["dev"]
+    assert (dev["dataset"], dev["split"], dev["questions"]) == ("toy", "dev", 6) and dev["of_questions"] > 6
+    assert f"- dev questions: `toy`, split `dev`, 6 of {dev['of_questions']:,} questions" in body
+    assert "on `toy` / `dev` (6 questions)" in body
+    assert summary["data"]["train"]["split"] == "train" and summary["data"]["train"]["questions"] > 0
     assert "Algorithm 2" in body and "corrector" in body and "`config.yaml`" in body
     assert f"NLL over the top {load_config(run / 'config.yaml').reader_passages} passages" in body
     assert (final / "config.yaml").read_text() == (run / "config.yaml").read_text()

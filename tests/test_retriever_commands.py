@@ -178,7 +178,11 @@ def test_rlm_index_rescores_from_its_buffer_and_the_flag_needs_one(tmp_path, cap
     assert main([*args, "--out", str(tmp_path / "i")]) == 0
     assert f"the top 3 x k re-scored from {tmp_path / 'b'}" in capsys.readouterr().out
     meta = json.loads((tmp_path / "i" / "index.json").read_text())
-    assert meta["rescoring"] == {"rows": str((tmp_path / "b").resolve()), "k_factor": 3}
+    assert meta["rescoring"] == {
+        "rows": "../b",
+        "rows_absolute": str((tmp_path / "b").resolve()),
+        "k_factor": 3,
+    }
     index = PassageIndex.load(tmp_path / "i")
     encoder = SentenceEncoder.from_pretrained(
         default_retriever_path(), max_length=RetrieverConfig.passage_max_length
@@ -202,3 +206,45 @@ def test_rlm_index_rescores_from_its_buffer_and_the_flag_needs_one(tmp_path, cap
         in capsys.readouterr().err
     )
     assert not (tmp_path / "k").exists()
+
+
+def test_rlm_index_streams_a_float16_npy_and_holds_its_ids_as_one_blob(tmp_path, capsys):
+    """`rlm index --embeddings X.npy --ids ids.txt`: the file memory-mapped and added a block at a time, the ids
+    read into one `IdSequence`; neither a float32 copy of every row nor a list of every id string is made."""
+    import tracemalloc
+
+    np.save(tmp_path / "warm.npy", np.eye(2, dtype=np.float16))  # a first run imports what the command uses
+    (tmp_path / "warm.txt").write_text("a\nb\n")
+    warm = ["index", "--embeddings", str(tmp_path / "warm.npy"), "--ids", str(tmp_path / "warm.txt")]
+    assert main([*warm, "--out", str(tmp_path / "warm")]) == 0
+    n, d = 400_000, 32
+    rows = np.lib.format.open_memmap(tmp_path / "emb.npy", mode="w+", dtype=np.float16, shape=(n, d))
+    rows[:] = 0.01
+    rows.flush()
+    del rows
+    (tmp_path / "ids.txt").write_text("".join(f"passage-{i}\n" for i in range(n)))
+    args = ["index", "--embeddings", str(tmp_path / "emb.npy"), "--ids", str(tmp_path / "ids.txt")]
+    tracemalloc.start()
+    try:
+        assert main([*args, "--out", str(tmp_path / "index")]) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.5 * n * d * 4, f"peak {peak / 2**20:.1f} MiB of Python and numpy objects"
+    index = PassageIndex.load(tmp_path / "index")
+    assert index.ntotal == n and index.ids[n - 1] == f"passage-{n - 1}"
+    capsys.readouterr()
+
+
+def test_rlm_index_reads_ids_written_on_windows_and_refuses_a_count_that_is_not_the_rows(tmp_path, capsys):
+    np.save(tmp_path / "emb.npy", np.eye(3, dtype=np.float32))
+    (tmp_path / "ids.txt").write_bytes(b"a\r\nb\r\nc\r\n")
+    args = ["index", "--embeddings", str(tmp_path / "emb.npy"), "--ids", str(tmp_path / "ids.txt")]
+    assert main([*args, "--out", str(tmp_path / "idx")]) == 0
+    assert PassageIndex.load(tmp_path / "idx").ids == ["a", "b", "c"]
+    (tmp_path / "ids.txt").write_text("a\nb\n")
+    assert main([*args, "--out", str(tmp_path / "short")]) == 2
+    assert f"ids.txt has 2 ids but {tmp_path / 'emb.npy'} has 3 rows" in capsys.readouterr().err
+    (tmp_path / "ids.txt").write_bytes(b"a\nb\n\xff\n")
+    assert main([*args, "--out", str(tmp_path / "bad")]) == 2
+    assert "ids.txt: not UTF-8" in capsys.readouterr().err

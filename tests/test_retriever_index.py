@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -314,7 +316,7 @@ def test_rescoring_from_the_buffer_on_disk_lifts_what_pq_codes_cap_and_is_saved_
     assert loaded.rescoring.k_factor == 16 and loaded.rescoring.rows.path == buffer.path
     assert (loaded.search_rows(queries, 10)[1] == rows).all()
     (tmp_path / "buffer").rename(tmp_path / "moved")
-    with pytest.raises(ValueError, match="re-scores its candidates from .*buffer, which is not there"):
+    with pytest.raises(ValueError, match="re-scores its candidates from a buffer found at none of: .*buffer"):
         PassageIndex.load(tmp_path / "idx")
     other = buffer_folder(tmp_path / "other", emb, shard_size=4000, encoder="encoder-b")
     with pytest.raises(ValueError, match="encoder fingerprint encoder-b, the index with encoder-a"):
@@ -365,3 +367,156 @@ def test_rescoring_asks_for_every_candidate_row_from_disk_at_once(tmp_path, monk
     asked.clear()
     in_memory.prefetch(torch.arange(10))
     assert asked == []  # nothing on disk to ask for
+
+
+def rescored_index(folder, emb, encoder="encoder-a"):
+    """`folder/buffer` (as `rlm embed` writes one) and `folder/index`, an IVF-PQ index re-scored from it."""
+    folder.mkdir()
+    buffer = buffer_folder(folder / "buffer", emb, shard_size=700, encoder=encoder)
+    index = PassageIndex.from_buffer(buffer, "IVF8,PQ8x4np")
+    index.set_search_params({"nprobe": 8})
+    index.rescore_from(buffer, 8)
+    index.save(folder / "index")
+    return index
+
+
+def test_an_index_copied_with_its_embeddings_to_another_folder_serves_the_same_answers(tmp_path):
+    """index.json records the buffer relative to the index: a copy of both elsewhere (another machine) opens
+    the copied buffer, the original gone or not, and answers exactly as the original did."""
+    import shutil
+
+    emb, queries = unit_vectors(2000, 16, 10), unit_vectors(30, 16, 11)
+    rescored_index(tmp_path / "run", emb)
+    before = PassageIndex.load(tmp_path / "run" / "index").search(queries, 10)
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    copied = PassageIndex.load(tmp_path / "copy" / "index")
+    assert copied.rescoring.rows.path == (tmp_path / "copy" / "buffer").resolve()  # its own, not the original
+    (tmp_path / "run").rename(tmp_path / "gone")
+    after = PassageIndex.load(tmp_path / "copy" / "index").search(queries, 10)
+    np.testing.assert_array_equal(after[0], before[0])
+    assert after[1] == before[1]
+
+
+def test_an_index_moved_alone_finds_its_buffer_where_it_was_built_and_skips_a_foreign_one(tmp_path):
+    """Moved without its buffer, an index falls back to the buffer's absolute folder; a buffer of another
+    encoder at the relative place is not taken for it (the provenance check holds after a move)."""
+    emb, queries = unit_vectors(1500, 16, 12), unit_vectors(10, 16, 13)
+    before = rescored_index(tmp_path / "run", emb).search(queries, 5)[1]
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "run" / "index").rename(tmp_path / "elsewhere" / "index")
+    buffer_folder(tmp_path / "elsewhere" / "buffer", emb, shard_size=1500, encoder="encoder-b")
+    moved = PassageIndex.load(tmp_path / "elsewhere" / "index")
+    assert moved.rescoring.rows.path == (tmp_path / "run" / "buffer").resolve()
+    assert moved.search(queries, 5)[1] == before
+
+
+def test_an_index_whose_buffer_went_elsewhere_says_so_and_reopens_it_where_it_is_told(tmp_path):
+    emb, queries = unit_vectors(1500, 16, 14), unit_vectors(10, 16, 15)
+    before = rescored_index(tmp_path / "run", emb).search(queries, 5)[1]
+    (tmp_path / "run" / "buffer").rename(tmp_path / "moved")
+    with pytest.raises(ValueError, match="found at none of: .*run/buffer .*--rescore-buffer DIR"):
+        PassageIndex.load(tmp_path / "run" / "index")
+    told = PassageIndex.load(tmp_path / "run" / "index", rescore_rows=tmp_path / "moved")
+    assert told.search(queries, 5)[1] == before
+    buffer_folder(tmp_path / "foreign", emb, shard_size=1500, encoder="encoder-b")
+    with pytest.raises(ValueError, match="encoder fingerprint encoder-b, the index with encoder-a"):
+        PassageIndex.load(tmp_path / "run" / "index", rescore_rows=tmp_path / "foreign")
+
+
+def test_an_index_built_and_tuned_from_a_float16_npy_never_holds_a_float32_copy_of_it(tmp_path):
+    """A memory-mapped float16 file is added a block at a time and searched exactly in chunks while the index is
+    tuned: no float32 copy of all rows (what 21M x 768 makes 64 GB) is ever made beside the index."""
+    import tracemalloc
+
+    n, d = 200_000, 32
+    emb = np.lib.format.open_memmap(tmp_path / "emb.npy", mode="w+", dtype=np.float16, shape=(n, d))
+    for start in range(0, n, 50_000):
+        emb[start : start + 50_000] = unit_vectors(50_000, d, start)
+    emb.flush()
+    del emb
+    mapped = np.load(tmp_path / "emb.npy", mmap_mode="r")
+    whole_float32 = n * d * 4
+    PassageIndex.build(mapped[:2000], range(2000), "IVF4,Flat").tune(mapped[:2000], queries=20)  # the imports
+    tracemalloc.start()
+    try:
+        index = PassageIndex.build(mapped, range(n), "IVF64,Flat", train_sample=5000)
+        index.tune(mapped, queries=200)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert index.ntotal == n and index.tuning["value"] >= 1
+    assert peak < 0.6 * whole_float32, f"peak {peak / 2**20:.1f} MiB of numpy arrays"
+
+
+# Loads an index in a fresh process and reports how much private memory that took: in the test's own process
+# the allocator may hand the load memory an earlier build freed, which a measure of growth would not see.
+_LOAD_AND_MEASURE = """
+import json, sys
+import numpy as np
+from retriever.index import PassageIndex
+
+def private_bytes():  # Linux's RssAnon: what this process holds that no other shares (a mapped file: not here)
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+
+folder, how, queries, nprobe = sys.argv[1], sys.argv[2], np.load(sys.argv[3]), int(sys.argv[4])
+import faiss, torch  # what a load imports on first use is no part of the index (5 MiB)
+before = private_bytes()
+index = PassageIndex.load(folder, use_gpu=False, search_params={"nprobe": nprobe} if nprobe else None,
+                          mmap=how == "mmap")
+scores, ids = index.search(queries, 10)
+grown = private_bytes() - before
+print(json.dumps({"mapped": index.mapped, "grown": grown, "ids": ids, "scores": scores.tolist()}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="RssAnon is Linux's")
+@pytest.mark.parametrize("factory, flag", [("Flat", "IO_FLAG_MMAP_IFC"), ("IVF16,Flat", "IO_FLAG_MMAP")])
+def test_an_index_loaded_memory_mapped_answers_alike_without_a_private_copy_of_its_rows(
+    tmp_path, factory, flag
+):
+    """`load(mmap=True)`, as the other processes of a launched evaluation load the main one's index: the same
+    answers as a full read, with the stored rows mapped from the file (one copy in the page cache for every
+    process) instead of read into this process's own memory."""
+    import json
+    import subprocess
+    import sys
+
+    n, d = 65_536, 128  # 32 MiB of float32 rows
+    index = PassageIndex.build(unit_vectors(n, d, 3), range(n), factory, use_gpu=False, train_sample=4096)
+    index.save(tmp_path / "idx")
+    np.save(tmp_path / "queries.npy", unit_vectors(8, d, 4))
+    size = (tmp_path / "idx" / "index.faiss").stat().st_size
+    nprobe = "16" if "IVF" in factory else "0"
+
+    def loaded(how: str) -> dict:
+        argv = [str(tmp_path / "idx"), how, str(tmp_path / "queries.npy"), nprobe]
+        done = subprocess.run(
+            [sys.executable, "-c", _LOAD_AND_MEASURE, *argv],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    mapped, whole = loaded("mmap"), loaded("read")
+    assert (mapped["mapped"], whole["mapped"]) == (flag, None)
+    assert mapped["ids"] == whole["ids"] and mapped["scores"] == whole["scores"]
+    assert mapped["grown"] < size / 4 < 3 * size / 4 < whole["grown"], (mapped["grown"], whole["grown"], size)
+
+
+def test_the_index_types_faiss_cannot_map_are_read_whole(tmp_path):
+    """Fast-scan codes (`x4fs`) have no mapped form in faiss: `load(mmap=True)` reads them, and says so; IVF
+    types map their inverted lists, the others their codes (and an HNSW graph)."""
+    from retriever.index import mmap_flag
+
+    emb = unit_vectors(1000, 16, 5)
+    PassageIndex.build(emb, range(1000), "PQ4x4fs", use_gpu=False).save(tmp_path / "fs")
+    mapped, whole = (PassageIndex.load(tmp_path / "fs", use_gpu=False, mmap=m) for m in (True, False))
+    assert mapped.mapped is None and mapped.search(emb[:5], 3)[1] == whole.search(emb[:5], 3)[1]
+    assert mmap_flag("IVF64,PQ32x4fs") is None
+    assert mmap_flag("IVF65536_HNSW32,PQ256") == mmap_flag("OPQ64,IVF1024,PQ64") == "IO_FLAG_MMAP"
+    assert mmap_flag("HNSW32,SQ8") == mmap_flag("Flat") == "IO_FLAG_MMAP_IFC"

@@ -198,3 +198,13 @@ def test_a_one_gpu_clone_is_of_the_complete_index_flat_rows_kept_in_float32(
     assert fake.grown == [] and (rows, trained) == (len(IDS), True)
     assert options.useFloat16 is float16 and not getattr(options, "shard", False)
     assert isinstance(index.index, FakeGpuIndex) and index.ntotal == len(IDS)
+
+
+def test_an_index_bound_for_a_gpu_is_read_whole_even_when_mapping_is_asked(monkeypatch, tmp_path):
+    """`load(mmap=True)` maps only an index that stays on the host: a GPU clone is a copy of its own, made from
+    the host index read whole (faiss's mapped inverted lists are no input a clone is known to take)."""
+    PassageIndex.build(EMB, IDS, "IVF8,Flat", use_gpu=False).save(tmp_path / "idx")
+    assert PassageIndex.load(tmp_path / "idx", use_gpu=False, mmap=True).mapped == "IO_FLAG_MMAP"
+    fake = FakeGpu(monkeypatch, ngpu=1)
+    index = PassageIndex.load(tmp_path / "idx", mmap=True)
+    assert index.on_gpu and index.mapped is None and len(fake.devices) == 1

@@ -98,6 +98,7 @@ def test_models_are_loaded_after_the_main_process_loaded_them(monkeypatch):
     """A hub download lands once in the cache the other processes then read, not eight times at once."""
     import rlm.components as components
     from rlm.config import load_config
+    from rlm.data.qa import QASplit
 
     accelerator = FakeAccelerator(is_main_process=False, process_index=1, num_processes=2)
 
@@ -107,8 +108,8 @@ def test_models_are_loaded_after_the_main_process_loaded_them(monkeypatch):
 
     monkeypatch.setattr(components, "load_corpus", lambda path, procs=None: None)
     monkeypatch.setattr(components, "resolve_data", lambda cfg: ("corpus", None, None))
-    monkeypatch.setattr(components, "load_train_examples", lambda cfg: [])
-    monkeypatch.setattr(components, "load_dev_examples", lambda cfg: [])
+    monkeypatch.setattr(components, "load_train_split", lambda cfg: QASplit("toy", "train", [], "none"))
+    monkeypatch.setattr(components, "load_dev_split", lambda cfg: None)
     monkeypatch.setattr(components, "build_retriever", build_retriever)
     with pytest.raises(Stop):
         components.build_components(load_config(None, ["cpu=true"]), accelerator)

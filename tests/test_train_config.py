@@ -413,7 +413,7 @@ PAPER_RLM = {
     "eval_every": 2000,
     "save_every": 1000,
     "data.corpus": "psgs_w100.tsv",
-    "data.dev_split": "validation",
+    "data.dev_split": "dev",
     "data.max_dev_examples": 2000,
     "data.dev_subcorpus": "build",
     "retriever.path": "sentence-transformers/gtr-t5-base",

@@ -1,4 +1,4 @@
-"""`rlm bench retrieval|reader|training|paper-step|index|demo-scale|two-stage|rescoring|strategies|synthetic`: run a benchmark
+"""`rlm bench retrieval|reader|training|paper-step|index|demo-scale|demo-reader|two-stage|rescoring|strategies|synthetic`: run a benchmark
 script in scripts/ with its own options."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ BENCHMARKS = {
     "paper-step": "bench_paper_step.py",
     "index": "bench_index.py",
     "demo-scale": "bench_demo_scale.py",
+    "demo-reader": "bench_demo_reader.py",
     "two-stage": "bench_two_stage.py",
     "rescoring": "bench_rescoring.py",
     "strategies": "compare_strategies.py",
@@ -32,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="retrieval (corrected top-k, two-stage search), reader (FiD train step and scoring), training "
         "(per-strategy step time), paper-step (one Algorithm 2 step per strategy at the paper's shapes, random "
         "T5-base/GTR-base weights, and the 8-GPU projection), index (faiss factories: bytes, recall, latency, "
-        "projected to 21M passages), demo-scale (the demo's service over 1M passages), rescoring (an index's candidates re-scored from rows on "
+        "projected to 21M passages), demo-scale (the demo's service over 1M passages), demo-reader (the demo's answer "
+        "with a T5-base-shaped reader against its FLOP bound, 1 and 8 users), rescoring (an index's candidates re-scored from rows on "
         "disk, cached or not), two-stage (faiss candidates re-scored with h against the exact top-k at "
         "1M-4M rows), strategies (the paper's Tables 1 and 3 at CPU scale), synthetic (its Section 5.3 study)",
     )

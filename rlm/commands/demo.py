@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from rlm.commands.evaluate import add_device_arguments
+from rlm.commands.embed import add_cache_argument
+from rlm.commands.evaluate import add_device_arguments, add_embed_limit_argument, add_rescore_buffer_argument
 from rlm.commands.index import add_search_arguments, search_params
 from rlm.errors import UserError
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm demo`."""
+    from app.demo import BATCH_WINDOW_S, MAX_BATCH  # the defaults, read where they are set
+
     parser.add_argument(
         "--checkpoint", required=True, help="the final/ folder of a run (e.g. runs/quickstart/final)"
     )
@@ -35,9 +38,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--buffer", help="with --corrected-buffer: the run's buffer folder (default: its config)"
     )
     add_search_arguments(parser)
+    add_rescore_buffer_argument(parser)
+    add_embed_limit_argument(parser, "rlm demo")
+    add_cache_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=7860, help="port to serve on")
-    parser.add_argument("--concurrency", type=int, default=2, help="requests answered at once")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads the answering uses (default: torch's own, all physical cores unless OMP_NUM_THREADS "
+        "says otherwise)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=MAX_BATCH,
+        help=f"most questions (of all users) answered in one pass (default {MAX_BATCH})",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=BATCH_WINDOW_S * 1000,
+        help="how long a question waits for others to join its pass when the server is idle "
+        f"(default {BATCH_WINDOW_S * 1000:g})",
+    )
+    parser.add_argument("--concurrency", type=int, help=argparse.SUPPRESS)  # replaced: `run` says by what
     add_device_arguments(parser)
 
 
@@ -61,6 +86,9 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         buffer_path=args.buffer,
         examples_path=args.examples,
         show_progress=not args.no_progress,
+        cache_dir=args.cache_dir,
+        embed_limit=args.embed_limit,
+        rescore_buffer=args.rescore_buffer,
     )
 
 
@@ -70,36 +98,57 @@ def start_demo(
     options: ServiceOptions | None = None,
     host: str = "127.0.0.1",
     port: int = 7860,
-    concurrency: int = 2,
+    threads: int | None = None,
+    max_batch: int | None = None,
+    batch_window_ms: float | None = None,
 ):
     """Load the checkpoint as `options` say (None: the defaults, with progress bars) and serve its page
-    without blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted."""
+    without blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted.
+
+    Questions are answered in passes of up to `max_batch` (None: `app.demo.MAX_BATCH`), on `threads` torch
+    threads (None: torch's own count, all physical cores), one pass at a time (`app.demo.answer_queue`)."""
     from pathlib import Path
 
     import torch
 
+    from app.demo import BATCH_WINDOW_S, MAX_BATCH
     from app.service import QAService, ServiceOptions
 
-    if concurrency < 1:
-        raise UserError(f"--concurrency must be >= 1, got {concurrency}")
-    # One request is a few small forward passes: intra-op threads only add synchronisation on a busy CPU,
-    # so requests run single-threaded and the queue runs `concurrency` of them side by side.
-    torch.set_num_threads(1)
+    max_batch = MAX_BATCH if max_batch is None else max_batch
+    window_ms = BATCH_WINDOW_S * 1000 if batch_window_ms is None else batch_window_ms
+    if threads is not None and threads < 1:
+        raise UserError(f"--threads must be >= 1, got {threads}")
+    if max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {max_batch}")
+    if not window_ms >= 0:  # NaN too
+        raise UserError(f"--batch-window-ms must be >= 0, got {window_ms}")
+    # One pass at a time takes every core (the batching queue's single worker), so the threads are torch's
+    # whole pool, set before anything runs so that the worker thread the queue starts takes it from the start.
+    if threads is not None:
+        torch.set_num_threads(threads)
     service = QAService.from_checkpoint(checkpoint, corpus, options or ServiceOptions(show_progress=True))
     from app.demo import serve  # gradio takes seconds to import: only once loading worked
 
-    demo, _ = serve(service, host, port, concurrency, blocked=[checkpoint, Path(service.corpus.path).parent])
+    blocked = [checkpoint, Path(service.corpus.path).parent]
+    demo, _ = serve(service, host, port, blocked=blocked, max_batch=max_batch, window_s=window_ms / 1000)
     return demo
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve the demo of `--checkpoint`."""
+    if args.concurrency is not None:
+        raise UserError(
+            "--concurrency is gone: the demo answers one pass at a time on all cores, with the questions of "
+            "several users batched; use --max-batch (questions a pass) and --threads instead"
+        )
     serve_checkpoint(
         args.checkpoint,
         host=args.host,
         port=args.port,
         corpus=args.corpus,
         options=service_options(args),
-        concurrency=args.concurrency,
+        threads=args.threads,
+        max_batch=args.max_batch,
+        batch_window_ms=args.batch_window_ms,
     )
     return 0

@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlm.commands.embed import launched_processes
+from rlm.commands.embed import (
+    add_cache_argument,
+    add_dist_timeout_argument,
+    check_dist_timeout,
+    launched_processes,
+)
 from rlm.commands.index import add_search_arguments, search_params
 from rlm.errors import UserError, check_output_folder
 
@@ -16,8 +21,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retriever", help="retriever folder instead of <checkpoint>/retriever (e.g. MiniLM)"
     )
-    parser.add_argument("--dataset", default="toy", help="QA dataset name (toy, nq_open, trivia_qa, ...)")
-    parser.add_argument("--split", default="dev", help="split to evaluate (dev is the hub's validation)")
+    parser.add_argument(
+        "--dataset",
+        default="toy",
+        help="QA dataset: toy, nq_open (nq), trivia_qa (tqa), hotpot_qa (hotpotqa), multihop200, jsonl",
+    )
+    parser.add_argument(
+        "--split",
+        default="dev",
+        help="train, dev or test as the literature names them: for nq_open, trivia_qa and hotpot_qa test is "
+        "the hub's validation (the set papers report) and dev a fixed carve-out of its train (docs/data.md); "
+        "another name is that published split as it is",
+    )
     parser.add_argument("--data-path", help="local dataset file or folder (a toy world folder for 'toy')")
     parser.add_argument("--corpus", help="corpus file; default: corpus.jsonl in --data-path when present")
     parser.add_argument(
@@ -35,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
     )
     add_search_arguments(parser)
+    add_rescore_buffer_argument(parser)
     add_index_building_arguments(parser)
     parser.add_argument(
         "--k", type=int, default=100, help="passages retrieved per question (recall@k up to k)"
@@ -67,10 +83,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for predictions.jsonl and metrics.json (a folder holding other files is refused)",
     )
     add_device_arguments(parser)
+    add_cache_argument(parser)
+    add_dist_timeout_argument(parser)
+
+
+def add_rescore_buffer_argument(parser: argparse.ArgumentParser) -> None:
+    """`--rescore-buffer`: where a prebuilt index that re-scores its candidates finds its buffer."""
+    parser.add_argument(
+        "--rescore-buffer",
+        help="with --index DIR built with `rlm index --rescore`: the buffer folder it re-scores from, when it is "
+        "neither where it was relative to the index nor where it was built (default: as index.json records)",
+    )
+
+
+def add_embed_limit_argument(parser: argparse.ArgumentParser, command: str) -> None:
+    """`--embed-limit`: the corpus size above which `command` refuses to embed and index a corpus itself."""
+    from rlm.inference.indexing import EMBED_LIMIT
+
+    parser.add_argument(
+        "--embed-limit",
+        type=int,
+        default=EMBED_LIMIT,
+        help=f"without --index, `{command}` embeds and indexes the corpus itself only up to this many passages "
+        "(a larger one: `rlm embed` then `rlm index`, once, and --index); 0: no limit",
+    )
 
 
 def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
     """How `rlm evaluate` embeds and indexes a corpus it is given no index for."""
+    from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K
+
+    add_embed_limit_argument(parser, "rlm evaluate")
     parser.add_argument(
         "--save-index",
         help="save the index built here to this folder for reuse (a folder holding other files is refused)",
@@ -85,8 +128,8 @@ def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
         "--factory",
         default="Flat",
         help="without --index, or with --index corrected: the faiss index_factory string of the index built "
-        "here (default Flat, exact; IVF and HNSW types get their search parameter tuned for 0.95 recall@100 "
-        "against exact search, on the questions evaluated)",
+        f"here (default Flat, exact; IVF and HNSW types get their search parameter tuned for "
+        f"{DEFAULT_TARGET_RECALL} recall@max(--k, {TUNE_K}) against exact search, on the questions evaluated)",
     )
 
 
@@ -126,14 +169,22 @@ def _check_arguments(args: argparse.Namespace) -> None:
         check_output_folder(args.save_index, INDEX_FILES, "rlm evaluate", option="--save-index")
     if args.buffer and args.index != "corrected":
         raise UserError("--buffer only goes with --index corrected")
+    if args.rescore_buffer and args.index in (None, "corrected"):
+        raise UserError(
+            "--rescore-buffer goes with --index DIR (a prebuilt index that re-scores its candidates)"
+        )
+    if args.embed_limit < 0:
+        raise UserError(f"--embed-limit is a number of passages (0: no limit), got {args.embed_limit}")
     if args.index and args.embeddings:
         raise UserError("--embeddings keeps the corpus embedded here; with --index nothing is embedded")
     if args.index not in (None, "corrected") and args.factory != "Flat":
         raise UserError("--factory builds an index: it goes without --index, or with --index corrected")
+    check_dist_timeout(args.dist_timeout)
     if args.embeddings:
         from retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME
+        from rlm.inference.indexing import HANDOFF_NAMES
 
-        own = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json", "index")
+        own = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json", *HANDOFF_NAMES)
         check_output_folder(args.embeddings, own, "rlm evaluate", option="--embeddings")
     if search_params(args) and args.index in (None, "corrected"):
         raise UserError(
@@ -153,28 +204,32 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, evaluate, print the table."""
+    from rlm.cache import corpus_fingerprint_cache
     from rlm.data.corpus import load_corpus
-    from rlm.data.qa import load_qa_dataset
+    from rlm.data.qa import load_qa_split
     from rlm.inference import checkpoint, evaluation
     from rlm.inference.device import autocast, inference_bf16, inference_device
 
     _check_arguments(args)
     need_reader = not args.retrieval_only
-    examples = load_qa_dataset(args.dataset, args.split, args.data_path)
-    if args.max_examples is not None:
-        examples = examples[: args.max_examples]
+    questions = load_qa_split(args.dataset, args.split, args.data_path).limited(args.max_examples)
     corpus = None
     if not args.closed_book:
         corpus_path = _default_corpus(args)
         if corpus_path is None:
             raise UserError("no corpus: pass --corpus FILE (or a --data-path folder holding corpus.jsonl)")
-        corpus = load_corpus(corpus_path, args.corpus_format)
+        corpus = load_corpus(corpus_path, args.corpus_format, corpus_fingerprint_cache(args.cache_dir))
         if args.subcorpus:
             from rlm.training.hard_subcorpus import load_subcorpus
 
             corpus = load_subcorpus(corpus, args.subcorpus)
     without_retriever = args.closed_book or args.no_retriever
-    state = launched_processes()  # several under `accelerate launch`: each evaluates its share
+    if not without_retriever and not args.index:
+        from rlm.inference.indexing import check_embed_limit
+
+        encoder = args.retriever or str(Path(args.checkpoint) / "retriever")
+        check_embed_limit(corpus, args.embed_limit, encoder, "rlm evaluate")
+    state = launched_processes(args.dist_timeout)  # several under `accelerate launch`: a share each
     device = inference_device(args.device if state is None else state.device)
     is_main = state is None or state.is_main_process
     bf16 = inference_bf16(device, args.bf16)
@@ -198,14 +253,14 @@ def run(args: argparse.Namespace) -> int:
     )
     with autocast(device, bf16):
         result, policy = _evaluate(
-            args, examples, corpus, retriever, reader, config, device, progress and is_main, options
+            args, questions, corpus, retriever, reader, config, device, progress and is_main, options
         )
     if not is_main:
         return 0
     mode = (
         "closed book" if args.closed_book else "retrieval only" if args.retrieval_only else "retrieve + read"
     )
-    print(evaluation.format_table(result.metrics, f"{args.dataset}/{args.split} ({mode})"))
+    print(evaluation.format_table(result.metrics, f"{questions.describe()} ({mode})"))
     if policy is None and reader is not None:
         print("(no answer policy in the checkpoint: nothing abstained; `rlm calibrate` fits one)")
     if result.metrics_path is not None:
@@ -225,8 +280,16 @@ def _index(args, corpus, retriever, device, progress: bool, options):
 
         if not args.checkpoint:
             raise UserError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
+        from retriever.index import TUNE_K
+
         built = corrected_index(
-            args.checkpoint, corpus, args.buffer, args.factory, device=device, show_progress=progress
+            args.checkpoint,
+            corpus,
+            args.buffer,
+            args.factory,
+            device=device,
+            show_progress=progress,
+            tune_k=max(args.k, TUNE_K),  # the k it is searched at
         )
         print(
             f"index over h(B): {built.rows:,} rows of {built.buffer_dir} through the corrector in "
@@ -236,11 +299,15 @@ def _index(args, corpus, retriever, device, progress: bool, options):
             built.index.save(args.save_index)
         return built.index
     if args.index:
-        return indexing.prebuilt_index(args.index, retriever, corpus, use_gpu, search_params(args))
+        # Under `accelerate launch` every process maps the one file: one copy in RAM, not one per process.
+        launched = options.accelerator is not None
+        return indexing.prebuilt_index(
+            args.index, retriever, corpus, use_gpu, search_params(args), args.rescore_buffer, mmap=launched
+        )
     return None  # built by `run_evaluation` as `options` say, tuned on the questions it evaluates
 
 
-def _evaluate(args, examples, corpus, retriever, reader, config, device, progress: bool, options):
+def _evaluate(args, questions, corpus, retriever, reader, config, device, progress: bool, options):
     """The index (`_index`), then `run_evaluation`: (its result, the answer policy used)."""
     from rlm.inference import evaluation
     from rlm.inference.checkpoint import reader_passages_from_config
@@ -253,7 +320,7 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
 
         policy = AnswerPolicy.load(args.checkpoint)
     result = evaluation.run_evaluation(
-        examples,
+        questions.examples,
         corpus=corpus,
         retriever=retriever,
         reader=reader,
@@ -268,5 +335,6 @@ def _evaluate(args, examples, corpus, retriever, reader, config, device, progres
         show_progress=progress,
         policy=policy,
         index_options=options,
+        data=questions.record(),
     )
     return result, policy

@@ -6,7 +6,16 @@ import argparse
 import time
 from pathlib import Path
 
-from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, describe_tuning
+from retriever.index import (
+    DEFAULT_TARGET_RECALL,
+    QUESTION_FOUND_SHARE,
+    QUESTION_FOUND_WITHIN,
+    TRAIN_ROWS_PER_LIST,
+    TRAIN_SAMPLE,
+    TUNE_K,
+    TUNE_QUERIES,
+    describe_tuning,
+)
 from rlm.errors import UserError, check_output_folder
 
 
@@ -34,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--train-sample",
         type=int,
         default=None,
-        help="vectors used to train IVF/PQ (default: 262,144, or 40 per IVF list when more)",
+        help=f"vectors used to train IVF/PQ (default: {TRAIN_SAMPLE:,}, or {TRAIN_ROWS_PER_LIST} per IVF list when "
+        "more)",
     )
     add_search_arguments(parser)
     parser.add_argument(
@@ -44,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K_FACTOR",
         help="with --buffer: re-score each search's top K_FACTOR x k candidates exactly from the buffer's float16 "
         "rows, read from disk by offset (lifts the recall PQ codes cap at the RAM of the codes; the index "
-        "records the buffer's folder, which must stay where it is). 0: off",
+        "records the buffer's folder relative to itself: copy or move the two together, or point to it with "
+        "`--rescore-buffer` where the index is used). 0: off",
     )
     parser.add_argument(
         "--target-recall",
@@ -57,14 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it",
     )
     parser.add_argument(
-        "--tune-k", type=int, default=TUNE_K, help="the k of the recall the search is tuned for"
+        "--tune-k",
+        type=int,
+        default=TUNE_K,
+        help="the k of the recall the search is tuned for: the k it will be searched at (`rlm evaluate --k`)",
     )
-    parser.add_argument("--tune-queries", type=int, default=1000, help="tuning queries, at most")
+    parser.add_argument("--tune-queries", type=int, default=TUNE_QUERIES, help="tuning queries, at most")
     parser.add_argument(
         "--tune-questions",
         help="tune on these questions (a text file, one per line, or JSONL with a 'question' field) embedded "
         "by --query-encoder: what the index will be asked. Default: indexed rows made question-like (each "
-        "moved as far from itself as exact search allows while ranking it in its top 20 for 80%% of them)",
+        "moved as far from itself as exact search allows while ranking it in its top "
+        f"{QUESTION_FOUND_WITHIN} for {QUESTION_FOUND_SHARE * 100:.0f}%% of them)",
     )
     parser.add_argument(
         "--query-encoder",
@@ -119,12 +134,14 @@ def run(args: argparse.Namespace) -> int:
         for path in (args.embeddings, args.ids):
             if not Path(path).exists():
                 raise FileNotFoundError(f"{path} does not exist")
-        embeddings = rows = np.load(args.embeddings, mmap_mode="r")
-        ids = Path(args.ids).read_text(encoding="utf-8").splitlines()
-        if len(ids) != embeddings.shape[0]:
+        # Memory-mapped (copy-on-write: torch can view it, nothing is written back): the index reads it a block
+        # at a time, and tuning's exact search a chunk at a time, never as one float32 copy.
+        embeddings = rows = np.load(args.embeddings, mmap_mode="c")
+        if embeddings.ndim != 2:
             raise UserError(
-                f"{args.ids} has {len(ids)} ids but {args.embeddings} has {embeddings.shape[0]} rows"
+                f"{args.embeddings} holds an array of shape {embeddings.shape}, not [passages, dim]"
             )
+        ids = id_file(args.ids, len(embeddings), args.embeddings)
         index = PassageIndex.build(
             embeddings, ids, args.factory, use_gpu=args.use_gpu, train_sample=args.train_sample
         )
@@ -147,6 +164,30 @@ def run(args: argparse.Namespace) -> int:
         f"{seconds:.1f} s"
     )
     return 0
+
+
+def id_file(path: str, rows: int, embeddings: str):
+    """The ids of `path` (one per line, UTF-8; a file written on Windows too) as one `IdSequence`, never a list
+    of 21M strings; refused unless there is one per row of `embeddings`."""
+    import codecs
+
+    from retriever.ids import IdSequence
+
+    data = Path(path).read_bytes()
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        for start in range(0, len(data), 1 << 20):  # a block at a time: no str of the whole file
+            decoder.decode(data[start : start + (1 << 20)], final=start + (1 << 20) >= len(data))
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"{path}: not UTF-8 ({err.reason}); convert it, e.g. `iconv -f latin1 -t utf-8`"
+        ) from None
+    count = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+    if count != rows:
+        raise UserError(f"{path} has {count} ids but {embeddings} has {rows} rows")
+    return IdSequence.from_lines(data, rows)
 
 
 def question_vectors(args: argparse.Namespace, dim: int):

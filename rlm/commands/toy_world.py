@@ -10,7 +10,9 @@ from rlm.errors import check_output_folder
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm toy-world`."""
-    from rlm.data.toy_world import QUESTION_TYPES
+    from rlm.data.toy_world import QUESTION_TYPES, ToyWorldConfig
+
+    defaults = ToyWorldConfig()  # the generator's own defaults: the help shows what a bare run builds
 
     parser.add_argument(
         "--out",
@@ -18,34 +20,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folder (corpus.jsonl, train/dev/test.jsonl, world.json); a folder holding other files "
         "is refused",
     )
-    parser.add_argument("--num-passages", type=int, default=2000, help="exact corpus size (100 to millions)")
-    parser.add_argument("--seed", type=int, default=0, help="world seed: the same seed, the same world")
-    parser.add_argument("--num-cities", type=int, default=24, help="distinct city answers (closed-book ~1/N)")
-    parser.add_argument("--num-occupations", type=int, default=16, help="distinct occupation answers")
     parser.add_argument(
-        "--twin-rate", type=float, default=0.5, help="share of people with a near-duplicate name"
+        "--num-passages", type=int, default=defaults.num_passages, help="exact corpus size (100 to millions)"
     )
-    parser.add_argument("--mentions-per-person", type=int, default=1, help="distractor passages per person")
+    parser.add_argument(
+        "--seed", type=int, default=defaults.seed, help="world seed: the same seed, the same world"
+    )
+    parser.add_argument(
+        "--num-cities", type=int, default=defaults.num_cities, help="distinct city answers (closed-book ~1/N)"
+    )
+    parser.add_argument(
+        "--num-occupations", type=int, default=defaults.num_occupations, help="distinct occupation answers"
+    )
+    parser.add_argument(
+        "--twin-rate",
+        type=float,
+        default=defaults.twin_rate,
+        help="share of people with a near-duplicate name",
+    )
+    parser.add_argument(
+        "--mentions-per-person",
+        type=int,
+        default=defaults.mentions_per_person,
+        help="distractor passages per person",
+    )
     parser.add_argument(
         "--kin-facts",
         type=int,
-        default=0,
+        default=defaults.kin_facts,
         help="relatives' facts per entity and asked relation, worded like the questions (off-the-shelf "
         "retrievers rank them first; the quickstart's world uses 5)",
     )
     parser.add_argument(
-        "--filler-rate", type=float, default=0.7, help="share of passages with a filler sentence"
+        "--filler-rate",
+        type=float,
+        default=defaults.filler_rate,
+        help="share of passages with a filler sentence",
     )
     parser.add_argument(
         "--question-types",
-        default=",".join(QUESTION_TYPES),
+        default=",".join(defaults.question_types),
         help=f"comma-separated subset of {','.join(QUESTION_TYPES)}",
     )
     parser.add_argument(
-        "--max-train-questions", type=int, default=None, help="cap on train questions (default: all)"
+        "--max-train-questions",
+        type=int,
+        default=defaults.max_questions["train"],
+        help="cap on train questions (default: all)",
     )
     parser.add_argument(
-        "--max-eval-questions", type=int, default=2000, help="cap on dev and on test questions"
+        "--max-eval-questions",
+        type=int,
+        default=defaults.max_questions["dev"],
+        help="cap on dev and on test questions",
     )
 
 

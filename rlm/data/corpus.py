@@ -367,10 +367,11 @@ def load_corpus(
     """Open a passage corpus (fmt in {"jsonl", "dpr_tsv", "pyserini"}; auto-detected when None).
 
     `fingerprint_cache`: a small JSON file that remembers the corpus fingerprint per corpus file, keyed by
-    the file's resolved path, size and modification time (ns) and the format, and beside it the scan's arrays
-    (offsets, ids; `<cache stem>.<key>.scan.npz`, ~50 B a passage): on a hit the file is neither hashed nor
-    parsed (the start-up it saves: docs/data.md). A changed size or mtime is a miss: the file is
-    scanned and hashed again and the entry replaced.
+    the file's resolved path, its stamp (`_file_stamp`: size, mtime, ctime and a hash of a few sampled blocks)
+    and the format, and beside it the scan's arrays (offsets, ids; `<cache stem>.<key>.scan.npz`, ~50 B a
+    passage): on a hit the file is neither hashed nor parsed (the start-up it saves: docs/data.md). Any
+    change to the stamp is a miss: the file is scanned and hashed again and the entry replaced.
+    `rlm.cache.corpus_fingerprint_cache()` is the one `rlm embed`, `rlm evaluate` and the demo share.
 
     `procs`: the data-parallel processes that all open this corpus (`retriever.distributed.Processes`; every
     one must call). Each scans the file for the offsets it reads passages by, all at once, but only the first
@@ -436,9 +437,29 @@ def _read_scan(path: Path, stamp: dict | None) -> dict[str, np.ndarray] | None:
     return scan
 
 
-def _file_stamp(path: Path) -> dict[str, int]:
+# `_file_stamp` hashes this many blocks of this many bytes, spread over the file from its first to its last.
+STAMP_BLOCKS, STAMP_BLOCK_BYTES = 16, 4096
+
+
+def _file_stamp(path: Path) -> dict[str, int | str]:
+    """What a cache entry of `path` is trusted for: size, mtime and ctime (ns), and a hash of `STAMP_BLOCKS`
+    blocks spread over the file. An edit can keep the size and restore the mtime (`touch -d`, `os.utime`,
+    `rsync -t`), but not the ctime, which the kernel sets at every change and no call sets back; the sampled
+    blocks also catch an edit there where the ctime is not kept (some network and FUSE file systems). 64 KiB
+    read, not the 13 GB the fingerprint hashes."""
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        span = max(st.st_size - STAMP_BLOCK_BYTES, 0)
+        for block in range(STAMP_BLOCKS):
+            f.seek(span * block // (STAMP_BLOCKS - 1))
+            digest.update(f.read(STAMP_BLOCK_BYTES))
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "sampled_blake2b": digest.hexdigest(),
+    }
 
 
 def _read_fingerprint_cache(cache: Path) -> dict:

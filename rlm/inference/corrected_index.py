@@ -100,6 +100,7 @@ def corrected_index(
     device=None,
     show_progress: bool = False,
     target_recall: float | None = None,
+    tune_k: int | None = None,
 ) -> CorrectedIndex:
     """A faiss index over h(B) for `corpus`, from the run of `checkpoint` (its `corrector/` and its buffer).
 
@@ -107,10 +108,11 @@ def corrected_index(
     (a few seconds for a base-size tower); the corpus fingerprint is always checked. h runs on `device` (None:
     the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.device.index_on_gpu`).
     `factory`: any faiss factory, built from h(B) a chunk at a time (`CorrectedRows`); IVF and HNSW types get their
-    search parameter tuned for `target_recall` (None: the index's default) against the exact top-k over h(B).
+    search parameter tuned for `target_recall` (None: the index's default) against the exact top-k over h(B), at
+    k = `tune_k` (None: `retriever.index.TUNE_K`; give the k the index will be searched at).
     """
     from retriever.corrector import CorrectorNetwork
-    from retriever.index import DEFAULT_TARGET_RECALL, PassageIndex
+    from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
     from rlm.inference.device import index_on_gpu, inference_device
 
     root = Path(checkpoint)
@@ -144,7 +146,7 @@ def corrected_index(
     rows = CorrectedRows(buffer, corrector)
     index = PassageIndex.from_buffer(rows, factory, use_gpu=index_on_gpu(device), show_progress=show_progress)
     if index.tunable_parameter() is not None:
-        index.tune(rows, target_recall or DEFAULT_TARGET_RECALL)
+        index.tune(rows, target_recall or DEFAULT_TARGET_RECALL, k=tune_k or TUNE_K)
     seconds = time.perf_counter() - start
     return CorrectedIndex(index, folder, len(buffer), rows.correct_seconds, seconds - rows.correct_seconds)
 

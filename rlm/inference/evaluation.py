@@ -14,13 +14,16 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from atomicio import atomic_write_text
 from rlm.data.qa import QAExample
-from rlm.inference.metrics import gold_recall_at_k, qa_scores, recall_at_k
+from rlm.inference.metrics import first_answer_hit, first_gold_hit, qa_scores, recall_from_first_hits
 from rlm.inference.reading import decide_all, read, with_gold_passages
 from rlm.inference.retrieval import Retrieved, encode_questions, search_index
 
@@ -36,15 +39,42 @@ class EvaluationResult:
     records: list[dict] = field(default_factory=list)
     predictions_path: Path | None = None
     metrics_path: Path | None = None
+    # What the questions are (`rlm.data.qa.QASplit.record`: dataset, split, size, source), for metrics.json.
+    data: dict = field(default_factory=dict)
 
 
 def retrieval_metrics(
     corpus, examples: Sequence[QAExample], retrieved: Retrieved, ks: Sequence[int] = RECALL_KS
 ) -> dict[str, float]:
     """Answer recall@k (DPR `has_answer` over passage texts) and, where gold ids are known, gold recall@k."""
-    texts = [[corpus[corpus.index_of(pid)].text for pid in ids] for ids in retrieved.ids]
-    metrics = recall_at_k(texts, [ex.answers for ex in examples], ks)
-    metrics.update(gold_recall_at_k(retrieved.ids, [ex.gold_passage_ids for ex in examples], ks))
+    return recall_from_hits(retrieval_hits(corpus, examples, retrieved), examples, ks)
+
+
+def retrieval_hits(
+    corpus, examples: Sequence[QAExample], retrieved: Retrieved
+) -> list[tuple[int | None, int | None]]:
+    """Per question, the rank of its first answer-bearing passage (DPR `has_answer` over the passages' texts)
+    and of its first gold passage (None: none retrieved): what recall@k counts, the costly part of it."""
+    if len(retrieved.ids) != len(examples):
+        raise ValueError(f"{len(retrieved.ids)} retrieval lists for {len(examples)} questions")
+    return [
+        (
+            first_answer_hit([corpus[corpus.index_of(pid)].text for pid in ids], ex.answers),
+            first_gold_hit(ids, ex.gold_passage_ids),
+        )
+        for ex, ids in zip(examples, retrieved.ids)
+    ]
+
+
+def recall_from_hits(
+    hits: Sequence[tuple[int | None, int | None]], examples: Sequence[QAExample], ks: Sequence[int]
+) -> dict[str, float]:
+    """Answer recall@k over every question and, over the questions with gold ids (none: left out), gold
+    recall@k, from their `retrieval_hits`."""
+    metrics = recall_from_first_hits([answer for answer, _ in hits], ks)
+    gold = [hit for (_, hit), ex in zip(hits, examples) if ex.gold_passage_ids]
+    if gold:
+        metrics.update({f"gold_{key}": value for key, value in recall_from_first_hits(gold, ks).items()})
     return metrics
 
 
@@ -118,6 +148,7 @@ def _retrieve_for_evaluation(
         from rlm.inference.device import index_on_gpu
         from rlm.inference.indexing import index_corpus
 
+        tune_on = _every_question(queries, options.processes())
         tower = retriever.passage_tower
         index = index_corpus(
             tower,
@@ -128,18 +159,53 @@ def _retrieve_for_evaluation(
             batch_size=options.batch_size,
             precision=options.precision,
             accelerator=options.accelerator,
-            tune_queries=queries,  # an approximate index is tuned on what it will be asked
+            tune_queries=tune_on,  # an approximate index is tuned on what it will be asked
             show_progress=show_progress,
+            tune_k=tuning_k(k),  # and at the k it will be searched at
         )
         if options.save_dir is not None and (
             options.accelerator is None or options.accelerator.is_main_process
         ):
             index.save(options.save_dir)
         timings["embed_seconds"] = time.perf_counter() - start
+    else:
+        warn_if_tuned_below(index, k)
     start = time.perf_counter()
     retrieved = search_index(index, queries, k) if questions else Retrieved([], [])
     timings["retrieve_seconds"] = encoding + time.perf_counter() - start
     return retrieved
+
+
+def tuning_k(k: int) -> int:
+    """The recall@k an index built for an evaluation that retrieves `k` passages is tuned for: `k` itself, so
+    the recall@k reported is what exact search would give, and never below `retriever.index.TUNE_K`."""
+    from retriever.index import TUNE_K
+
+    return max(k, TUNE_K)
+
+
+def warn_if_tuned_below(index, k: int) -> None:
+    """Warn when a prebuilt `index`'s search was tuned for a recall@k' below the `k` it is about to be searched
+    at: its recall@k may fall short of exact search's by more than the target allowed at k'. Not when the
+    search parameter was set over the tuned one (--nprobe, --ef-search): the user chose it."""
+    tuning = getattr(index, "tuning", None) or {}
+    tuned = tuning.get("k")
+    kept = tuning and index.search_params.get(tuning["parameter"]) == tuning["value"]
+    if kept and tuned < k:
+        warnings.warn(
+            f"the index was tuned for recall@{tuned} ({index.tuning['parameter']}={index.tuning['value']}) and "
+            f"is searched at k = {k}: recall@{k} may fall below exact search's; rebuild it with `rlm index "
+            f"--tune-k {k}`, or pass a larger --nprobe / --ef-search",
+            stacklevel=2,
+        )
+
+
+def _every_question(queries: np.ndarray, procs) -> np.ndarray:
+    """Every process's query embeddings, in question order: the main process tunes the index it builds on all the
+    questions evaluated, as one process alone would, not on its own share."""
+    if procs.world == 1:
+        return queries
+    return np.concatenate(procs.gather_object([queries]))
 
 
 @dataclass
@@ -266,7 +332,8 @@ def _write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike) -> N
         "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in result.records),
     )
     atomic_write_text(
-        result.metrics_path, json.dumps({"mode": result.mode, **result.metrics}, indent=2) + "\n"
+        result.metrics_path,
+        json.dumps({"mode": result.mode, "data": result.data, **result.metrics}, indent=2) + "\n",
     )
 
 
@@ -286,6 +353,7 @@ def run_evaluation(
     show_progress: bool = False,
     policy=None,
     index_options: IndexOptions | None = None,
+    data: dict | None = None,
 ) -> EvaluationResult:
     """Retrieve (unless closed book), read (when a reader is given), score, and write the results.
 
@@ -293,12 +361,14 @@ def run_evaluation(
     gold passages swapped into the top `num_passages`, `with_gold_passages`, or alone without a retriever).
     `index` is reused when given, else the corpus is embedded and indexed as `index_options` says. With
     `out_dir`: `predictions.jsonl` and `metrics.json`, atomically. Data-parallel when
-    `index_options.accelerator` has several processes: each retrieves and reads its share of the questions, the
-    results are gathered once, every process returns the same metrics and only the main one writes.
+    `index_options.accelerator` has several processes: each retrieves, reads and scores its share of the
+    questions (each question's recall ranks and record once, by one process), the results are gathered once,
+    every process returns the same metrics and only the main one writes.
 
     Each prediction records its `confidence` and whether it was `abstained`: with `policy` (the checkpoint's
     `AnswerPolicy`) the calibrated P(correct) and the policy's verdict, else the reader's own probability.
     `exact_match` is EM at full coverage; `coverage` the share answered, `answered_exact_match` their EM.
+    `data` says what the questions are (`QASplit.record()`: dataset, split, size), written to metrics.json.
     """
     _check_evaluation_mode(reader, retriever, corpus, closed_book, gold_passages)
     options = index_options or IndexOptions()
@@ -306,26 +376,33 @@ def run_evaluation(
     mine = list(examples[slice(*procs.part(len(examples)))])
     timings: dict[str, float] = {}
     metrics: dict[str, float] = {"num_questions": len(examples)}
-    retrieved = reading = None
+    retrieved = reading = None  # this process's share of the questions
     if not closed_book and retriever is not None:
         questions = [ex.question for ex in mine]
         retrieved = _retrieve_for_evaluation(
             questions, corpus, retriever, index, k, options, show_progress, timings
-        ).gathered(procs)
-        metrics.update(retrieval_metrics(corpus, examples, retrieved, [kk for kk in RECALL_KS if kk <= k]))
+        )
     if reader is not None:
         read_options = {"batch_size": batch_size, "num_beams": num_beams, "show_progress": show_progress}
-        mine_retrieved = None if retrieved is None else retrieved.part(*procs.part(len(examples)))
         reading = _read_for_evaluation(
-            reader, mine, corpus, mine_retrieved, num_passages, gold_passages, policy, timings, **read_options
-        ).gathered(procs)
+            reader, mine, corpus, retrieved, num_passages, gold_passages, policy, timings, **read_options
+        )
+    # Each question is scored by the process that answered it: its passages' texts are read for recall once, and
+    # what is gathered is their ranks and the records, not the retrieved lists for every process to score again.
+    records = procs.gather_object(
+        [_evaluation_record(ex, i, reading, retrieved) for i, ex in enumerate(mine)]
+    )
+    if retrieved is not None:
+        hits = procs.gather_object(retrieval_hits(corpus, mine, retrieved))
+        metrics.update(recall_from_hits(hits, examples, [kk for kk in RECALL_KS if kk <= k]))
+    if reading is not None:
+        reading = reading.gathered(procs)
         metrics.update(_reading_scores(reading, examples, 0 if closed_book else num_passages))
     # Timings last: metrics.json and the printed table list the scores first. Each the slowest process's.
     for key, value in timings.items():
         metrics[key] = round(max(procs.gather_object([value])), 2)
-    records = [_evaluation_record(ex, i, reading, retrieved) for i, ex in enumerate(examples)]
     mode = _evaluation_mode(closed_book, gold_passages, retriever, reader)
-    result = EvaluationResult(metrics=metrics, mode=mode, records=records)
+    result = EvaluationResult(metrics=metrics, mode=mode, records=records, data=dict(data or {}))
     if out_dir is not None and procs.rank == 0:
         _write_evaluation(result, out_dir)
     procs.barrier()  # the files are written before any process goes on

@@ -13,15 +13,48 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from atomicio import atomic_write_text
 from rlm.errors import UserError
 
 INDEX_SUBFOLDER = "index"  # where the main process saves the index the other processes load
+# Under `accelerate launch` the other processes wait for that index on disk, not at a collective: building and
+# tuning one at 21M passages takes hours, longer than any process group's timeout should be. The main process
+# proves it is alive meanwhile (a counter rewritten every `HEARTBEAT_S` seconds), and leaves its error there when
+# the build fails; a waiter that sees neither the index nor a new beat for `SILENT_AFTER_S` seconds stops.
+INDEX_HEARTBEAT, INDEX_FAILED = "index.heartbeat", "index.failed"
+HANDOFF_NAMES = (INDEX_SUBFOLDER, INDEX_HEARTBEAT, INDEX_FAILED)  # what it writes beside the shards
+HEARTBEAT_S, SILENT_AFTER_S, POLL_S = 30.0, 600.0, 1.0
+# Above this many passages `rlm evaluate` and `rlm demo` do not embed and index a corpus themselves unless told
+# to (`check_embed_limit`): DPR's 21M would be hours of embedding at every start and then an exact index of
+# every float32 row in RAM (64 GB at 768 dimensions). Such a corpus is embedded once (`rlm embed`, a share per
+# GPU) and indexed with compressed codes (`rlm index`). 2M: the 1M-passage demo study's corpus, with room.
+EMBED_LIMIT = 2_000_000
+LARGE_CORPUS_INDEX = (
+    "--factory IVF16384,PQ256np --rescore 5"  # README's 21M recommendation, named by the error
+)
+
+
+def check_embed_limit(corpus, limit: int, encoder: str, command: str) -> None:
+    """Refuse to embed and index `corpus` at `command`'s start when it holds more than `limit` passages (0: no
+    limit), in one line that names the commands that build its index once instead (`EMBED_LIMIT`); `encoder`:
+    the trained retriever folder those commands embed with."""
+    if not limit or len(corpus) <= limit:
+        return
+    raise UserError(
+        f"{corpus.path} holds {len(corpus):,} passages, more than the {limit:,} `{command}` embeds and indexes "
+        "itself (hours of embedding, then an exact index of every row in RAM); build its index once: `rlm embed "
+        f"--corpus {corpus.path} --encoder {encoder} --out EMBEDDINGS`, then `rlm index --buffer EMBEDDINGS "
+        f"--out INDEX {LARGE_CORPUS_INDEX}`, and pass --index INDEX (--embed-limit 0 embeds it here anyway)"
+    )
 
 
 def embed_corpus(
@@ -66,17 +99,24 @@ def load_index_for(
     search_params: dict[str, int] | None = None,
     passage_tower=None,
     corpus_fingerprint: str | None = None,
+    rescore_rows: str | os.PathLike | None = None,
+    mmap: bool = False,
 ):
     """Load a saved `PassageIndex` and refuse it when its passage ids are not the corpus's, row for row, or
     when it records (built from a buffer: `rlm embed` then `rlm index --buffer`) another encoder than
     `passage_tower` (weights and max length) or another corpus than `corpus_fingerprint`. An index built from
     bare embeddings records neither, and only its ids are compared.
-    `use_gpu`: as for `build_index`; `search_params` (e.g. {"nprobe": 64}) over the ones saved with it.
+    `use_gpu`: as for `build_index`; `search_params` (e.g. {"nprobe": 64}) over the ones saved with it;
+    `rescore_rows`: the buffer folder an index that re-scores its candidates reads them from, when it is not
+    beside the index as it was built nor where it was (`PassageIndex.load`); `mmap`: map the index file where
+    faiss can instead of reading it (the processes of a launch then share one copy).
     """
     from retriever.ids import first_mismatch
     from retriever.index import PassageIndex
 
-    index = PassageIndex.load(index_dir, use_gpu=use_gpu, search_params=search_params)
+    index = PassageIndex.load(
+        index_dir, use_gpu=use_gpu, search_params=search_params, rescore_rows=rescore_rows, mmap=mmap
+    )
     recorded = index.provenance
     # A tower on the meta device (the device-placement tests load one there) has no weights to hash.
     weighed = passage_tower is not None and not any(p.is_meta for p in passage_tower.parameters())
@@ -112,10 +152,21 @@ def load_index_for(
     return index
 
 
-def prebuilt_index(index_dir, retriever, corpus, use_gpu: bool | None, search_params: dict[str, int] | None):
+def prebuilt_index(
+    index_dir,
+    retriever,
+    corpus,
+    use_gpu: bool | None,
+    search_params: dict[str, int] | None,
+    rescore_rows: str | os.PathLike | None = None,
+    mmap: bool = False,
+):
     """`load_index_for` a checkpoint's `retriever` and `corpus`: its ids, passage tower and corpus checked."""
     fingerprint = getattr(corpus, "fingerprint", None)  # a subcorpus has none of its own
-    return load_index_for(index_dir, corpus.ids, use_gpu, search_params, retriever.passage_tower, fingerprint)
+    tower = retriever.passage_tower
+    return load_index_for(
+        index_dir, corpus.ids, use_gpu, search_params, tower, fingerprint, rescore_rows, mmap=mmap
+    )
 
 
 @contextlib.contextmanager
@@ -145,22 +196,28 @@ def index_corpus(
     target_recall: float | None = None,
     tune_queries: np.ndarray | None = None,
     show_progress: bool = False,
+    tune_k: int | None = None,
 ):
     """A `retriever.index.PassageIndex` of `corpus` under `passage_tower`: the corpus embedded into float16
     shards in `embeddings_dir` (a temporary folder when None; a kept one is resumed, or reused when complete),
     then indexed with `factory` from the shards, its search parameter tuned for `target_recall` (None: the
     index's default) against exact search, on `tune_queries` (query-tower embeddings of questions: what the
-    index will be asked) when given, else on indexed rows made question-like. The index records the tower's and corpus's
-    fingerprints.
+    index will be asked) when given, else on indexed rows made question-like, at recall@`tune_k` (None:
+    `retriever.index.TUNE_K`; give the k the index will be searched at). The index records the tower's and
+    corpus's fingerprints.
 
     `precision`: "float32", "bf16" or "auto" (bf16 on a CUDA GPU). `accelerator` (an accelerate
-    `PartialState`/`Accelerator`): each process embeds its share of the shards, the main process builds and
-    saves the index under `<embeddings_dir>/index`, and the others load it; every process returns it."""
+    `PartialState`/`Accelerator`): each process embeds its share of the shards, the main process builds, tunes
+    and saves the index under `<embeddings_dir>/index` (`handing_over_index`), and the others wait for it there
+    without a collective and map it (`await_index`); every process returns it."""
     from retriever.buffer import build_passage_buffer
-    from retriever.index import DEFAULT_TARGET_RECALL, PassageIndex
+    from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
 
     is_main = accelerator is None or accelerator.is_main_process
+    several = accelerator is not None and accelerator.num_processes > 1
     with _embeddings_folder(embeddings_dir, accelerator) as folder:
+        if several:
+            _clear_handoff(folder, accelerator)
         buffer = build_passage_buffer(
             corpus.ids,
             corpus.retrieval_texts(),
@@ -172,16 +229,78 @@ def index_corpus(
             corpus_fingerprint=getattr(corpus, "fingerprint", None),  # a subcorpus has none: hashed
             precision=precision,
         )
-        index = None
-        if is_main:
+        if not is_main:
+            # Built and tuned once, by the main process; mapped here, so the processes share one copy in RAM.
+            return await_index(folder, use_gpu)
+        with handing_over_index(folder) if several else contextlib.nullcontext():
             index = PassageIndex.from_buffer(buffer, factory, use_gpu=use_gpu, show_progress=show_progress)
             if index.tunable_parameter() is not None:
                 asked = tune_queries if tune_queries is not None and len(tune_queries) else None
-                index.tune(buffer, target_recall or DEFAULT_TARGET_RECALL, query_vectors=asked)
-        if accelerator is not None and accelerator.num_processes > 1:
-            if is_main:
+                target = target_recall or DEFAULT_TARGET_RECALL
+                index.tune(buffer, target, k=tune_k or TUNE_K, query_vectors=asked)
+            if several:
                 index.save(folder / INDEX_SUBFOLDER)
-            accelerator.wait_for_everyone()
-            if not is_main:
-                index = PassageIndex.load(folder / INDEX_SUBFOLDER, use_gpu=use_gpu)
         return index
+
+
+def _clear_handoff(folder: Path, accelerator) -> None:
+    """The main process removes an earlier run's index and signs from `folder`, then every process meets: a
+    waiter never takes the last run's index for this one's."""
+    if accelerator.is_main_process:
+        shutil.rmtree(folder / INDEX_SUBFOLDER, ignore_errors=True)
+        for name in (INDEX_HEARTBEAT, INDEX_FAILED):
+            (folder / name).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def handing_over_index(folder: Path, every_s: float = HEARTBEAT_S) -> Iterator[None]:
+    """The main process's side of the hand-over (`await_index` is the others'): while the block builds and saves
+    the index into `folder / INDEX_SUBFOLDER`, a heartbeat; when it fails, its error in one line for them."""
+    beat, stop = folder / INDEX_HEARTBEAT, threading.Event()
+
+    def beating() -> None:
+        count = 0
+        while True:  # faiss releases the GIL while it trains and adds: the beat goes on during a long build
+            atomic_write_text(beat, str(count))
+            count += 1
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=beating, name="index-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException as err:
+        atomic_write_text(folder / INDEX_FAILED, " ".join(f"{type(err).__name__}: {err}".split()))
+        raise
+    finally:
+        stop.set()
+        thread.join()
+        beat.unlink(missing_ok=True)
+
+
+def await_index(
+    folder: Path, use_gpu: bool | None, silent_after_s: float = SILENT_AFTER_S, poll_s: float = POLL_S
+):
+    """The index the main process saves into `folder / INDEX_SUBFOLDER` (`handing_over_index`), waited for
+    without a collective and loaded memory-mapped where faiss can (`retriever.index.mmap_flag`). Refused with
+    the main process's error when its build failed, or when it shows no sign of life for `silent_after_s`."""
+    from retriever.index import PassageIndex
+
+    saved, failed, beat = folder / INDEX_SUBFOLDER, folder / INDEX_FAILED, folder / INDEX_HEARTBEAT
+    last, heard = None, time.monotonic()
+    while not saved.is_dir():  # `save` moves the complete folder into place at once
+        if failed.is_file():
+            raise UserError(f"the main process could not build the index: {failed.read_text().strip()}")
+        with contextlib.suppress(FileNotFoundError):  # not written yet, or just removed by a finished build
+            count = beat.read_text()
+            if count != last:
+                last, heard = count, time.monotonic()
+        if time.monotonic() - heard > silent_after_s:
+            raise UserError(
+                f"the main process has shown no sign of building the index in {folder} for "
+                f"{silent_after_s:.0f} s (it stopped, or this process cannot see its files): run again"
+            )
+        time.sleep(poll_s)
+    return PassageIndex.load(saved, use_gpu=use_gpu, mmap=True)

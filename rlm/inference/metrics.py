@@ -97,8 +97,8 @@ def recall_at_k(
         raise ValueError(
             f"recall_at_k: {len(retrieved_texts)} retrieval lists but {len(answers)} answer lists"
         )
-    hits = [_first_hit(texts, golds) for texts, golds in zip(retrieved_texts, answers)]
-    return _recall_from_first_hits(hits, ks)
+    hits = [first_answer_hit(texts, golds) for texts, golds in zip(retrieved_texts, answers)]
+    return recall_from_first_hits(hits, ks)
 
 
 def gold_recall_at_k(
@@ -114,22 +114,25 @@ def gold_recall_at_k(
         raise ValueError(
             f"gold_recall_at_k: {len(retrieved_ids)} retrieval lists but {len(gold_ids)} gold lists"
         )
-    hits = []
-    for ids, golds in zip(retrieved_ids, gold_ids):
-        if not golds:
-            continue
-        gold_set = set(golds)
-        hits.append(next((rank for rank, pid in enumerate(ids) if pid in gold_set), None))
+    hits = [first_gold_hit(ids, golds) for ids, golds in zip(retrieved_ids, gold_ids) if golds]
     if not hits:
         return {}
-    return {f"gold_{key}": value for key, value in _recall_from_first_hits(hits, ks).items()}
+    return {f"gold_{key}": value for key, value in recall_from_first_hits(hits, ks).items()}
 
 
-def _first_hit(texts: Sequence[str], golds: Sequence[str]) -> int | None:
-    return next((rank for rank, text in enumerate(texts) if has_answer(text, golds)), None)
+def first_answer_hit(texts: Sequence[str], answers: Sequence[str]) -> int | None:
+    """The rank of the first passage text (best first) that `has_answer`, or None."""
+    return next((rank for rank, text in enumerate(texts) if has_answer(text, answers)), None)
 
 
-def _recall_from_first_hits(hits: Sequence[int | None], ks: Iterable[int]) -> dict[str, float]:
+def first_gold_hit(ids: Sequence[str], gold_ids: Sequence[str]) -> int | None:
+    """The rank of the first passage id (best first) among `gold_ids`, or None."""
+    gold_set = set(gold_ids)
+    return next((rank for rank, pid in enumerate(ids) if pid in gold_set), None)
+
+
+def recall_from_first_hits(hits: Sequence[int | None], ks: Iterable[int]) -> dict[str, float]:
+    """{"recall@k": the share of `hits` (each question's first-hit rank, None: none) below k} for each k."""
     n = max(len(hits), 1)
     return {f"recall@{k}": sum(1 for h in hits if h is not None and h < k) / n for k in ks}
 

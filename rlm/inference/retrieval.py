@@ -14,14 +14,6 @@ class Retrieved:
     ids: list[list[str]]
     scores: list[list[float]]
 
-    def part(self, start: int, stop: int) -> Retrieved:
-        """Questions [start, stop)."""
-        return Retrieved(self.ids[start:stop], self.scores[start:stop])
-
-    def gathered(self, procs) -> Retrieved:
-        """Every process's questions, in process order (`retriever.distributed.Processes.gather_object`)."""
-        return Retrieved(procs.gather_object(self.ids), procs.gather_object(self.scores))
-
 
 def retrieve(
     query_tower,

@@ -20,6 +20,8 @@ from retriever.buffer import PassageBuffer
 from retriever.encoder import DualEncoder
 from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
+from rlm.data.qa import dataset_name as registry_name
+from rlm.errors import UserError
 from rlm.training.checkpointing import flat_config
 from rlm.training.strategies import strategy_class
 
@@ -98,7 +100,7 @@ def write_model_card(
     sections = [
         f"# {model_name(cfg)}",
         trained_section(cfg, parts),
-        data_section(cfg, corpus),
+        data_section(cfg, corpus, summary.get("data", {})),
         settings_section(cfg, parts),
         metrics_section(cfg, summary),
         fingerprints_section(corpus, retriever, buffer),
@@ -119,8 +121,14 @@ def model_name(cfg: TrainConfig) -> str:
 
 
 def dataset_name(name: str) -> str:
-    """A dataset by its registry name; a local file by its file name (no machine's paths in the metadata)."""
-    return Path(name).name if name.endswith(".jsonl") else name
+    """A dataset by its registry name (`nq` is `nq_open`); a local file by its file name (no machine's paths
+    in the metadata)."""
+    if name.endswith(".jsonl"):
+        return Path(name).name
+    try:
+        return registry_name(name)
+    except UserError:
+        return name
 
 
 def datasets(cfg: TrainConfig) -> list[str]:
@@ -204,18 +212,34 @@ def strategy_summary(cfg: TrainConfig) -> str:
     return " ".join(doc.split()).rstrip(".") or "see docs/training.md of rlm-corrector"
 
 
-def data_section(cfg: TrainConfig, corpus: Corpus) -> str:
+def split_line(role: str, name: str, split: str, record: dict | None, limit: int | None) -> str:
+    """`- dev questions: ...`: the dataset, the split and its size as the run loaded it (`record`:
+    `rlm.data.qa.QASplit.record`), else as the config names it."""
+    line = f"- {role} questions: `{dataset_name(name)}`, split `{split}`"
+    if record is None:
+        return line + (f" (at most {limit})" if limit else "")
+    used = f"{record['questions']:,}"
+    if "of_questions" in record:
+        used += f" of {record['of_questions']:,}"
+    line += f", {used} questions: {record['source']}"
+    if "dev_ids" in record and role == "dev":
+        line += f"; membership `{record['dev_ids']}`"
+    return line
+
+
+def data_section(cfg: TrainConfig, corpus: Corpus, splits: dict) -> str:
     data = cfg.data
     corpus_path = getattr(corpus, "path", None) or data.corpus
+    dev_line = (
+        split_line("dev", data.dev, data.dev_split, splits.get("dev"), data.max_dev_examples)
+        if data.dev
+        else "- dev questions: none"
+    )
     lines = [
         "## Data and corpus",
         "",
-        f"- training questions: `{data.train}`, split `{data.train_split}`"
-        + (f" (at most {data.max_train_examples})" if data.max_train_examples else ""),
-        f"- dev questions: `{data.dev}`, split `{data.dev_split}`"
-        + (f" (at most {data.max_dev_examples})" if data.max_dev_examples else "")
-        if data.dev
-        else "- dev questions: none",
+        split_line("training", data.train, data.train_split, splits.get("train"), data.max_train_examples),
+        dev_line,
         f"- corpus: `{corpus_path}`, {len(corpus):,} passages, fingerprint `{corpus.fingerprint}`",
     ]
     if data.corpus is None:
@@ -257,7 +281,13 @@ def metrics_section(cfg: TrainConfig, summary: dict) -> str:
         [
             "## Dev metrics",
             "",
-            f"After the last step, on `{cfg.data.dev}` / `{cfg.data.dev_split}`, the whole corpus embedded by the "
+            f"After the last step, on `{dataset_name(cfg.data.dev)}` / `{cfg.data.dev_split}`"
+            + (
+                f" ({summary['data']['dev']['questions']:,} questions)"
+                if "dev" in summary.get("data", {})
+                else ""
+            )
+            + ", the whole corpus embedded by the "
             "trained passage tower and searched exactly"
             + (f"; the reader reads the top {cfg.reader_passages}" if cfg.algorithm == 2 else "")
             + ". `dev_selection_*`: passages from the training strategy's own selection instead. As "

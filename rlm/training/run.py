@@ -90,6 +90,7 @@ class TrainRun:
     corpus: Corpus
     train_examples: list
     dev_examples: list
+    data_splits: dict  # what train and dev are (`rlm.data.qa.QASplit.record`), for summary.json and the card
     model: torch.nn.Module  # as prepared by accelerate (DDP / DeepSpeed wrapper)
     strategy: SelectionStrategy
     optimizer: torch.optim.Optimizer
@@ -338,6 +339,7 @@ def build_run(
         corpus=parts.corpus,
         train_examples=parts.train_examples,
         dev_examples=parts.dev_examples,
+        data_splits=parts.data_splits,
         model=model,
         strategy=strategy,
         optimizer=optimizer,

@@ -22,9 +22,17 @@ from pathlib import Path
 import torch
 
 from retriever.alignment import alignment_metrics
-from retriever.buffer import embed_passages
+from retriever.buffer import (
+    BUFFER_FILES,
+    build_settings,
+    embed_passages,
+    finalize_buffer,
+    resolve_precision,
+    write_shard,
+)
 from retriever.distributed import Processes, ShardedRows
 from retriever.search import TopK
+from rlm.errors import check_output_folder
 from rlm.inference.evaluation import RECALL_KS, evaluate_reader, retrieval_metrics
 from rlm.inference.reading import read
 from rlm.inference.retrieval import Retrieved
@@ -82,17 +90,7 @@ def sharded_retrieve(
     corpus or subcorpus `corpus` is). `queries`: the questions' embeddings when the caller has them. Every
     process gets every question's passages."""
     start, stop = procs.part(len(corpus))
-    texts = corpus.retrieval_texts()
-    tower = retriever.passage_tower
-
-    def embed() -> torch.Tensor:
-        # The buffer's path: sorted full batches, a block of texts at a time, float16 rows (half of float32's
-        # memory for this process's share, which the cache keeps), bf16 on an accelerator or under autocast.
-        precision = "bf16" if torch.is_autocast_enabled(tower.device.type) else "auto"
-        rows = embed_passages(tower, texts, start, stop, batch_size, precision=precision)
-        return torch.from_numpy(rows)
-
-    passages = embed() if cache is None else cache.get(tower, corpus_key, start, stop, embed)
+    passages = _passage_share(retriever.passage_tower, corpus, start, stop, batch_size, cache, corpus_key)
     if queries is None:
         queries = retriever.query_tower.encode(list(questions), batch_size=batch_size)
     if device is not None:
@@ -100,6 +98,86 @@ def sharded_retrieve(
     rows = ShardedRows(passages, torch.arange(start, stop), procs)
     top = _per_question(queries, procs, lambda mine: rows.topk(mine, None, k, chunk_size=65536))
     return _as_retrieved(top, corpus)
+
+
+def _share_precision(tower) -> str:
+    """What the passage tower computes in when validation embeds: bf16 under the run's autocast (or on a CUDA
+    GPU: `resolve_precision`'s "auto"), else float32."""
+    return resolve_precision("bf16" if torch.is_autocast_enabled(tower.device.type) else "auto", tower.device)
+
+
+def _passage_share(
+    tower, corpus, start: int, stop: int, batch_size: int, cache, corpus_key: str
+) -> torch.Tensor:
+    """Rows [start, stop) of `corpus` embedded by `tower` (float16), or from `cache` when `tower` embedded them
+    last (`corpus_key` names the corpus)."""
+
+    def embed() -> torch.Tensor:
+        # The buffer's path: sorted full batches, a block of texts at a time, float16 rows (half of float32's
+        # memory for this process's share, which the cache keeps), bf16 on an accelerator or under autocast.
+        texts = corpus.retrieval_texts()
+        return torch.from_numpy(
+            embed_passages(tower, texts, start, stop, batch_size, precision=_share_precision(tower))
+        )
+
+    return embed() if cache is None else cache.get(tower, corpus_key, start, stop, embed)
+
+
+def embedded_corpus_key(corpus, subcorpus: Path | None = None) -> str:
+    """What names the passages validation embedded in a `PassageEmbeddingCache`: the corpus (or its hard
+    subcorpus, `subcorpus`) and its size."""
+    return f"{getattr(corpus, 'fingerprint', '')}:{subcorpus or 'all'}:{len(corpus)}"
+
+
+def check_kept_embeddings_folder(cfg) -> None:
+    """Refuse, before a run starts, a `final_embeddings` folder that holds anything but a buffer's files."""
+    if cfg.final_embeddings:
+        check_output_folder(cfg.final_embeddings, BUFFER_FILES, "rlm train", option="final_embeddings")
+
+
+def keep_passage_embeddings(
+    retriever,
+    corpus,
+    folder,
+    procs: Processes,
+    batch_size: int = 64,
+    cache: PassageEmbeddingCache | None = None,
+) -> None:
+    """The whole corpus as `retriever`'s passage tower embeds it, written to `folder` as a buffer in `rlm embed`'s
+    format (its fingerprints, max length and precision), so that `rlm index --buffer folder` builds the
+    inference index without embedding the corpus again. Every process must call it.
+
+    Each process writes the share the final validation embedded (`Processes.part`, from `cache` when that
+    validation held it, else embedded now) as one shard: shard r is process r's rows, so the shard size is the
+    share's. The folder is replaced: its old buffer's files go first, `meta.json` is written last (until then
+    it reads as unfinished)."""
+    n = len(corpus)
+    start, stop = procs.part(n)
+    tower = retriever.passage_tower
+    rows = _passage_share(tower, corpus, start, stop, batch_size, cache, embedded_corpus_key(corpus)).numpy()
+    settings = build_settings(
+        corpus.ids,
+        corpus.retrieval_texts(),
+        tower,
+        "float16",
+        shard_size=-(-n // procs.world),
+        corpus_fingerprint=getattr(corpus, "fingerprint", None),
+        precision=_share_precision(tower),
+    )
+    folder = Path(folder)
+    if procs.rank == 0:
+        check_output_folder(folder, BUFFER_FILES, "rlm train", option="final_embeddings")
+        for own in BUFFER_FILES:  # meta.json first: a reader never sees an old one beside new shards
+            for old in folder.glob(own):
+                old.unlink()
+        folder.mkdir(parents=True, exist_ok=True)
+    procs.barrier()
+    if stop > start:
+        write_shard(folder, procs.rank, rows)
+    procs.barrier()
+    if procs.rank == 0:
+        finalize_buffer(folder, corpus.ids, settings)
+    procs.barrier()
 
 
 def selection_retrieve(
@@ -189,7 +267,7 @@ def validate(
             device,
             cfg.buffer.batch_size,
             cache=cache,
-            corpus_key=f"{getattr(corpus, 'fingerprint', '')}:{path or 'all'}:{len(corpus)}",
+            corpus_key=embedded_corpus_key(corpus, path),
             queries=queries,
         )
         metrics.update(retrieval_metrics(corpus, dev_examples, retrieved, ks))
