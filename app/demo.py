@@ -31,13 +31,22 @@ if TYPE_CHECKING:
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 7860
 QUEUE_MAX_SIZE = 64
-# The batching queue's defaults (`rlm demo --max-batch`, `--batch-window-ms`; docs/demo.md, "A paper-size reader",
-# has the table they are checked against): at most 8 questions in one pass, the batch Gradio's own queue gathered
-# before; the window is what a question waits for others when the worker is idle: users who click together
-# arrive within it, and it is a tenth of the quickstart reader's 0.14 s answer (docs/demo.md, "Load test") and
-# far less of a T5-base reader's seconds.
-MAX_BATCH = 8
+# The batching queue's defaults (`rlm demo --max-batch`, `--batch-window-ms`), from the table of docs/demo.md, "A
+# paper-size reader": on a CPU one question already keeps every core at 1.1-1.2x of the matmul bound (float32,
+# T5-base shapes), so a pass of 8 answered 0.77-1.02x the questions a second of one at a time and made each
+# user wait for all 8: one question a pass. On a GPU a pass of 8 costs little more than one: 8. The window is
+# what a question waits for others when the worker is idle: users who click together arrive within it, and it
+# is a tenth of the quickstart reader's 0.14 s answer (docs/demo.md, "Load test").
+MAX_BATCH = {"cpu": 1, "cuda": 8}
 BATCH_WINDOW_S = 0.01
+
+
+def default_max_batch(device) -> int:
+    """`MAX_BATCH` for the device the reader answers on (`torch.device` or its name); 8 on any accelerator."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    return MAX_BATCH.get(kind, MAX_BATCH["cuda"])
+
+
 # Below this confidence the page warns that the answer is probably wrong. With a calibrated checkpoint the
 # confidence is the estimated chance that the answer is right, so below one half it is more likely wrong than
 # right (and answers below the policy's own threshold are abstained, not shown); without calibration it is
@@ -100,12 +109,15 @@ def render(result: dict) -> tuple[str, str, str, dict]:
 
 
 def answer_queue(
-    service: QAService, max_batch: int = MAX_BATCH, window_s: float = BATCH_WINDOW_S
+    service: QAService, max_batch: int | None = None, window_s: float = BATCH_WINDOW_S
 ) -> BatchingQueue:
     """The page's questions answered in batches: (question, k) requests from any number of users, up to
-    `max_batch` of them in one `QAService.answer_requests` pass (retrieval and reading) on all of torch's
-    threads, gathered while the previous pass runs or within `window_s` of the first one's arrival."""
+    `max_batch` of them (None: `default_max_batch` of the reader's device) in one `QAService.answer_requests`
+    pass (retrieval and reading) on all of torch's threads, gathered while the previous pass runs or within
+    `window_s` of the first one's arrival."""
     answer = functools.partial(service.answer_requests, best_guess=True)
+    if max_batch is None:
+        max_batch = default_max_batch(service.reader.device)
     return BatchingQueue(answer, max_batch=max_batch, window_s=window_s, name="demo-answers")
 
 
@@ -232,7 +244,7 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     blocked: list[str | os.PathLike] = (),
-    max_batch: int = MAX_BATCH,
+    max_batch: int | None = None,
     window_s: float = BATCH_WINDOW_S,
 ) -> tuple[gr.Blocks, str]:
     """Launch the page without blocking and warm it up; returns (demo, local URL). `demo.block_thread()` waits.

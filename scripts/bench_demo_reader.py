@@ -364,12 +364,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from app.demo import BATCH_WINDOW_S, MAX_BATCH
+    from app.demo import BATCH_WINDOW_S, default_max_batch
     from rlm.precision import cpu_bf16_support
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.max_batch = args.max_batch or MAX_BATCH
+    args.max_batch = args.max_batch or default_max_batch("cpu")
     args.window_ms = BATCH_WINDOW_S * 1000 if args.window_ms is None else args.window_ms
     bf16 = cpu_bf16_support()
     precisions = (

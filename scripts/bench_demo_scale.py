@@ -312,7 +312,7 @@ def served_as_the_demo(
     service, questions: Sequence[str], users: int, per_user: int
 ) -> tuple[list, list, float]:
     """`users` users, each asking `per_user` questions one after another, answered as the Gradio page answers
-    them: through its batching queue (`app.demo.answer_queue`: one pass at a time, up to `MAX_BATCH` waiting
+    them: through its batching queue (`app.demo.answer_queue`: one pass at a time, up to `default_max_batch` waiting
     questions in it). Each latency includes the wait in the queue."""
     from app.demo import answer_queue
 
@@ -411,7 +411,7 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     """In the fresh process: start the service as `rlm demo` does, then measure it (with `--latency`)."""
     import torch
 
-    from app.demo import BATCH_WINDOW_S, MAX_BATCH
+    from app.demo import BATCH_WINDOW_S, default_max_batch
     from app.service import QAService, ServiceOptions
     from rlm.data.qa import read_qa_jsonl
     from rlm.experiments.benchmarking import PeakRSS
@@ -498,7 +498,7 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
     times, results, wall = concurrently(service.answer, questions, CONCURRENT, per_thread)
     latency[f"answer, {CONCURRENT} threads"] = {**percentiles(times), "wall_s": wall} | answered(results, k)
     times, results, wall = served_as_the_demo(service, questions, CONCURRENT, per_thread)
-    record["demo_queue"] = {"max_batch": MAX_BATCH, "window_s": BATCH_WINDOW_S}
+    record["demo_queue"] = {"max_batch": default_max_batch(service.reader.device), "window_s": BATCH_WINDOW_S}
     latency[f"answer, {CONCURRENT} users through the demo's queue"] = {
         **percentiles(times),
         "wall_s": wall,

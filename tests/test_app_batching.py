@@ -254,7 +254,10 @@ def test_rlm_demo_keeps_torchs_threads_unless_told_and_batches_as_told(
     torch.set_num_threads(2)  # what torch chose for this machine; the demo used to force 1
     start_demo(tiny_quickstart / "final")
     assert torch.get_num_threads() == 2
-    assert served[-1]["max_batch"] == app.demo.MAX_BATCH and served[-1]["window_s"] == app.demo.BATCH_WINDOW_S
+    # The batch is left to the queue, which takes the device's default: one question a pass on a CPU.
+    assert served[-1]["max_batch"] is None and served[-1]["window_s"] == app.demo.BATCH_WINDOW_S
+    assert app.demo.answer_queue(service).max_batch == app.demo.default_max_batch("cpu") == 1
+    assert app.demo.default_max_batch("cuda:1") == 8
     start_demo(tiny_quickstart / "final", threads=1, max_batch=3, batch_window_ms=5)
     assert torch.get_num_threads() == 1
     assert served[-1]["max_batch"] == 3 and served[-1]["window_s"] == pytest.approx(0.005)

@@ -52,8 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-batch",
         type=int,
-        default=MAX_BATCH,
-        help=f"most questions (of all users) answered in one pass (default {MAX_BATCH})",
+        help="most questions (of all users) answered in one pass (default: "
+        + ", ".join(f"{n} on {device}" for device, n in MAX_BATCH.items())
+        + "; docs/demo.md)",
     )
     parser.add_argument(
         "--batch-window-ms",
@@ -105,20 +106,20 @@ def start_demo(
     """Load the checkpoint as `options` say (None: the defaults, with progress bars) and serve its page
     without blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted.
 
-    Questions are answered in passes of up to `max_batch` (None: `app.demo.MAX_BATCH`), on `threads` torch
-    threads (None: torch's own count, all physical cores), one pass at a time (`app.demo.answer_queue`)."""
+    Questions are answered in passes of up to `max_batch` (None: `app.demo.default_max_batch` of the reader's
+    device), on `threads` torch threads (None: torch's own count, all physical cores), one pass at a time
+    (`app.demo.answer_queue`)."""
     from pathlib import Path
 
     import torch
 
-    from app.demo import BATCH_WINDOW_S, MAX_BATCH
+    from app.demo import BATCH_WINDOW_S
     from app.service import QAService, ServiceOptions
 
-    max_batch = MAX_BATCH if max_batch is None else max_batch
     window_ms = BATCH_WINDOW_S * 1000 if batch_window_ms is None else batch_window_ms
     if threads is not None and threads < 1:
         raise UserError(f"--threads must be >= 1, got {threads}")
-    if max_batch < 1:
+    if max_batch is not None and max_batch < 1:
         raise UserError(f"--max-batch must be >= 1, got {max_batch}")
     if not window_ms >= 0:  # NaN too
         raise UserError(f"--batch-window-ms must be >= 0, got {window_ms}")
