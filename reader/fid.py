@@ -49,6 +49,11 @@ class FiDConfig:
         return cls(**data)
 
 
+def _live_slots(flat_mask: torch.Tensor) -> torch.Tensor:
+    """The indices of the rows of a `[N, L]` attention mask that attend to anything (slots holding text)."""
+    return flat_mask.any(dim=1).nonzero().squeeze(1)
+
+
 class FiDReader(torch.nn.Module):
     """A FiD reader: `.model` (any HF encoder-decoder), `.tokenizer` and `.config` (a `FiDConfig`).
 
@@ -175,16 +180,19 @@ class FiDReader(torch.nn.Module):
     def _on_device(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         # One move per entry point (as HF's Trainer does): callers hand in CPU batches from the collator,
         # and a CPU tensor meeting GPU weights fails deep inside the model.
+        # Without waiting when the collator's tensors are in page-locked memory (a background thread pins them).
         device = self.device
-        return tuple(None if t is None else t.to(device) for t in tensors)
+        return tuple(None if t is None else t.to(device, non_blocking=True) for t in tensors)
 
     def encode(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, live_slots: torch.Tensor | None = None
     ) -> tuple[BaseModelOutput, torch.Tensor]:
         """Encode `[B, K, L]` pairs one by one and fuse them: returns hidden states `[B, K*L, H]` and mask `[B, K*L]`.
 
         Fully masked slots (missing passages) are not run through the encoder; their states are zeros and
-        their mask is zero, so they influence nothing.
+        their mask is zero, so they influence nothing. `live_slots`: the flat indices of the other slots, found
+        where the mask was made (`forward` finds them in the host's copy); None: found here, which reads the
+        device.
         """
         if input_ids.dim() != 3 or input_ids.shape != attention_mask.shape:
             raise ValueError(
@@ -194,11 +202,13 @@ class FiDReader(torch.nn.Module):
         batch, slots, length = input_ids.shape
         flat_ids = input_ids.reshape(batch * slots, length)
         flat_mask = attention_mask.reshape(batch * slots, length)
-        live = flat_mask.any(dim=1)
+        if live_slots is None:
+            live_slots = _live_slots(flat_mask)
         encoder = self.model.get_encoder()
-        if bool(live.all()):
+        if live_slots.numel() == batch * slots:
             hidden = encoder(input_ids=flat_ids, attention_mask=flat_mask, return_dict=True).last_hidden_state
         else:
+            live = live_slots.to(flat_ids.device, non_blocking=True)
             states = encoder(input_ids=flat_ids[live], attention_mask=flat_mask[live], return_dict=True)
             live_hidden = states.last_hidden_state
             hidden = live_hidden.new_zeros(batch * slots, length, live_hidden.shape[-1])
@@ -220,11 +230,13 @@ class FiDReader(torch.nn.Module):
         already carries it. Tensors may come from anywhere (the collator makes them on CPU); they are moved to
         the reader's device here.
         """
+        # Which slots hold text, from the mask where it was made (a CPU tensor: nothing waits for the GPU).
+        live_slots = _live_slots(attention_mask.reshape(-1, attention_mask.shape[-1]))
         input_ids, attention_mask, labels, decoder_input_ids = self._on_device(
             input_ids, attention_mask, labels, decoder_input_ids
         )
         with self.autocast():
-            encoder_outputs, fused_mask = self.encode(input_ids, attention_mask)
+            encoder_outputs, fused_mask = self.encode(input_ids, attention_mask, live_slots)
             return self.model(
                 encoder_outputs=encoder_outputs,
                 attention_mask=fused_mask,
@@ -247,9 +259,10 @@ class FiDReader(torch.nn.Module):
 
         The inputs are moved to the reader's device; the returned token ids are on it.
         """
+        live_slots = _live_slots(attention_mask.reshape(-1, attention_mask.shape[-1]))
         input_ids, attention_mask = self._on_device(input_ids, attention_mask)
         with self.autocast():
-            encoder_outputs, fused_mask = self.encode(input_ids, attention_mask)
+            encoder_outputs, fused_mask = self.encode(input_ids, attention_mask, live_slots)
             return self.model.generate(
                 encoder_outputs=encoder_outputs,
                 attention_mask=fused_mask,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from evalmode import eval_mode
 from reader.fid import FiDReader
-from reader.formatting import Passages
+from reader.formatting import FiDCollator, Passages
 
 REDUCTIONS = ("sum", "mean")
 
@@ -39,32 +40,101 @@ def score_passages(
         raise ValueError(
             f"{len(questions)} questions, {len(passages)} passage lists and {len(answers)} answers"
         )
-    num_slots = max([len(p) for p in passages] + [0])
-    device = reader.device
-    scores = torch.full((len(questions), num_slots), float("-inf"), device=device)
-    pairs = [(b, k) for b, plist in enumerate(passages) for k in range(len(plist))]
-    if not pairs:
-        return scores
-    step = batch_size or len(pairs)
+    step = batch_size or max(1, sum(len(plist) for plist in passages))
     if step < 1:
         raise ValueError(f"batch_size={batch_size} must be positive")
+    parts = [
+        scoring_inputs(reader.collator, questions, passages, answers, start, step)
+        for start in range(0, max(1, sum(len(plist) for plist in passages)), step)
+    ]
+    return score_inputs(reader, parts, reduction)
 
+
+@dataclass
+class ScoringInputs:
+    """One pass of `score_passages`, made on the host: the collated pairs (each passage alone with its question
+    and answer), the [B, K] slot each pair's score goes to, and the shape of the scores."""
+
+    batch: dict[str, torch.Tensor]  # the collator's input_ids, attention_mask [P, 1, L] and labels [P, T]
+    rows: torch.Tensor  # [P] question of each pair
+    cols: torch.Tensor  # [P] its slot
+    shape: tuple[int, int]  # [B, K]: K the most passages of any question
+
+    def pinned(self, pin: bool = True) -> ScoringInputs:
+        """In page-locked memory (when `pin`), so that copying it to a GPU does not wait for the GPU."""
+        if not pin:
+            return self
+        batch = {key: value.pin_memory() for key, value in self.batch.items()}
+        return ScoringInputs(batch, self.rows.pin_memory(), self.cols.pin_memory(), self.shape)
+
+
+def scoring_inputs(
+    collator: FiDCollator,
+    questions: Sequence[str],
+    passages: Passages,
+    answers: Sequence[str],
+    start: int = 0,
+    count: int | None = None,
+) -> ScoringInputs:
+    """The pairs `start` to `start + count` (all: None) of `score_passages`, tokenized by `collator`: the host
+    half of scoring, which another thread can do ahead of the reader's pass (with its own collator)."""
+    shape = (len(questions), max([len(p) for p in passages] + [0]))
+    pairs = [(b, k) for b, plist in enumerate(passages) for k in range(len(plist))]
+    chunk = pairs[start : None if count is None else start + count]
+    batch = {}
+    if chunk:
+        collated = collator(
+            [questions[b] for b, _ in chunk],
+            [[passages[b][k]] for b, k in chunk],
+            [answers[b] for b, _ in chunk],
+        )
+        batch = {key: collated[key] for key in ("input_ids", "attention_mask", "labels")}
+    rows = torch.tensor([b for b, _ in chunk], dtype=torch.long)
+    cols = torch.tensor([k for _, k in chunk], dtype=torch.long)
+    return ScoringInputs(batch, rows, cols, shape)
+
+
+def scoring_inputs_from_reader(collated: dict[str, torch.Tensor], passages: Passages) -> ScoringInputs | None:
+    """`scoring_inputs` of every pair, cut from the FiD reader's collation of the same passages by the same
+    collator: one tokenization for both passes. The same tensors exactly when the template does not name
+    `{rank}` (each pair's text is then its slot's) and every question has a passage (so both pad to the same
+    longest text and answer); None otherwise."""
+    if any(not plist for plist in passages):
+        return None
+    pairs = [(b, k) for b, plist in enumerate(passages) for k in range(len(plist))]
+    rows = torch.tensor([b for b, _ in pairs], dtype=torch.long)
+    cols = torch.tensor([k for _, k in pairs], dtype=torch.long)
+    batch = {
+        "input_ids": collated["input_ids"][rows, cols].unsqueeze(1),
+        "attention_mask": collated["attention_mask"][rows, cols].unsqueeze(1),
+        "labels": collated["labels"][rows],
+    }
+    return ScoringInputs(batch, rows, cols, (len(passages), max(len(plist) for plist in passages)))
+
+
+@torch.no_grad()
+def score_inputs(reader: FiDReader, parts: Sequence[ScoringInputs], reduction: str = "sum") -> torch.Tensor:
+    """The device half of `score_passages`: `log P(answer | question, passage alone)` [B, K] from the pairs
+    `scoring_inputs` made (moved to the reader's device without waiting when pinned); -inf where a question
+    has no passage."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}; choose one of {REDUCTIONS}")
+    device = reader.device
+    scores = torch.full(parts[0].shape, float("-inf"), device=device)
     with eval_mode(reader):
-        for start in range(0, len(pairs), step):
-            chunk = pairs[start : start + step]
-            batch = reader.collator(
-                [questions[b] for b, _ in chunk],
-                [[passages[b][k]] for b, k in chunk],
-                [answers[b] for b, _ in chunk],
-            )
-            labels = batch["labels"].to(device)  # answer_token_log_probs reads them next to the logits
-            logits = reader(batch["input_ids"], batch["attention_mask"], labels=labels).logits
+        for part in parts:
+            if not part.batch:
+                continue
+            # The reader moves its inputs itself (and reads which slots hold text from the host's copy); the
+            # labels are read next to the logits by answer_token_log_probs.
+            labels = part.batch["labels"].to(device, non_blocking=True)
+            logits = reader(part.batch["input_ids"], part.batch["attention_mask"], labels=labels).logits
             token_logp = answer_token_log_probs(logits, labels)
             total = token_logp.sum(dim=1)
             if reduction == "mean":
                 total = total / (labels != -100).sum(dim=1).clamp(min=1)
-            rows = torch.tensor([b for b, _ in chunk], device=device)
-            cols = torch.tensor([k for _, k in chunk], device=device)
+            rows = part.rows.to(device, non_blocking=True)
+            cols = part.cols.to(device, non_blocking=True)
             scores[rows, cols] = total.float()
     return scores
 

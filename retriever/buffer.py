@@ -640,6 +640,23 @@ def _wait_for_everyone(accelerator) -> None:
         accelerator.wait_for_everyone()
 
 
+class BuildStopped(Exception):
+    """Raised by a build's `check` to stop it between two batches (a stop signal): the shards already written
+    stay, and a rerun resumes. With several processes it is raised on every one of them at the build's meeting
+    point (`build_passage_buffer`), so that they stop together: one that stopped alone would leave the others
+    waiting there for it until the process group's timeout."""
+
+
+def _stopped_anywhere(accelerator, stopped: bool) -> bool:
+    """Whether any process stopped its share of the build (every process calls it: it is the build's meeting
+    point, where the ones that finished wait for the others)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return stopped
+    flag = torch.tensor([int(stopped)], device=accelerator.device)  # NCCL reduces tensors on the GPU only
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def build_passage_buffer(
     ids: Sequence[str],
     texts: Sequence[str],
@@ -655,8 +672,9 @@ def build_passage_buffer(
     precision: str = "auto",
 ) -> PassageBuffer:
     """Embed `texts` with `encoder` (a SentenceEncoder: the passage tower) into a buffer folder; resumable
-    (`check`: see `embed_shards`). `precision`: "float32", "bf16" (autocast) or "auto" (`resolve_precision`:
-    bf16 on a CUDA GPU, float32 on CPU), recorded with the buffer's settings.
+    (`check`: see `embed_shards`; a `BuildStopped` it raises stops every process of `accelerator` alike).
+    `precision`: "float32", "bf16" (autocast) or "auto" (`resolve_precision`: bf16 on a CUDA GPU, float32 on
+    CPU), recorded with the buffer's settings.
 
     A complete buffer with the same fingerprints and settings is returned as is; an unfinished one is
     resumed. `accelerator` (an `accelerate.Accelerator` or `PartialState`) splits the shards over its
@@ -680,18 +698,23 @@ def build_passage_buffer(
     _check_or_write_build(folder, settings, write=False)
     if accelerator is not None:
         encoder.to(accelerator.device)
-    embed_shards(
-        ids,
-        texts,
-        encoder,
-        folder,
-        settings,
-        shards_for_rank(settings["num_shards"], rank, world),
-        batch_size=batch_size,
-        show_progress=show_progress and is_main,
-        check=check,
-    )
-    _wait_for_everyone(accelerator)
+    stopped = None
+    try:
+        embed_shards(
+            ids,
+            texts,
+            encoder,
+            folder,
+            settings,
+            shards_for_rank(settings["num_shards"], rank, world),
+            batch_size=batch_size,
+            show_progress=show_progress and is_main,
+            check=check,
+        )
+    except BuildStopped as err:
+        stopped = err
+    if _stopped_anywhere(accelerator, stopped is not None):
+        raise stopped or BuildStopped("another process stopped the build")
     if is_main:
         finalize_buffer(folder, ids, settings)
     _wait_for_everyone(accelerator)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -100,6 +101,23 @@ def _load_hf_encoder(folder: Path) -> nn.Module:
             f"{folder}: encoder-decoder model type {config.model_type!r} is not supported as a sentence encoder"
         )
     return AutoModel.from_pretrained(folder)
+
+
+@dataclass
+class TokenizedTexts:
+    """Texts as `SentenceEncoder.embed_tokenized` runs them, made on the host: `buckets`, the (input_ids,
+    attention_mask) of each forward, and `restore`, the order that puts the buckets' rows back in the texts'
+    order (None: one bucket, already in order)."""
+
+    buckets: list[tuple[Tensor, Tensor]]
+    restore: Tensor | None
+
+    def pinned(self, pin: bool = True) -> TokenizedTexts:
+        """In page-locked memory (when `pin`), so that copying it to a GPU does not wait for the GPU."""
+        if not pin:
+            return self
+        restore = None if self.restore is None else self.restore.pin_memory()
+        return TokenizedTexts([(ids.pin_memory(), mask.pin_memory()) for ids, mask in self.buckets], restore)
 
 
 class SentenceEncoder(nn.Module):
@@ -237,9 +255,10 @@ class SentenceEncoder(nn.Module):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def tokenize(self, texts: Sequence[str]) -> dict[str, Tensor]:
-        """Pad/truncate to `max_length`; returns `input_ids` and `attention_mask` on CPU."""
-        batch = self.tokenizer(
+    def tokenize(self, texts: Sequence[str], tokenizer=None) -> dict[str, Tensor]:
+        """Pad/truncate to `max_length`; returns `input_ids` and `attention_mask` on CPU. `tokenizer`: a copy of
+        the tower's to use instead (a fast tokenizer serves one thread at a time)."""
+        batch = (tokenizer or self.tokenizer)(
             list(texts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         )
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -314,23 +333,44 @@ class SentenceEncoder(nn.Module):
         Rows run in buckets of `bucket_size` by token length, each padded to its own longest row, then go back
         to input order (`None`: one pass; "auto": `bucket_size_for(self.device)`, buckets of 16 on a CPU only).
         """
+        return self.embed_tokenized(self.tokenize_for_embedding(texts, bucket_size))
+
+    def tokenize_for_embedding(
+        self,
+        texts: Sequence[str],
+        bucket_size: int | None | Literal["auto"] = "auto",
+        tokenizer=None,
+        pin: bool = False,
+    ) -> TokenizedTexts:
+        """The host half of `embed_texts`: the texts tokenized and cut into its buckets, nothing read from a
+        device, so another thread can do it ahead of the forward (`tokenizer`: that thread's copy; `pin`: in
+        page-locked memory, for a copy to the GPU that does not wait)."""
         if bucket_size == "auto":
             bucket_size = bucket_size_for(self.device)
-        batch = self.tokenize(texts)
-        lengths = batch["attention_mask"].sum(dim=1)
-        if bucket_size is None or len(lengths) <= bucket_size or self.tokenizer.padding_side != "right":
-            return self(**{k: v.to(self.device) for k, v in batch.items()})
+        tokenizer = tokenizer or self.tokenizer
+        batch = self.tokenize(texts, tokenizer)
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        lengths = mask.sum(dim=1)
+        if bucket_size is None or len(lengths) <= bucket_size or tokenizer.padding_side != "right":
+            return TokenizedTexts([(ids, mask)], None).pinned(pin)
         order = torch.argsort(lengths, descending=True, stable=True)
-        outputs = []
+        buckets = []
         for rows in order.split(bucket_size):
             width = max(1, int(lengths[rows].max()))
-            outputs.append(
-                self(
-                    input_ids=batch["input_ids"][rows, :width].to(self.device),
-                    attention_mask=batch["attention_mask"][rows, :width].to(self.device),
-                )
-            )
-        return torch.cat(outputs)[torch.argsort(order)]
+            buckets.append((ids[rows, :width], mask[rows, :width]))
+        return TokenizedTexts(buckets, torch.argsort(order)).pinned(pin)
+
+    def embed_tokenized(self, tokenized: TokenizedTexts) -> Tensor:
+        """The device half of `embed_texts`: each bucket forward on the tower's device (moved without waiting
+        when pinned), the rows back in the texts' order."""
+        device = self.device
+        outputs = [
+            self(ids.to(device, non_blocking=True), mask.to(device, non_blocking=True))
+            for ids, mask in tokenized.buckets
+        ]
+        if tokenized.restore is None:
+            return outputs[0]
+        return torch.cat(outputs)[tokenized.restore.to(device, non_blocking=True)]
 
     @torch.no_grad()
     def encode(self, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False) -> Tensor:

@@ -116,11 +116,15 @@ class RowSearch:
         key = (id(rows), len(rows), str(device), torch.is_autocast_enabled(device.type))
         if self._h_cache is not None:
             cached_key, cached_weights, corrected = self._h_cache
-            same = len(cached_weights) == len(weights) and all(
-                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-                for a, b in zip(cached_weights, weights)
+            # Every weight compared on the device, then one read of the answer (a host sync on a GPU), not
+            # one per weight tensor.
+            same = (
+                cached_key == key
+                and len(cached_weights) == len(weights)
+                and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(cached_weights, weights))
+                and not torch.cat([(a != b).flatten() for a, b in zip(cached_weights, weights)]).any()
             )
-            if cached_key == key and same:
+            if same:
                 return corrected, None
         self._h_cache = None  # the stale copy goes before the new one is built
         corrected = correct_buffer(rows, corrector, self.chunk_size, device)

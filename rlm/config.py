@@ -22,6 +22,7 @@ import math
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -440,11 +441,15 @@ class TrainConfig:
     final_embeddings: str | None = None
     save_every: int = setting(100, ge=0)  # 0: only at the end
     keep_last: int = setting(2, ge=1)  # fewer would delete the checkpoint just written
-    max_nonfinite_in_a_row: int = setting(10, ge=1)
-    # How long a process waits for the others at a collective before the run fails (every backend). Rank 0's
-    # single-process work between collectives (hashing a 32 GB buffer, writing a checkpoint) must fit in it; a
-    # dead or hung process ends the run after it instead of never.
-    dist_timeout_s: int = setting(3600, ge=10)
+    # A batch whose loss is non-finite on any process is skipped (the run moves on to the next one) and named
+    # in the output with its question ids; the run stops with a checkpoint at the Nth distinct bad batch.
+    max_bad_batches: int = setting(10, ge=1)
+    # How long a process waits for the others at a collective before the run fails (every backend); the main
+    # process names the rank that holds the others up at half of it (rlm.training.heartbeat). None: sized by the
+    # run (rlm.training.accelerator.CollectiveTimeout): 30 min until the first step ends (the main process
+    # verifying the newest checkpoint, the buffer build's meeting point), then 4 x the longest step, refresh
+    # part, checkpoint or validation measured so far, at least 5 min. A value fixes it for the whole run.
+    dist_timeout_s: int | None = setting(None, ge=10)
     # Where metrics go besides log.jsonl: accelerate's trackers (TensorBoard under <output_dir>/rlm; Weights &
     # Biases with the `wandb` extra, its run id kept in the checkpoint so a resumed run continues the same run).
     report_to: Literal["tensorboard", "wandb", "all", "none"] = "tensorboard"
@@ -566,14 +571,47 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+class RenamedSettingWarning(FutureWarning):
+    """A config names a setting by a name it no longer has; it is read under its new one."""
+
+
+# Settings that have a new name (dotted keys of one section): an old config is read with one warning naming
+# the new key, and refused only when it sets both.
+RENAMED_SETTINGS = {
+    # A non-finite batch is skipped now, not retried: the limit counts distinct bad batches (issue 48).
+    "max_nonfinite_in_a_row": "max_bad_batches",
+}
+
+
+def _renamed(data: dict, where: str) -> dict:
+    """`data` with each renamed setting under its new name (`RENAMED_SETTINGS`), warning once for each."""
+    out = dict(data)
+    for key in data:
+        old = _key(f"{where}.{key}")
+        new = RENAMED_SETTINGS.get(old)
+        if new is None:
+            continue
+        new_key = new.rsplit(".", 1)[-1]
+        if new_key in data:
+            raise UserError(f"{old} is the old name of {new}: set {new} alone")
+        warnings.warn(
+            f"config key {old} is now {new} (read as {new}={data[key]!r}); rename it in your config",
+            RenamedSettingWarning,
+            stacklevel=4,
+        )
+        out[new_key] = out.pop(key)
+    return out
+
+
 def from_dict(cls: type, data: dict, where: str = "config") -> Any:
     """Build dataclass `cls` from a nested dict, refusing unknown keys, wrongly typed values, values outside a
-    `Literal`'s choices and numbers outside the range their field carries (`setting`)."""
+    `Literal`'s choices and numbers outside the range their field carries (`setting`); a setting under its old
+    name (`RENAMED_SETTINGS`) is read under its new one, with a warning."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     names = list(fields)
     kwargs = {}
-    for key, value in data.items():
+    for key, value in _renamed(data, where).items():
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (valid: {', '.join(names)})"
@@ -693,13 +731,15 @@ def read_config_file(path: str | Path, _extending: tuple[Path, ...] = ()) -> dic
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Load a TrainConfig from YAML (or defaults when path is None), then apply `--set` overrides.
 
-    `output_dir` may name `{strategy}` (strategy.name), so one file per dataset gives each strategy its own run
-    folder."""
+    `output_dir` and `final_embeddings` may name `{strategy}` (strategy.name), so one file per dataset gives each
+    strategy its own run folder."""
     data = {} if path is None else read_config_file(resolve_config_path(path))
     for assignment in overrides:
         apply_override(data, assignment)
     cfg = from_dict(TrainConfig, data)
     cfg.output_dir = cfg.output_dir.replace("{strategy}", cfg.strategy.name)
+    if cfg.final_embeddings:
+        cfg.final_embeddings = cfg.final_embeddings.replace("{strategy}", cfg.strategy.name)
     return cfg.validate()
 
 

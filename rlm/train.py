@@ -73,7 +73,11 @@ def training_run(
     check_kept_embeddings_folder(cfg)  # refused now, not after hours of training
     stops = StopSignals()
     with stops.installed():
-        yield build_run(cfg, accelerator or make_accelerator(cfg), resume, overwrite, allow_changed, stops)
+        run = build_run(cfg, accelerator or make_accelerator(cfg), resume, overwrite, allow_changed, stops)
+        try:
+            yield run
+        finally:
+            run.heartbeat.close()
 
 
 def train_loop(run: TrainRun, until: int | None = None) -> dict:
@@ -85,10 +89,13 @@ def train_loop(run: TrainRun, until: int | None = None) -> dict:
     run.model.train()
     stop_signal = None
     while state.step < until and stop_signal is None:
+        started = time.monotonic()
         with log.throughput.step():
             record = train_step(run)
-        if record is None:  # a non-finite loss somewhere: skipped on every process
-            skipped_step(run)
+        run.step_ended(time.monotonic() - started)  # the heartbeat, and the process group's timeout
+        if record is None:  # a non-finite loss somewhere: the batch is skipped on every process
+            log.flush()  # the log holds every step a checkpoint written now holds
+            skipped_batch(run)
             continue
         log.step(record)
         if cfg.eval_every and state.step % cfg.eval_every == 0 and run.dev_examples:
@@ -97,31 +104,33 @@ def train_loop(run: TrainRun, until: int | None = None) -> dict:
         log.write(record)
         stop_signal = run.stops.requested_anywhere(acc)  # SIGTERM / SIGUSR1 on any process
         if stop_signal is None and cfg.save_every and state.step % cfg.save_every == 0:
+            log.flush()
             run.save()
     log.close()
     if stop_signal is not None:
-        raise Preempted(stop_signal, state.step, run.save())
+        raise run.preempted(stop_signal)
     return finish(run) if state.step == cfg.optim.max_steps else {"steps": state.step}
 
 
 def train_step(run: TrainRun) -> dict | None:
     """One optimizer step: refresh (if the strategy is due), an accumulation window of micro-batches, clip per
-    component, step, schedule. Returns the step's log record, or None when a non-finite loss on any process
-    skipped it (on every process alike)."""
+    component, step, schedule. Returns the step's log record, its figures from the device still there
+    (`host_record` reads them), or None when a non-finite loss on any process skipped the window's batch (on
+    every process alike: the next step trains the next window)."""
     cfg, acc, state, strategy = run.cfg, run.accelerator, run.state, run.strategy
     before = strategy.state_dict()
     try:
         strategy.before_step(state.step, run.reembed)
-    except Preempted as err:  # stopped mid-refresh
+    except Preempted as err:  # every process stopped at the same part of a refresh
         strategy.load_state_dict(before)  # as after the last step: a checkpoint now redoes the refresh
-        if acc.num_processes > 1:  # the others are elsewhere in the refresh: no collective checkpoint
-            raise
-        raise Preempted(err.signum, state.step, run.save()) from None
+        raise run.preempted(err.signum) from None
     sums, finite = accumulation_window(run, reader_only_step(cfg, state.step))
     if not finite:
         run.optimizer.zero_grad(set_to_none=True)
-        state.nonfinite_total += 1
-        state.nonfinite_in_a_row += 1
+        window = state.window
+        state.bad_batches.append(
+            {"step": state.step, "window": window, "questions": run.window_question_ids(window)}
+        )
         return None
     aligning = run.alignment is not None and run.alignment.active(state.step)
     if aligning:  # DAFT stage 1: only the query tower moves
@@ -132,17 +141,16 @@ def train_step(run: TrainRun) -> dict | None:
     if not run.optimizer.step_was_skipped:  # fp16 loss scaling skips steps that overflowed
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    state.nonfinite_in_a_row = 0
     state.step += 1
     record = {
         "step": state.step,
-        **{k: round(v, 6) for k, v in mean_over_processes(acc, sums).items()},
-        **{k: round(v, 6) for k, v in norms.items()},
+        **mean_over_processes(acc, sums),
+        **norms,
         **strategy.pop_metrics(),
         **lrs,
         **({"aligning": 1} if aligning else {}),
         "reembedded": strategy.reembedded,
-        "nonfinite_skipped": state.nonfinite_total,
+        "nonfinite_skipped": len(state.bad_batches),
     }
     if aligning:
         examples = run.dev_examples or run.train_examples  # what the stage measures the towers on
@@ -155,43 +163,71 @@ def train_step(run: TrainRun) -> dict | None:
     return record
 
 
-def accumulation_window(run: TrainRun, reader_only: bool) -> tuple[dict[str, float], bool]:
-    """Forward and backward of the step's micro-batches: (their mean figures, whether every loss on every
-    process was finite)."""
-    acc, step, windows = run.accelerator, run.state.step, run.accumulation_steps
-    sums: dict[str, float] = {}
-    finite = True
-    batches = tuple(run.batch(step, micro) for micro in range(windows))  # the first selects for all
+def accumulation_window(run: TrainRun, reader_only: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """Forward and backward of the step's micro-batches: (their mean figures, on the device, and whether every
+    loss on every process was finite)."""
+    acc, state, windows = run.accelerator, run.state, run.accumulation_steps
+    sums: dict[str, torch.Tensor] = {}
+    finite, losses = True, []
+    batches = tuple(run.batch(state.step, micro, state.window) for micro in range(windows))
+    # DeepSpeed steps inside the window's last backward and sums the micro-steps' gradients in its own buffers,
+    # so there each loss is judged before its backward. Elsewhere the window's gradients are dropped after a
+    # non-finite loss, so one verdict at its end is enough: one read from the device per window.
+    judged_each = acc.distributed_type == DistributedType.DEEPSPEED
     for micro, batch in enumerate(batches):
         # Every micro-step of the window goes through accumulate() and backward, a skipped one too: that keeps
         # accelerate's micro-step counter (and DeepSpeed's) on the window and DDP's reducer in step.
         with acc.accumulate(run.model):
             later = batches[micro + 1 :]
             out = run.model(batch, run.strategy, run.corpus, reader_only=reader_only, later=later)
-            finite = finite_on_every_process(acc, out.loss) and finite
-            with engine_step_held(acc, run.optimizer, hold=micro == windows - 1 and not finite):
+            losses.append(out.loss.detach())
+            last = micro == windows - 1
+            if judged_each or last:
+                finite = finite_on_every_process(acc, torch.stack(losses)) and finite
+                losses = []
+            with engine_step_held(acc, run.optimizer, hold=last and not finite):
                 acc.backward(out.loss if finite else zero_loss(acc, run.model, out.loss))
-            for key, value in {"loss": float(out.loss.detach()), **out.metrics}.items():
+            for key, value in {"loss": out.loss.detach(), **out.metrics}.items():
                 sums[key] = sums.get(key, 0.0) + value / windows
     return sums, finite
 
 
-def skipped_step(run: TrainRun) -> None:
-    """After a step a non-finite loss skipped: say so, and stop after `max_nonfinite_in_a_row` of them."""
+def host_record(record: dict) -> dict:
+    """`record` with its figures from the device read into Python numbers (one read for all of them), rounded
+    to 6 decimals; what is already a Python value stays as it is."""
+    keys = [key for key, value in record.items() if isinstance(value, torch.Tensor)]
+    if not keys:
+        return dict(record)
+    device = record[keys[0]].device
+    values = torch.stack([record[key].detach().to(device, torch.float32).reshape(()) for key in keys])
+    return {**record, **{key: round(value, 6) for key, value in zip(keys, values.tolist())}}
+
+
+def skipped_batch(run: TrainRun) -> None:
+    """After a window whose loss was non-finite: name its batch, and stop at the `max_bad_batches`th."""
     state, cfg = run.state, run.cfg
+    bad = state.bad_batches[-1]
     run.accelerator.print(
-        f"step {state.step}: non-finite loss, step skipped ({state.nonfinite_in_a_row} in a row)"
+        f"step {state.step}: non-finite loss; skipped the batch of window {bad['window']} "
+        f"({len(state.bad_batches)} of at most {cfg.max_bad_batches}), questions {' '.join(bad['questions'])}"
     )
-    if state.nonfinite_in_a_row >= cfg.max_nonfinite_in_a_row:
+    if len(state.bad_batches) >= cfg.max_bad_batches:
         path = run.save(prune=False)  # the good checkpoints before it stay
+        windows = ", ".join(str(b["window"]) for b in state.bad_batches)
         raise NonFiniteLossError(
-            f"{state.nonfinite_in_a_row} non-finite losses in a row at step {state.step}; the last good "
-            f"state is saved in {path}. Lower the learning rates or use mixed_precision=no, then --resume."
+            f"{len(state.bad_batches)} batches with non-finite losses (windows {windows}; their questions are "
+            f"printed above) by step {state.step}; the last good state is saved in {path}. Lower the learning "
+            "rates or use mixed_precision=no, then --resume (or raise max_bad_batches)."
         )
 
 
 class RunLog:
-    """`log.jsonl`, the trackers (TensorBoard / W&B) and the progress bar of a run that trains to step `stop`."""
+    """`log.jsonl`, the trackers (TensorBoard / W&B) and the progress bar of a run that trains to step `stop`.
+
+    A step's record keeps its figures on the device until a log step (every `log_every` steps), where the
+    records since the last one are read together and written (`flush`): reading a loss back each step would
+    wait for the device at every step. The loop flushes before every checkpoint too, so `log.jsonl` holds
+    every step a checkpoint holds."""
 
     def __init__(self, run: TrainRun, stop: int):
         self.run, self.stop, cfg, acc, state = run, stop, run.cfg, run.accelerator, run.state
@@ -213,17 +249,20 @@ class RunLog:
             desc=f"train[{cfg.strategy.name}]",
             disable=not acc.is_local_main_process,
         )
-        self.throughput = Throughput(run.raw, acc.device)
+        self.throughput = Throughput(run.raw, acc.device, acc.mixed_precision)
         self.t_start = self.t_last = time.time()
         self.step_start, self.steps_since_log = state.step, 0
+        self.pending: list[dict] = []  # records not yet written (`flush`)
+        self.due = False  # the last step was a log step
 
     def step(self, record: dict) -> None:
-        """Count a step taken; every `log_every` steps add its speed to `record` and show its losses and speed
-        (collective: every process calls it at every step)."""
+        """Count a step taken; every `log_every` steps add its speed to `record` (its losses are shown when it
+        is written) (collective: every process calls it at every step)."""
         cfg, acc, state = self.run.cfg, self.run.accelerator, self.run.state
         self.steps_since_log += 1
         self.progress.update(1)
-        if state.step % cfg.log_every == 0 or state.step == cfg.optim.max_steps:
+        self.due = state.step % cfg.log_every == 0 or state.step == cfg.optim.max_steps
+        if self.due:
             if acc.device.type == "cuda":
                 torch.cuda.synchronize(acc.device)  # the host clock at a point the GPU has reached
             now = time.time()
@@ -234,17 +273,31 @@ class RunLog:
             record["eta_s"] = round(max(self.stop - state.step, 0) * per_step, 2)
             state.wall_time += now - self.t_last
             self.t_last, self.steps_since_log = now, 0
-            if acc.is_local_main_process:
-                self.progress.set_postfix(progress_postfix(record))
 
     def write(self, record: dict) -> None:
+        """Write `record` at a log step, with the ones kept since the last; keep it until then otherwise."""
+        self.pending.append(record)
+        if self.due:
+            self.flush()
+
+    def flush(self) -> None:
+        """Read the kept records from the device and write them (the first read waits for the device; the
+        others find their figures done)."""
+        if not self.pending:
+            return
         acc = self.run.accelerator
+        records = [host_record(record) for record in self.pending]
+        self.pending = []
+        if acc.is_local_main_process and "questions_per_s" in records[-1]:
+            self.progress.set_postfix(progress_postfix(records[-1]))
         if acc.is_main_process:
-            acc.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=self.run.state.step)
+            for record in records:
+                acc.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"])
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.writelines(json.dumps(record) + "\n" for record in records)
 
     def close(self) -> None:
+        self.flush()
         self.progress.close()
         self.throughput.close()
 
@@ -265,7 +318,7 @@ def finish(run: TrainRun) -> dict:
     summary = {
         "steps": state.step,
         "reembedded": run.strategy.reembedded,
-        "nonfinite_skipped": state.nonfinite_total,
+        "nonfinite_skipped": len(state.bad_batches),
         **({"prefix": state.prefix} if state.prefix is not None else {}),
         "data": run.data_splits,  # which questions the figures below are on: dataset, split, size
     }

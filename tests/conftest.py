@@ -153,6 +153,51 @@ def two_process_run(tmp_path_factory) -> Path:
     return root
 
 
+class HostReads:
+    """Where the test's thread read a tensor's values into Python (`item`, `tolist`, `bool`, `float`, `int`,
+    `index`): on an accelerator each such read waits for the device to finish all the work queued before it
+    (a host sync). On a CPU nothing waits, but the same calls are counted where they are made."""
+
+    METHODS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self) -> None:
+        import collections
+        import threading
+
+        self.thread = threading.get_ident()
+        self.sites: collections.Counter[tuple[str, str]] = collections.Counter()  # (method, file:line)
+        self.active = False
+
+    def total(self, excluding: tuple[str, ...] = ()) -> int:
+        """Reads counted so far, less those made in files whose path ends with one of `excluding`."""
+        return sum(n for (_, where), n in self.sites.items() if not where.split(":")[0].endswith(excluding))
+
+    def clear(self) -> None:
+        self.sites.clear()
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> HostReads:
+    """A `HostReads` that counts, on the test's own thread, while `host_reads.active` is true."""
+    import sys
+    import threading
+
+    import torch
+
+    reads = HostReads()
+    for name in HostReads.METHODS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if reads.active and threading.get_ident() == reads.thread:
+                caller = sys._getframe(1)
+                reads.sites[(_name, f"{caller.f_code.co_filename}:{caller.f_lineno}")] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
 @pytest.fixture
 def fresh_accelerator_state():
     """accelerate keeps its state in process-wide singletons: the test starts from a clean one and leaves one."""

@@ -1,6 +1,6 @@
 """Run by tests/test_run_lifecycle.py under `accelerate launch`: rank 1 hangs (a stuck process) while rank 0
-waits for it at a collective, with the run's `dist_timeout_s`; rank 0 writes how long it waited there to
-`<output_dir>/rank0_waited_s.txt` when the collective gives up.
+waits for it at a collective, with the run's `dist_timeout_s` and the run's heartbeat; rank 0 writes how long it
+waited there to `<output_dir>/rank0_waited_s.txt` when the collective gives up.
 
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml tests/multiprocess_hang.py --set ...
 """
@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from rlm.config import add_override_argument, load_config
-from rlm.training.accelerator import make_accelerator
+from rlm.training.accelerator import CollectiveTimeout, make_accelerator
+from rlm.training.run import heartbeat_for
 
 
 def main() -> None:
@@ -20,6 +21,8 @@ def main() -> None:
     add_override_argument(parser)
     cfg = load_config(None, parser.parse_args().overrides)
     accelerator = make_accelerator(cfg)
+    timeout = CollectiveTimeout(cfg.dist_timeout_s, accelerator.num_processes > 1)
+    heartbeat_for(cfg, accelerator, timeout).start()
     if accelerator.process_index == 1:
         time.sleep(3600)
     start = time.monotonic()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from rlm.config import add_override_argument, load_config
-from rlm.train import train_step
+from rlm.train import host_record, train_step
 from rlm.training.run import build_run
 
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             skipped_at.append(before)
             skipped_moved.append(params_sha256() != weights)  # a skipped window must leave them as they were
         else:
-            records.append(record)
+            records.append(host_record(record))
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "rank": acc.process_index,

@@ -463,3 +463,47 @@ def test_corrector_selection_keeps_h_of_b_on_the_queries_device(placement):
     for g, r in zip(got, ref, strict=True):
         assert_same_topk(g, r)
     assert not torch.equal(ref[0].indices, ref[2].indices)  # the update changed the selection
+
+
+def test_an_accumulation_window_of_algorithm_2_reads_nothing_back_from_the_device(
+    training_parts, monkeypatch
+):
+    """A window of two micro-batches, the model on the (simulated) accelerator: its forwards and backwards read
+    no value of a device tensor back into Python on any thread (each such read is a host sync on a GPU). The
+    rows S_x selects reach the host by a copy on the background thread; figures stay on the device. Only
+    transformers' own look at each attention mask (whether it masks anything) remains, and is its code's."""
+    import sys
+
+    from rlm.config import load_config
+    from rlm.training.model import RetrievalAugmentedModel
+    from rlm.training.schedule import make_batch
+    from rlm.training.strategies import make_strategy
+
+    root, overrides, build_components = training_parts
+    cfg = load_config(None, [*overrides, "strategy.name=corrector"])
+    parts = build_components(cfg)
+    model = RetrievalAugmentedModel(
+        parts.retriever, parts.reader, parts.corrector, parts.collator, cfg
+    ).train()
+    strategy = make_strategy(cfg.strategy, parts.buffer, 10)
+    model.parameter_groups(strategy, cfg.optim)
+    batches = [make_batch(parts.train_examples, rows, parts.corpus, 2) for rows in ([0, 1], [2, 3])]
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            # Once per read: not again where the simulated device runs it (torch functions off there).
+            if on_accelerator(self) and torch._C._is_torch_function_enabled():
+                caller = sys._getframe(1)
+                reads.append((_name, f"{caller.f_code.co_filename}:{caller.f_lineno}"))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    with simulated_accelerator(model):
+        for micro, batch in enumerate(batches):
+            out = model(batch, strategy, parts.corpus, later=batches[micro + 1 :])
+            out.loss.backward()
+        assert on_accelerator(out.loss) and all(on_accelerator(v) for v in out.metrics.values())
+    assert any("transformers/masking_utils.py" in where for _, where in reads)  # the count sees device reads
+    assert [r for r in reads if "transformers/masking_utils.py" not in r[1]] == [], reads

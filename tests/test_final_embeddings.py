@@ -93,3 +93,20 @@ def test_two_processes_keep_a_shard_each_that_together_are_one_processs_rows(two
     assert kept.meta["shards"] == ["shard_00000.npy", "shard_00001.npy"] and kept.meta["shard_size"] == 60
     again = embed_passages(tower, corpus.retrieval_texts(), precision="float32")
     np.testing.assert_allclose(kept.embeddings.float().numpy(), again.astype(np.float32), atol=2e-3)
+
+
+def test_final_embeddings_inside_the_run_folder_survive_resume_and_give_way_to_overwrite(
+    tiny_world, tmp_path
+):
+    """The paper configs keep them in `<output_dir>/embeddings`: a run folder holding them is still the run's
+    own, for `--resume` (which continues it) and for `--overwrite` (which starts it again and keeps them anew)."""
+    root = runs_beside(tiny_world, tmp_path)
+    kept = root / "run" / "embeddings"
+    extra = ("save_every=0", f"final_embeddings={kept}")
+    assert train_here(train_args(root, "run", *extra, steps=1)) == 0
+    first = (kept / "meta.json").read_text()
+    assert train_here([*train_args(root, "run", *extra, steps=2), "--resume"]) == 0
+    assert (root / "run" / "final").is_dir() and (kept / "meta.json").read_text() != first
+    assert train_here([*train_args(root, "run", *extra, steps=1), "--overwrite"]) == 0
+    corpus = load_corpus(root / "toy" / "corpus.jsonl")
+    assert PassageBuffer.load(kept, corpus_fingerprint=corpus.fingerprint).ids == corpus.ids

@@ -117,7 +117,7 @@ def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(
 
     _, reader, _ = load(run.ckpt, need_retriever=False, device="meta")
 
-    def encode(input_ids, attention_mask):
+    def encode(input_ids, attention_mask, live_slots=None):
         seen["reader"] = tensor_devices((input_ids, attention_mask), {})
         raise Reached("reader")
 

@@ -110,3 +110,20 @@ def test_a_ranked_template_scores_every_passage_as_rank_one():
     batch = ranked.collator(QUESTIONS[:1], PASSAGES[:1], ANSWERS[:1])
     swapped = ranked.collator(QUESTIONS[:1], [PASSAGES[0][::-1]], ANSWERS[:1])
     assert not torch.equal(batch["input_ids"][0, 0], swapped["input_ids"][0, 2])
+
+
+def test_scoring_inputs_cut_from_the_fid_collation_are_the_pairs_tokenized_one_by_one(reader):
+    """The training step tokenizes a micro-batch's passages once for the scoring pass and the FiD reader: with a
+    template that does not name `{rank}` and a passage for every question, the pairs cut from the FiD collation
+    are the very tensors the scoring pass would tokenize, so the scores are the same to the last bit."""
+    from reader.scoring import score_inputs, scoring_inputs, scoring_inputs_from_reader
+
+    questions, passages, answers = QUESTIONS[:2], PASSAGES[:2], ANSWERS[:2]
+    cut = scoring_inputs_from_reader(reader.collator(questions, passages, answers), passages)
+    own = scoring_inputs(reader.collator, questions, passages, answers)
+    assert cut.shape == own.shape and torch.equal(cut.rows, own.rows) and torch.equal(cut.cols, own.cols)
+    assert cut.batch.keys() == own.batch.keys()
+    assert all(torch.equal(cut.batch[key], own.batch[key]) for key in own.batch)
+    assert torch.equal(score_inputs(reader, [cut]), score_passages(reader, questions, passages, answers))
+    # A question without passages pads the FiD collation with its question alone: not cut from it.
+    assert scoring_inputs_from_reader(reader.collator(QUESTIONS, PASSAGES, ANSWERS), PASSAGES) is None

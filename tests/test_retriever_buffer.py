@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from local_port import free_port
 from local_port import torchrun as launch_torchrun
 from torch import nn
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
 from retriever.buffer import (
+    BuildStopped,
     PassageBuffer,
     build_passage_buffer,
     build_settings,
@@ -461,3 +463,78 @@ def test_a_stopped_build_does_not_wait_for_the_next_shard_being_read(encoder, tm
         if thread.name.startswith("buffer-tokenize"):
             thread.join(timeout=30)
             assert not thread.is_alive()
+
+
+def _stopped_build_process(rank: int, world: int, port: int, tower: str, out: str) -> None:
+    """One of two gloo processes building a 5-shard buffer, two rows a forward: rank 1's check stops it at its
+    second batch (a stop signal), while rank 0 embeds all three of its shards. Writes how the build ended."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+    class Processes:  # what the build uses of accelerate's state
+        process_index, num_processes, is_main_process, device = rank, world, rank == 0, torch.device("cpu")
+
+        def wait_for_everyone(self):
+            dist.barrier()
+
+    batches = []
+
+    def check():
+        batches.append(1)
+        if rank == 1 and len(batches) == 2:
+            raise BuildStopped("stopped by SIGTERM")
+
+    encoder = SentenceEncoder.from_pretrained(tower, max_length=32)
+    started = time.monotonic()
+    try:
+        build_passage_buffer(
+            IDS,
+            TEXTS,
+            encoder,
+            out,
+            batch_size=2,
+            shard_size=5,
+            accelerator=Processes(),
+            check=check,
+            show_progress=False,
+        )
+        ended = "built"
+    except BuildStopped as err:
+        ended = str(err)
+    except Exception as err:  # a process left waiting for another at the meeting point
+        ended = f"{type(err).__name__}: {err}"
+    result = {"ended": ended, "batches": len(batches), "seconds": time.monotonic() - started}
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_build_stopped_on_one_process_stops_every_process_at_its_meeting_point_and_a_rerun_resumes(
+    encoder, tmp_path
+):
+    """A stop on one process must not leave the others waiting for it until the process group's timeout: all
+    leave the build together, the shards already written stay, and a rerun finishes the buffer."""
+    from torch.multiprocessing import start_processes
+
+    tower, out = tmp_path / "tower", tmp_path / "b"
+    encoder.save_pretrained(tower)
+    start_processes(
+        _stopped_build_process, args=(2, free_port(), str(tower), str(out)), nprocs=2, start_method="spawn"
+    )
+    rank0, rank1 = (json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1))
+    assert rank1 == {**rank1, "ended": "stopped by SIGTERM", "batches": 2}
+    assert rank0["ended"] == "another process stopped the build" and rank0["seconds"] < 50, rank0
+    assert rank0["batches"] == 8  # shards 0, 2 and 4: 5 + 5 + 3 rows, two a forward
+    assert not (out / "meta.json").exists()
+    resumed = build_passage_buffer(IDS, TEXTS, encoder, out, shard_size=5, show_progress=False)
+    single = build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "one", shard_size=5, show_progress=False)
+    assert torch.equal(resumed.embeddings, single.embeddings)

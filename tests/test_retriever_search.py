@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from retriever import search
 from retriever.buffer import PassageBuffer
 from retriever.corrector import CorrectorNetwork
 from retriever.index import PassageIndex
@@ -28,8 +29,17 @@ def int_data(n=300, d=8, b=5, seed=0):
     ).float()
 
 
+@pytest.fixture(params=["host_tie_width", "keyed"])
+def tie_path(request, monkeypatch):
+    """Each way a chunk's top-k finds its ties: reading their width on the host (a CPU's), or keys that hold the
+    row beside the score (an accelerator's, without a host sync), taken here on the CPU."""
+    if request.param == "keyed":
+        monkeypatch.setattr(search, "HOST_TIE_WIDTH_DEVICES", ())
+    return request.param
+
+
 @pytest.mark.parametrize("chunk_size,k", [(7, 5), (64, 100), (1000, 16), (50, 50), (1, 3)])
-def test_stale_topk_is_exact_with_ties(chunk_size, k):
+def test_stale_topk_is_exact_with_ties(chunk_size, k, tie_path):
     queries, emb = int_data()
     got = corrected_topk(queries, emb, None, k, chunk_size=chunk_size)
     ref_scores, ref_rows = brute_force(queries, emb, None, k)
@@ -38,10 +48,33 @@ def test_stale_topk_is_exact_with_ties(chunk_size, k):
     assert got.indices.dtype == torch.long
 
 
-def test_all_tied_picks_lowest_rows():
+def test_all_tied_picks_lowest_rows(tie_path):
     emb = torch.ones(40, 4)
     got = corrected_topk(torch.ones(2, 4), emb, None, 6, chunk_size=9)
     assert got.indices.tolist() == [list(range(6))] * 2
+
+
+def test_ties_between_negative_zero_and_zero_and_among_negatives_go_to_the_lower_row(tie_path):
+    # Scores -0.0 and 0.0 are equal, so the lower row comes first whichever sign it carries; among equal
+    # negative scores too, and a more negative score never outranks a less negative one.
+    emb = torch.tensor([[-1.0], [0.0], [-2.0], [-1.0], [-0.0], [0.0], [-2.0], [-0.5]])
+    got = corrected_topk(torch.ones(1, 1), emb, None, 7, chunk_size=8)
+    assert got.indices.tolist() == [[1, 4, 5, 7, 0, 3, 2]]
+    assert got.scores.tolist() == [[0.0, 0.0, 0.0, -0.5, -1.0, -1.0, -2.0]]
+
+
+def test_the_streamed_top_k_reads_nothing_back_from_the_device_while_it_scans(host_reads, monkeypatch):
+    # Every chunk's candidates are found on the device: no per-chunk read of tie widths (a host sync each on
+    # a GPU, ~40 per selection of a process scanning 2.6M rows), whatever the number of chunks. On the CPU the
+    # accelerator's path is taken by making the CPU one of them.
+    monkeypatch.setattr(search, "HOST_TIE_WIDTH_DEVICES", ())
+    queries, emb = int_data(n=600)
+    corrector = CorrectorNetwork(8, 16)
+    host_reads.active = True
+    got = corrected_topk(queries, emb, corrector, 5, chunk_size=7)
+    host_reads.active = False
+    assert host_reads.total() == 0, host_reads.sites
+    assert torch.equal(got.indices, brute_force(queries, emb, corrector, 5)[1])
 
 
 def test_k_larger_than_buffer_returns_everything():

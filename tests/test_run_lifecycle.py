@@ -156,6 +156,11 @@ def test_sigterm_to_accelerate_launch_stops_both_processes_at_one_step_and_resum
     assert len(stopped) == 1 and 2 <= stopped[0] < 6, (stopped, stderr[-3000:])
     # One line from the main process; the launcher then reports the signal in its own words.
     assert stderr.count(f"stopped by SIGTERM at step {stopped[0]}") == 1
+    # The record a launcher requeues on, written once both processes agreed and the checkpoint was complete.
+    record = json.loads((out / "attempt" / "stopped.json").read_text())
+    assert (record["signal"], record["step"]) == ("SIGTERM", stopped[0]) and record["checkpoint"].endswith(
+        f"step_{stopped[0]:07d}"
+    )
     resumed = subprocess.run(
         [*launch_two(root, out.name), "--resume"],
         capture_output=True,
@@ -193,9 +198,45 @@ def test_a_signal_during_a_refresh_stops_it_and_the_refresh_is_redone_on_resume(
     assert train_here(train_args(root, out.name, *extra)) == EXIT_PREEMPTED
     assert len(parts) == 2 * per_refresh + 1, "the refresh went on after the signal"
     assert steps_of(out) == [3]
+    assert json.loads((out / "attempt" / "stopped.json").read_text())["step"] == 3
     monkeypatch.undo()
     assert train_here([*train_args(root, out.name, *extra), "--resume"]) == 0
     same_losses(read_log(out / "log.jsonl"), reference)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_during_a_refresh_stops_both_at_one_part_with_a_checkpoint_and_a_record(root):
+    """Two processes; exhaustive re-embeds before every step; SIGTERM reaches only rank 1, in the refresh before
+    step 2: both stop at the refresh's next part, checkpoint step 2's start together, the main process records
+    the stop, and resuming redoes the refresh and trains as an uninterrupted run does."""
+    extra = ("strategy.name=exhaustive", "strategy.refresh_every=1")
+    reference = subprocess.run(
+        launch_two(root, "two_refresh_ref", *extra),
+        capture_output=True,
+        text=True,
+        env=launch_env(),
+        timeout=600,
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = root / "two_refresh_stop"
+    stop = two_processes(
+        str(REPO / "tests" / "multiprocess_refresh_stop.py"),
+        *train_args(root, out.name, "save_every=0", *extra),
+    )
+    done = subprocess.run(stop, capture_output=True, text=True, env=launch_env(), timeout=600)
+    assert done.returncode != 0 and "stopped by SIGTERM at step 2" in done.stderr, done.stderr[-3000:]
+    assert steps_of(out) == [2], (steps_of(out), done.stderr[-3000:])
+    record = json.loads((out / "attempt" / "stopped.json").read_text())
+    assert (record["signal"], record["step"]) == ("SIGTERM", 2), record
+    resumed = subprocess.run(
+        [*launch_two(root, out.name, *extra), "--resume"],
+        capture_output=True,
+        text=True,
+        env=launch_env(),
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    same_losses(read_log(out / "log.jsonl"), read_log(root / "two_refresh_ref" / "log.jsonl"))
 
 
 # ---- 3. resume trusts nothing on disk -----------------------------------------------------------------
@@ -349,7 +390,7 @@ def test_a_user_error_under_accelerate_launch_is_one_line_from_the_main_process(
 
 
 @pytest.mark.slow
-def test_a_hung_process_ends_the_run_after_dist_timeout_s(tmp_path):
+def test_a_hung_process_ends_the_run_after_dist_timeout_s_and_is_named_before(tmp_path):
     # The smallest timeout the config allows: rank 0 itself reports how long it waited at the collective.
     hang = as_set_args(["cpu=true", "dist_timeout_s=10", f"output_dir={tmp_path}"])
     cmd = two_processes(str(REPO / "tests" / "multiprocess_hang.py"), *hang)
@@ -359,6 +400,11 @@ def test_a_hung_process_ends_the_run_after_dist_timeout_s(tmp_path):
     waited = float((tmp_path / "rank0_waited_s.txt").read_text())
     # Without the setting rank 0 would wait PyTorch's default 30 minutes (the subprocess timeout would fire).
     assert done.returncode != 0 and 10 <= waited < 60 and took < 180, (waited, took, done.stderr[-3000:])
+    # Half-way through the wait the main process named the rank that never came, and where it was.
+    named = "held up by rank 1 (" in done.stderr and "not at the collective the others wait at" in done.stderr
+    assert named, done.stderr[-3000:]
+    stalled = (tmp_path / "attempt" / "stalled.txt").read_text()
+    assert "held up by rank 1" in stalled and "multiprocess_hang.py" in stalled.splitlines()[2], stalled
 
 
 # ---- 6. final/ whole or not at all --------------------------------------------------------------------

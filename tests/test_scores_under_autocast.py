@@ -166,6 +166,27 @@ class LookupTowers(nn.Module):
     def encode_passages(self, texts):
         return self.passages[[int(t[1:]) for t in texts]]
 
+    @property
+    def passage_tower(self):
+        # Algorithm 2's step embeds the passage tower's tokens (`GivenInputs.tower`: here, the texts).
+        return SimpleNamespace(embed_tokenized=self.encode_passages)
+
+
+class GivenInputs:
+    """What the background thread makes of a micro-batch's S_x (`rlm.training.step_inputs`), made here at once:
+    the texts themselves for the lookup tower, the (questions, passages, answers) the stand-in scores read."""
+
+    def prepare_passages(self, model, corpus, buffer, batch, rows, reader_passages, scored):
+        questions, answers = batch.questions, batch.answers
+        texts = [corpus.texts[r] for r in rows.clamp_min(0).reshape(-1).tolist()]
+        passages = [[("", corpus.texts[r]) for r in row if r >= 0] for row in rows.tolist()]
+        return SimpleNamespace(
+            tower=lambda: texts,
+            scoring=lambda: (questions, passages, answers),
+            reader=dict,
+            stale=lambda: buffer.rows(rows.clamp_min(0)),
+        )
+
 
 class _Corpus:
     def __init__(self, n: int):
@@ -203,6 +224,7 @@ def step_parts(algorithm: int, corrector_loss: str):
         # At initialisation (the identity, exact in bf16 too): h's own rounding may stay, the scores' may not.
         corrector=CorrectorNetwork(32, 64),
         query_cache=QueryEmbeddingCache(),
+        inputs=GivenInputs(),
         timer=NO_TIMER,
     )
     strategy = partial(make_strategy, cfg.strategy, buffer, max_steps=10)  # uniform rows drawn alike
@@ -212,7 +234,7 @@ def step_parts(algorithm: int, corrector_loss: str):
         gold_rows=torch.tensor([3, 50, 120, 121, 200, 299]),
     )
 
-    def scores(reader, questions, passages, answers, reduction="sum"):
+    def scores(questions, passages, answers):
         rows = [[int(text[1:]) for _, text in row] for row in passages]
         return torch.stack([answer_logprobs[int(q[1:]), r] for q, r in zip(questions, rows)])
 
@@ -224,7 +246,9 @@ def test_the_losses_under_bf16_autocast_are_the_float32_losses(algorithm, correc
     """The retriever's softmax over beta <q, g(y)> (distilled from the reader's per-passage likelihoods, or
     against the gold passage), and the corrector's loss on beta <q, h(B_y)>: float32, the float32 values."""
     model, strategy, corpus, batch, cfg, scores = step_parts(algorithm, corrector_loss)
-    monkeypatch.setattr(rlm.training.steps, "score_passages", scores)
+    monkeypatch.setattr(
+        rlm.training.steps, "score_inputs", lambda reader, parts, reduction: scores(*parts[0])
+    )
     step = algorithm1_step if algorithm == 1 else algorithm2_step
 
     ref = step(model, batch, strategy(), corpus, cfg)

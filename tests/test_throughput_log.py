@@ -23,7 +23,10 @@ KEYS = {
     "seconds_step",
     "eta_s",
     "peak_rss_gib",  # on CPU: the process's peak resident set
+    "model_tflops_per_step",
+    "input_wait_s",
 }
+STAND_IN_PEAK = 1e9  # FLOP/s: a CPU has no entry in the peak table (rlm.training.throughput.PEAK_TFLOPS)
 BATCH, ACCUMULATION, K, PASSAGE_TOKENS = 2, 2, 4, 40
 
 
@@ -42,6 +45,7 @@ def tiny_run(tmp_path_factory):
 
     import rlm.train
     from rlm.quickstart.concurrent_runs import one_thread
+    from rlm.training import throughput
 
     root = tmp_path_factory.mktemp("throughput")
     schedule = [
@@ -67,6 +71,7 @@ def tiny_run(tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(rlm.train, "tqdm", RecordingBar)
+        patch.setattr(throughput, "peak_flops", lambda device, mixed_precision: STAND_IN_PEAK)
         patch.setattr(Accelerator, "log", log)
         AcceleratorState._reset_state(reset_partial_state=True)
         try:
@@ -111,6 +116,15 @@ def test_the_figures_are_what_the_run_did(tiny_run):
         assert record["reader_tokens_per_step"] > 0
         tokens = record["reader_tokens_per_step"] + record["passage_tokens_per_step"]
         assert record["tokens_per_s"] * record["interval_s"] == pytest.approx(tokens, rel=1e-3)
+    # Model FLOPs: a joint step runs the towers and the scoring pass besides the reader; MFU is the FLOPs the
+    # interval ran over what the (stand-in) peak could have run in it.
+    assert 0 < reader_only["model_tflops_per_step"] < min(r["model_tflops_per_step"] for r in joint)
+    for record in logged:
+        flops = record["model_tflops_per_step"] * 1e12  # one step per interval
+        assert record["mfu"] == pytest.approx(
+            flops / (record["interval_s"] * STAND_IN_PEAK), rel=1e-2, abs=1e-4
+        )
+        assert 0 <= record["input_wait_s"] <= record["seconds_step"]
     # At the pace of the steps so far: it falls while the steps keep one pace (the joint ones), 0 at the end.
     etas = [r["eta_s"] for r in joint]
     assert etas[-1] == 0 and etas[0] > 0 and etas == sorted(etas, reverse=True)
@@ -157,3 +171,46 @@ def test_the_cuda_phase_timer_records_events_and_waits_once_per_take(monkeypatch
     assert timer.take() == {"select": 3.0, "reader": 3.0}
     assert FakeCudaEvent.waits == 1
     assert timer.take() == {}
+
+
+def test_a_gpus_peak_comes_from_the_table_by_its_name_and_precision_and_a_cpu_has_none(monkeypatch):
+    from rlm.training.throughput import peak_flops
+
+    cuda = torch.device("cuda", 0)
+    assert peak_flops(torch.device("cpu"), "bf16") is None  # its peak depends on what nothing here measures
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, mixed, tflops in [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "no", 494.7),  # float32 matmuls on TF32 tensor cores
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H200", "fp16", 989.4),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_flops(cuda, mixed) == pytest.approx(tflops * 1e12), (name, mixed)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA GeForce GTX 1080")
+    assert peak_flops(cuda, "bf16") is None
+
+
+def test_dense_flops_count_each_gradient_and_not_the_recomputation_of_checkpointed_layers():
+    from torch.utils.checkpoint import checkpoint
+
+    from rlm.training.throughput import DenseFlops
+
+    layer = torch.nn.Linear(4, 3)
+    flops = DenseFlops(layer)
+    flops.counting = True
+    forward = 2 * 5 * 4 * 3  # 2 x rows x in x out
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        layer(x)
+    assert flops.take() == forward
+    layer(x).sum().backward()  # and the weight's gradient
+    assert flops.take() == 2 * forward
+    layer(x.requires_grad_()).sum().backward()  # and the input's
+    assert flops.take() == 3 * forward
+    checkpoint(layer, x, use_reentrant=False).sum().backward()  # its forward runs again inside the backward
+    assert flops.take() == 3 * forward
+    flops.counting = False  # outside the training step
+    layer(x)
+    assert flops.take() == 0

@@ -29,6 +29,7 @@ def test_paper_configs_use_the_papers_settings():
             assert (
                 cfg.output_dir == f"runs/{name}_{strategy}"
             )  # one file per dataset, a run folder per strategy
+            assert cfg.final_embeddings == f"runs/{name}_{strategy}/embeddings"  # inside it, for `rlm index`
             assert cfg.strategy.name == strategy
             assert cfg.strategy.k == 32 and cfg.optim.max_steps == 20000 and cfg.corrector.weight == 10.0
             assert cfg.retriever.path == "sentence-transformers/gtr-t5-base" and cfg.reader.path == "t5-base"
@@ -435,7 +436,13 @@ PAPER_RLM = {
 }
 SHIPPED = {
     **{
-        name: {**PAPER_RLM, "output_dir": f"runs/{name}_corrector", "data.train": data, "data.dev": data}
+        name: {
+            **PAPER_RLM,
+            "output_dir": f"runs/{name}_corrector",
+            "final_embeddings": f"runs/{name}_corrector/embeddings",
+            "data.train": data,
+            "data.dev": data,
+        }
         for name, data in (("nq", "nq_open"), ("tqa", "trivia_qa"), ("hotpotqa", "hotpot_qa"))
     },
     "nq_alg1": {
@@ -504,3 +511,22 @@ def test_a_base_cycle_or_a_missing_base_is_an_error(tmp_path):
         load_config(tmp_path / "lost.yaml")
     with pytest.raises(UserError, match="unknown config key config.base"):
         load_config(None, ["base=nq"])  # a file says what it extends, not the command line
+
+
+def test_a_renamed_setting_in_an_old_config_is_read_under_its_new_name_with_one_warning(tmp_path):
+    from rlm.config import RenamedSettingWarning
+    from rlm.training.checkpointing import changed_settings
+
+    old = tmp_path / "old.yaml"
+    old.write_text("max_nonfinite_in_a_row: 3\n")
+    with pytest.warns(RenamedSettingWarning, match="max_nonfinite_in_a_row is now max_bad_batches") as seen:
+        cfg = load_config(old)
+    assert len(seen) == 1 and cfg.max_bad_batches == 3
+    with pytest.warns(RenamedSettingWarning):
+        assert load_config(None, ["max_nonfinite_in_a_row=4"]).max_bad_batches == 4
+    with pytest.raises(UserError, match="max_nonfinite_in_a_row is the old name of max_bad_batches"):
+        load_config(old, ["max_bad_batches=5"])
+    # A checkpoint whose config.yaml has the old key resumes without a "changed setting": it is operational.
+    saved = dump_config(cfg).replace("max_bad_batches:", "max_nonfinite_in_a_row:")
+    assert "max_nonfinite_in_a_row: 3" in saved
+    assert changed_settings(saved, dump_config(cfg), 1, 1) == {}

@@ -86,7 +86,8 @@ def test_deepspeed_zero2_trains_on_two_cpu_processes_and_resumes_exactly(tmp_pat
 
 def test_a_skipped_window_leaves_the_parameters_as_they_were_under_deepspeed(tmp_path):
     """ZeRO-2 steps inside the window's last backward: a NaN on rank 1's first micro-step of optimizer step 1
-    (accumulation 2) must leave every parameter where step 0 left it, on both ranks, and the step is retried."""
+    (accumulation 2) must leave every parameter where step 0 left it, on both ranks, and the next window trains
+    step 1."""
     out = tmp_path / "nan_probe"
     cmd = accelerate_launch(
         ZERO2, "--num_processes", "2", str(REPO / "tests" / "multiprocess_train.py"), str(out)

@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState
 from tiny_run import runs_beside, tiny_overrides
 
 from rlm.config import load_config
-from rlm.train import train_step
+from rlm.train import host_record, train_step
 from rlm.training.run import build_run
 from rlm.training.schedule import lr_lambda
 
@@ -32,6 +32,12 @@ def world(tiny_world, tmp_path_factory) -> Path:
 def make_run(world: Path, *extra):
     cfg = load_config(None, [*tiny_overrides(world, world / "run", *TINY), *extra])
     return build_run(cfg, overwrite=True)  # step-level tests build runs in one folder, one after another
+
+
+def trained(run) -> dict | None:
+    """One optimizer step (`train_step`); its record with the figures from the device read."""
+    record = train_step(run)
+    return None if record is None else host_record(record)
 
 
 def capture_gradients(run) -> dict[str, list[torch.Tensor]]:
@@ -55,7 +61,7 @@ def test_clipping_is_per_component_so_the_corrector_term_cannot_shrink_the_other
         run = make_run(world, f"corrector.weight={weight}", "optim.max_grad_norm=0.05", "retriever.dropout=0")
         seen = capture_gradients(run)
         run.model.train()
-        records[weight] = train_step(run)
+        records[weight] = trained(run)
         received[weight] = seen
     for name in ("reader", "retriever"):
         for a, b in zip(received[10.0][name], received[1000.0][name], strict=True):
@@ -78,7 +84,7 @@ def test_lr_follows_the_schedule_per_optimizer_step_with_accumulation(world):
     )
     assert run.accumulation_steps == 2 and run.accelerator.gradient_accumulation_steps == 2
     run.model.train()
-    lrs = [train_step(run)["lr_retriever"] for _ in range(steps)]
+    lrs = [trained(run)["lr_retriever"] for _ in range(steps)]
     peak = run.cfg.optim.lr_retriever
     assert lrs == pytest.approx([peak * lr_lambda(warmup, steps)(i) for i in range(steps)], rel=1e-9)
 
@@ -214,7 +220,7 @@ def test_two_stage_search_in_training_logs_its_overlap_with_exact(world):
         "optim.max_steps=3",
     )
     run.model.train()
-    records = [train_step(run) for _ in range(3)]
+    records = [trained(run) for _ in range(3)]
     assert [("two_stage_overlap@4" in r) for r in records] == [True, False, True]
     assert records[0]["two_stage_overlap@4"] == 1.0
     assert run.strategy.search._index.factory == "IVF4,Flat" and run.strategy.search._index.ntotal == 120
@@ -227,7 +233,7 @@ def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
     A candidate list as long as the buffer (120 rows) makes it the exact selection, with the same losses."""
     exact = make_run(world, "optim.max_steps=2")
     exact.model.train()
-    want = [train_step(exact) for _ in range(2)]
+    want = [trained(exact) for _ in range(2)]
     AcceleratorState._reset_state(
         reset_partial_state=True
     )  # build_run seeds the global RNG: one run at a time
@@ -240,7 +246,7 @@ def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
         "optim.max_steps=2",
     )
     scan.model.train()
-    got = [train_step(scan) for _ in range(2)]
+    got = [trained(scan) for _ in range(2)]
     assert [r["two_stage_overlap@4"] for r in got] == [1.0, 1.0]
     for key in ("loss", "reader_loss", "retriever_loss", "corrector_loss"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
@@ -372,7 +378,7 @@ def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
     run.model.train()
     records = []
     for _ in range(5):
-        records.append(train_step(run))
+        records.append(trained(run))
         if run.state.step == 3:
             assert not same(start["query"], towers["query"])
             assert same(start["passage"], towers["passage"]) and same(start["corrector"], raw.corrector)
@@ -398,7 +404,7 @@ def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(
     )
     assert run.strategy.start_step == 10  # until the stage ends, at most align_steps
     run.model.train()
-    records = [train_step(run) for _ in range(4)]
+    records = [trained(run) for _ in range(4)]
     assert [r.get("aligning", 0) for r in records] == [1, 1, 0, 0]
     assert records[1]["align_end"] == 2 and run.strategy.start_step == 2
     assert run.strategy.reembedded == 120
@@ -418,7 +424,7 @@ def test_h_of_b_is_computed_once_while_the_corrector_does_not_move_and_selects_t
         calls = []
         run.raw.corrector.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
         run.model.train()
-        records = [train_step(run) for _ in range(6)]
+        records = [trained(run) for _ in range(6)]
         return records, sum(1 for rows in calls if rows == len(run.strategy.buffer))
 
     cached, cached_scans = run_counting()
@@ -447,8 +453,71 @@ def test_an_accumulation_window_scans_h_of_b_once_for_all_its_micro_batches(worl
     select = run.strategy.select
     run.strategy.select = lambda queries, *a, **k: selected.append(len(queries)) or select(queries, *a, **k)
     run.model.train()
-    records = [train_step(run) for _ in range(3)]  # a reader-only step, then two joint steps
+    records = [trained(run) for _ in range(3)]  # a reader-only step, then two joint steps
     buffer_rows = len(run.strategy.buffer)
     assert sum(rows for rows in rows_through_h if rows == buffer_rows) == 3 * buffer_rows
     assert selected == [4 * run.cfg.optim.batch_size] * 3  # one selection for the window's questions
     assert all(math.isfinite(r["loss"]) and "retriever_loss" in r for r in records[1:])
+
+
+def test_a_batch_with_a_non_finite_loss_is_skipped_and_the_step_trains_the_next_batch(world):
+    """A non-finite loss skips its batch instead of retrying it: the optimizer step is taken on the next data
+    window's questions, and the skipped batch stays in the run's state, with its question ids, so that a resumed
+    run skips it too (tests/test_train_resume.py) and the log can name it."""
+    run = make_run(world, "optim.max_steps=4")
+    windows = [run.batch(1, 0, window) for window in range(3)]
+    poisoned = set(windows[1].questions)
+    assert not poisoned & set(windows[2].questions)
+    seen, forward = [], run.raw.forward
+
+    def forward_with_nan(batch, *args, **kwargs):
+        out = forward(batch, *args, **kwargs)
+        seen.append(batch.questions)
+        if poisoned & set(batch.questions):
+            out.loss = out.loss * float("nan")
+        return out
+
+    run.raw.forward = forward_with_nan  # what the model's call looks up on the instance
+    run.model.train()
+    records = [trained(run) for _ in range(3)]
+    assert [record is None for record in records] == [False, True, False]
+    assert seen == [w.questions for w in windows]  # windows 0, 1 (skipped) and 2: never window 1 again
+    assert run.state.step == 2 and run.state.window == 3
+    assert run.state.bad_batches == [{"step": 1, "window": 1, "questions": run.window_question_ids(1)}]
+    assert records[2]["step"] == 2 and records[2]["nonfinite_skipped"] == 1
+
+
+def test_outside_log_steps_the_loop_reads_the_device_at_most_once_a_micro_step(
+    world, host_reads, monkeypatch
+):
+    """Each read of a tensor's value into Python waits for a GPU to finish all it was given (a host sync). The
+    loop makes one per optimizer step outside log steps, the window's verdict on its losses: the losses, norms and
+    metrics stay on the device until the log step, the background thread reads and tokenizes the passages, and
+    the top-k finds its ties on the device. Counted on the step's own thread, where a CPU waits for nothing but
+    the calls are the same; transformers' own look at each attention mask (whether it masks anything: one per
+    attention stack, six a micro-step here) is its code's, and left out."""
+    import rlm.train
+    from retriever import search
+
+    monkeypatch.setattr(search, "HOST_TIE_WIDTH_DEVICES", ())  # the top-k as on an accelerator
+    # h(B) not kept, as at the paper's scale (kept, for a buffer that fits `cache_corrected_mb`, the check that
+    # h has not changed since adds one read a window).
+    paper_path = ("strategy.cache_corrected_mb=0", "log_every=100", "report_to=none")
+    run = make_run(world, "optim.gradient_accumulation_steps=2", "optim.max_steps=20", *paper_path)
+    train_step, close = rlm.train.train_step, rlm.train.RunLog.close
+
+    def counted_from_step_2(run):  # the first steps read the epoch's order and fill caches
+        host_reads.active = run.state.step >= 2
+        return train_step(run)
+
+    def close_uncounted(log):  # the log's last write reads the steps' records
+        host_reads.active = False
+        close(log)
+
+    monkeypatch.setattr(rlm.train, "train_step", counted_from_step_2)
+    monkeypatch.setattr(rlm.train.RunLog, "close", close_uncounted)
+    assert rlm.train.train_loop(run, until=6) == {"steps": 6}
+    micro_steps = 4 * 2  # steps 2-5, two micro-batches each
+    reads = host_reads.total(excluding=("transformers/masking_utils.py",))
+    assert reads <= micro_steps, host_reads.sites
+    assert reads == 4, host_reads.sites  # one verdict a window

@@ -83,7 +83,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere_and_windows_stay_aligned(prob
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2], "accelerate launch did not start two processes"
     for r in ranks:
-        # The window holding the NaN (optimizer step 1) is skipped on both ranks, then retried.
+        # The window holding the NaN (optimizer step 1) is skipped on both ranks; the next window trains step 1.
         assert r["skipped_at"] == [1] and r["skipped_moved_params"] == [False]
         assert [rec["step"] for rec in r["records"]] == list(range(1, steps + 1))
         assert r["records"][-1]["nonfinite_skipped"] == 1

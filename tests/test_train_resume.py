@@ -115,14 +115,75 @@ def test_sigkill_then_resume_gives_the_same_losses(root, tmp_path, capsys):
     assert (tmp_path / "killed" / "final" / "reader" / "model.safetensors").exists()
 
 
-def test_non_finite_losses_stop_the_run_with_a_checkpoint(root, tmp_path, capsys):
-    # A learning rate this large sends the reader's weights to inf after the first update.
+def test_non_finite_losses_stop_the_run_at_the_nth_distinct_bad_batch_with_a_checkpoint(
+    root, tmp_path, capsys
+):
+    # A learning rate this large sends the reader's weights to inf within a few updates: from then on every
+    # batch is bad. Each is skipped and named, the data moving on a window each time, until the third.
     code = train_here(
-        root, tmp_path / "nan", "optim.lr_reader=1e30", "optim.warmup_steps=0", "max_nonfinite_in_a_row=3"
+        root, tmp_path / "nan", "optim.lr_reader=1e30", "optim.warmup_steps=0", "max_bad_batches=3"
     )
     assert code != 0
-    assert "non-finite losses in a row" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    skipped = [line for line in printed.out.splitlines() if "non-finite loss; skipped the batch" in line]
+    assert len(skipped) == 3
+    step = skipped[0].split(":")[0]
+    assert all(line.startswith(f"{step}: ") for line in skipped)  # no step taken between the skips
+    windows = [int(line.split("window ")[1].split()[0]) for line in skipped]
+    first = windows[0]
+    assert windows == [first, first + 1, first + 2]  # the data moved on a window at each skip
+    named = [line.split("questions ")[1].split() for line in skipped]  # each batch's 2 question ids
+    assert all(len(ids) == 2 for ids in named) and len({id_ for ids in named for id_ in ids}) == 6
+    assert f"3 batches with non-finite losses (windows {first}, {first + 1}, {first + 2};" in printed.err
     assert (tmp_path / "nan" / "checkpoints").is_dir()
+
+
+def test_a_skipped_bad_batch_stays_skipped_after_a_crash_and_resume_with_the_same_losses(
+    root, tmp_path, capsys, monkeypatch
+):
+    """A batch whose loss is non-finite (here: any batch holding a question of step 3's batch) is skipped, and
+    the skip is part of the saved state: a run that crashed after it resumes from the step-4 checkpoint on the
+    windows the uninterrupted run trained, with the same losses."""
+    import rlm.train
+    from rlm.training.model import RetrievalAugmentedModel
+
+    forward, poisoned, calls = RetrievalAugmentedModel.forward, set(), []
+
+    def forward_with_nan(self, batch, *args, **kwargs):
+        out = forward(self, batch, *args, **kwargs)
+        calls.append(batch.questions)
+        if len(calls) == 4 and not poisoned:  # the uninterrupted run's step 3 (one micro-batch a step)
+            poisoned.update(batch.questions)
+        if poisoned & set(batch.questions):
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(RetrievalAugmentedModel, "forward", forward_with_nan)
+    assert train_here(root, tmp_path / "full", one_thread=True) == 0
+    assert "step 3: non-finite loss; skipped the batch of window 3" in capsys.readouterr().out
+    reference = read_log(tmp_path / "full" / "log.jsonl")
+    assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS]["nonfinite_skipped"] == 1
+    shutil.rmtree(tmp_path / "full")
+
+    train_step = rlm.train.train_step
+
+    def crash_after_step_5(run):
+        record = train_step(run)
+        if run.state.step == 5:
+            raise RuntimeError("crashed")
+        return record
+
+    monkeypatch.setattr(rlm.train, "train_step", crash_after_step_5)
+    with pytest.raises(RuntimeError, match="crashed"):
+        train_here(root, tmp_path / "crashed", one_thread=True)
+    monkeypatch.setattr(rlm.train, "train_step", train_step)
+    assert train_here(root, tmp_path / "crashed", one_thread=True, resume=True) == 0
+    assert "at step 4" in capsys.readouterr().out  # after the skip: the state it resumes holds it
+    got = read_log(tmp_path / "crashed" / "log.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1)) and got[STEPS]["nonfinite_skipped"] == 1
+    for step in range(1, STEPS + 1):
+        for key in LOSS_KEYS:
+            assert got[step][key] == pytest.approx(reference[step][key], rel=1e-5, abs=1e-6), (step, key)
 
 
 @pytest.mark.learning

@@ -529,3 +529,74 @@ def test_the_step_reaches_the_corrected_top_k_through_the_strategys_select_alone
     monkeypatch.setattr(base, "corrected_topk", traced)
     model(make_batch(parts.train_examples, [0, 1], parts.corpus, 2), strategy, parts.corpus)
     assert callers == [["select", "algorithm2_step"]]
+
+
+def test_a_later_micro_batch_is_selected_with_the_query_embedding_its_loss_uses(step_world):
+    """The first micro-batch of a window selects S_x for the later ones too, embedding their questions for it:
+    from the random state their own step 1 then embeds them from, so under the towers' dropout the q that
+    selected a batch's passages is the q its retriever loss is computed with."""
+    cfg, parts, model, strategy = make_parts(step_world, "retriever.dropout=0.5")
+    model.train()
+    first, second = (make_batch(parts.train_examples, rows, parts.corpus, 2) for rows in ([0, 1], [2, 3]))
+    selected, with_gradient = [], []
+    select = strategy.select
+    strategy.select = lambda queries, *a, **k: (
+        selected.append(queries.detach().clone()) or select(queries, *a, **k)
+    )
+    encode = model.retriever.encode_queries
+
+    def recording(questions):
+        out = encode(questions)
+        if torch.is_grad_enabled():
+            with_gradient.append(out.detach().clone())
+        return out
+
+    model.retriever.encode_queries = recording
+    model(first, strategy, parts.corpus, later=(second,))
+    model(second, strategy, parts.corpus)
+    assert (
+        len(selected) == 1 and len(with_gradient) == 2
+    )  # one selection for the window, each q with gradient
+    assert torch.equal(selected[0][:2], with_gradient[0])
+    assert torch.equal(selected[0][2:], with_gradient[1])  # the later batch: its loss's q selected its S_x
+    again = encode(second.questions).detach()
+    assert not torch.allclose(again, with_gradient[1])  # dropout is in force: another draw, another q
+
+
+def test_a_slow_tokenizer_runs_on_the_background_thread_while_the_window_computes(step_world, monkeypatch):
+    """Once the window's S_x is selected, each micro-batch's passages are tokenized on a background thread: with
+    a collation that takes 0.4 s, the later micro-batch's reader inputs are ready before its step asks
+    for them, because they were made while the first micro-batch computed (a sleep stands for that here), and
+    the later step does not wait for them."""
+    import threading
+    import time
+
+    from reader.formatting import FiDCollator
+
+    slow_s = 0.4
+    cfg, parts, model, strategy = make_parts(step_world)
+    model.train()
+    first, second = (make_batch(parts.train_examples, rows, parts.corpus, 2) for rows in ([0, 1], [2, 3]))
+    calls = []  # (thread name, end time) of each FiD collation
+    collate = FiDCollator.__call__
+
+    def slow(self, questions, passages, answers=None):
+        out = collate(self, questions, passages, answers)
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(slow_s)
+        calls.append((threading.current_thread().name, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(FiDCollator, "__call__", slow)
+    model(first, strategy, parts.corpus, later=(second,))
+    time.sleep(4 * slow_s)  # the first micro-batch's backward, and the second's steps 1-5, on a device
+    asked = time.perf_counter()
+    waited = model.inputs.waited_s
+    model(second, strategy, parts.corpus)
+    assert {name for name, _ in calls} == {
+        "rlm-step-inputs_0"
+    }  # scoring and FiD collations, all off the step
+    # Both micro-batches' collations (one each: the FiD reader's, which the scoring pass's inputs are cut from)
+    # ended before the second micro-batch's step began.
+    assert len(calls) == 2 and all(end < asked for _, end in calls)
+    assert model.inputs.waited_s - waited < slow_s  # it did not wait for the tokenizer's 0.4 s

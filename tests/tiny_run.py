@@ -5,8 +5,9 @@ two questions per process per micro-step; and how those tests train it (`train_a
 
 The tiny retriever is for tests of training mechanics (schedules, resume, processes, checkpoints), which hold
 for any retriever: with MiniLM's 22M parameters its forward and backward passes were most of those tests'
-time. What needs MiniLM's weights (the quickstart, the toy world's premise, the GPU smoke run, the demo) loads
-the packaged model.
+time. What needs MiniLM's weights (the quickstart, the toy world's premise, the demo) loads the packaged model.
+With `tokenizer=TINY_TOKENIZER` the tiny retriever needs no package at all (the GPU smoke run's tiny path, on
+nodes without the packaged MiniLM).
 """
 
 from __future__ import annotations
@@ -25,9 +26,19 @@ TINY_RETRIEVER = {
 }
 
 
-def tiny_retriever(folder: Path) -> Path:
+# A WordPiece tokenizer kept in the repo (`vocab.txt`, 1,963 tokens, and its `tokenizer_config.json`), so
+# that the tiny retriever can be built where the packaged MiniLM is not installed. Trained once by
+# `tokenizers`' BertWordPieceTokenizer (lowercase, vocab_size 2000, min_frequency 2) on the titles, texts,
+# questions and answers of the default toy world (2,000 passages, seed 0), then every ASCII letter, digit and
+# punctuation mark added alone and as a `##` continuation. Kept as a file, not trained at run time: two
+# trainings on the same text gave two token orders, and a retriever's token ids must not change between runs.
+TINY_TOKENIZER = Path(__file__).with_name("tiny_tokenizer")
+
+
+def tiny_retriever(folder: Path, tokenizer: Path | None = None) -> Path:
     """Write the tiny retriever to `folder` once (random weights from seed 0, so every test gets the same one)
-    and return it; a folder already there is reused."""
+    and return it; a folder already there is reused. `tokenizer`: a tokenizer folder (`TINY_TOKENIZER`) instead
+    of the packaged MiniLM's."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
@@ -36,7 +47,7 @@ def tiny_retriever(folder: Path) -> Path:
     folder = Path(folder)
     if (folder / "modules.json").is_file():
         return folder
-    tokenizer = AutoTokenizer.from_pretrained(default_retriever_path())
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or default_retriever_path()))
     config = BertConfig(vocab_size=len(tokenizer), **TINY_RETRIEVER)
     with torch.random.fork_rng(devices=[]):  # leave the caller's random stream as it was
         torch.manual_seed(0)
@@ -81,17 +92,21 @@ TINY_QUICKSTART = [
 ]
 
 
-def tiny_overrides(root: Path, out: str | Path, *extra: str, minilm: bool = False) -> list[str]:
+def tiny_overrides(
+    root: Path, out: str | Path, *extra: str, minilm: bool = False, tokenizer: Path | None = None
+) -> list[str]:
     """`--set` values of a tiny run writing to root/out (`out` may be a folder elsewhere: an absolute path);
     runs under one root share the toy world, the tiny retriever and its buffer. `minilm`: the packaged
-    all-MiniLM-L6-v2 instead (the default retriever), with its own buffer."""
+    all-MiniLM-L6-v2 instead (the default retriever), with its own buffer. `tokenizer`: the tiny retriever's
+    (`tiny_retriever`), which then has its own folder and buffer."""
     root = Path(root)
     if minilm:
         retriever = [f"buffer.dir={root / 'buffer_minilm'}"]
     else:
+        own = "" if tokenizer is None else f"_{Path(tokenizer).name}"
         retriever = [
-            f"buffer.dir={root / 'buffer'}",
-            f"retriever.path={tiny_retriever(root / 'tiny_retriever')}",
+            f"buffer.dir={root / f'buffer{own}'}",
+            f"retriever.path={tiny_retriever(root / f'tiny_retriever{own}', tokenizer)}",
         ]
     paths = [f"output_dir={root / out}", f"data.toy_world.dir={root / 'toy'}", *retriever]
     return [*paths, *TINY_RUN, *extra]

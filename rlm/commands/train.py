@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 from rlm.config import add_override_argument, dump_config, load_config
@@ -56,10 +57,27 @@ def run(args: argparse.Namespace) -> int:
         if main_process():
             print(f"rlm train: {err}", file=sys.stderr)
         return EXIT_PREEMPTED
-    except (NonFiniteLossError, RepresentationCollapseError) as err:
+    except Exception as err:
+        record_failure(cfg.output_dir, err)
+        if not isinstance(err, NonFiniteLossError | RepresentationCollapseError):
+            raise
         if main_process():
             print(f"error: {err}", file=sys.stderr)
         return 1
     if main_process():
         print(json.dumps(summary, indent=2))
     return 0 if all(not isinstance(v, float) or math.isfinite(v) for v in summary.values()) else 1
+
+
+def record_failure(output_dir: str, err: BaseException) -> None:
+    """This process's line in the attempt's records (`rlm.training.attempt`), when a launcher asked for them
+    (`$RLM_ATTEMPT_DIR`: the sbatch script, which prints the first failure's line last). Not in `output_dir`
+    otherwise: a run refused there (a folder that holds a run) leaves it as it was."""
+    from rlm.training.attempt import ATTEMPT_DIR_ENV, attempt_folder, write_failure
+
+    if not os.environ.get(ATTEMPT_DIR_ENV):
+        return
+    try:
+        write_failure(attempt_folder(output_dir), int(os.environ.get("RANK", "0")), err)
+    except OSError as io_err:  # the failure itself is what must be told
+        print(f"rlm train: no failure record written ({io_err})", file=sys.stderr)

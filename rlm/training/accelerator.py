@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import warnings
 from collections.abc import Iterator
@@ -92,7 +93,8 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         backend = {"backend": "gloo"}
         skip_deepspeed_cpu_inference_kernel()
     # DDP's own settings wait for the model: `configure_ddp`, before `prepare`.
-    handlers = [InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=cfg.dist_timeout_s), **backend)]
+    timeout = datetime.timedelta(seconds=cfg.dist_timeout_s or STARTUP_DIST_TIMEOUT_S)
+    handlers = [InitProcessGroupKwargs(timeout=timeout, **backend)]
     # Training runs on CPU without CUDA, or with cfg.cpu (which DeepSpeed ignores: it finds the GPU itself).
     on_cpu = not cuda or (cfg.cpu and not deepspeed)
     mixed_precision, message = cfg.mixed_precision, None
@@ -135,6 +137,51 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         if message and accelerator.is_local_main_process:
             warnings.warn(message, CpuBf16Warning, stacklevel=2)
     return accelerator
+
+
+# The process group's timeout when `dist_timeout_s` is not set: until the first optimizer step ends (the main
+# process verifying the newest checkpoint while the others wait, the buffer build's meeting point), then
+# `DIST_TIMEOUT_FACTOR` times the longest step, refresh part, checkpoint or validation measured so far, at
+# least `MIN_DIST_TIMEOUT_S` (the first checkpoint or validation comes after the first step: a checkpoint of
+# the paper's size, ~5 GB written and hashed by the main process, fits in it on slow shared storage).
+STARTUP_DIST_TIMEOUT_S = 1800
+MIN_DIST_TIMEOUT_S = 300
+DIST_TIMEOUT_FACTOR = 4
+
+
+class CollectiveTimeout:
+    """How long this process waits at a collective before the run fails: `fixed` (`dist_timeout_s`) when set,
+    else sized by what the run measures (`measured`), so that a hung rank ends a run in minutes, not an hour.
+
+    A refresh's processes meet before each of its parts (`rlm.training.preemption`), so no collective waits
+    for a whole refresh: after the start, the longest waits are a step's (a slower rank), a refresh part's and
+    the main process's own work at a checkpoint or validation, which `measured` is told of as each ends."""
+
+    def __init__(self, fixed: int | None, multiprocess: bool, say=print):
+        self.fixed, self.multiprocess, self.say = fixed, multiprocess, say
+        self.seconds = float(fixed or STARTUP_DIST_TIMEOUT_S)
+        self.longest = 0.0
+
+    def measured(self, seconds: float) -> None:
+        """A stretch of work between collectives took `seconds`: the timeout covers it `DIST_TIMEOUT_FACTOR`
+        times over (never lowered again once a longer one is seen)."""
+        self.longest = max(self.longest, seconds)
+        if self.fixed:
+            return
+        wanted = float(max(MIN_DIST_TIMEOUT_S, math.ceil(DIST_TIMEOUT_FACTOR * self.longest)))
+        if wanted == self.seconds:  # `longest` only grows: after the start, so does the timeout
+            return
+        self.seconds = wanted
+        if not self.multiprocess or not torch.distributed.is_initialized():
+            return
+        # Private in torch (since 2.3), and the one way to change a live process group's timeout; each process
+        # sets its own, which bounds the waits it makes.
+        torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=wanted))
+        self.say(
+            f"process-group timeout {wanted:.0f} s: {DIST_TIMEOUT_FACTOR} x the longest step, refresh part, "
+            f"checkpoint or validation so far ({self.longest:.1f} s), at least {MIN_DIST_TIMEOUT_S} s "
+            "(dist_timeout_s fixes it)"
+        )
 
 
 def configure_deepspeed(accelerator: Accelerator, optim_cfg, accumulation_steps: int) -> None:
@@ -267,15 +314,19 @@ def distribute_strategy(strategy: SelectionStrategy, cfg: TrainConfig, accelerat
         accelerator.print(f"scanned rows on {device} ({nbytes / 2**30:.2f} GiB per process)")
 
 
-def finite_on_every_process(accelerator: Accelerator, loss: torch.Tensor) -> bool:
-    """Whether `loss` is finite on all processes: every process must take the same decision, or DDP's
-    collectives would deadlock. A sum of non-finite flags (accelerate's reduce knows sum, mean and max)."""
-    bad = (~torch.isfinite(loss.detach())).float().reshape(1).to(accelerator.device)
+def finite_on_every_process(accelerator: Accelerator, losses: torch.Tensor) -> bool:
+    """Whether every one of `losses` (any shape) is finite on all processes: every process must take the same
+    decision, or DDP's collectives would deadlock. A sum of non-finite flags (accelerate's reduce knows sum,
+    mean and max); the one read from the device the training step makes outside log steps."""
+    bad = (~torch.isfinite(losses.detach())).any().float().reshape(1).to(accelerator.device)
     return float(accelerator.reduce(bad, "sum")) == 0
 
 
-def clip_per_component(accelerator: Accelerator, optimizer, max_norm: float) -> dict[str, float]:
-    """Clip each component's gradient (one parameter group each) to `max_norm` on its own and return the norms.
+def clip_per_component(
+    accelerator: Accelerator, optimizer, max_norm: float
+) -> dict[str, torch.Tensor | float]:
+    """Clip each component's gradient (one parameter group each) to `max_norm` on its own and return the norms
+    (on the device: read at the log step).
 
     One global norm would let one component's loss shrink another's update (the corrector term, weight 10,
     would scale the reader's and retriever's steps), which the paper's stop-gradients keep apart. Under
@@ -291,7 +342,7 @@ def clip_per_component(accelerator: Accelerator, optimizer, max_norm: float) -> 
         params = [p for p in group["params"] if p.grad is not None]
         if params:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-            norms[f"grad_norm_{group['name']}"] = float(norm)
+            norms[f"grad_norm_{group['name']}"] = norm.detach()
     return norms
 
 
@@ -305,16 +356,16 @@ def optimizer_engine_norm(accelerator: Accelerator) -> float | None:
 LOSS_KEYS = ("loss", "reader_loss", "retriever_loss", "corrector_loss")
 
 
-def mean_over_processes(accelerator: Accelerator, sums: dict[str, float]) -> dict[str, float]:
+def mean_over_processes(accelerator: Accelerator, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The step's losses averaged over every process's micro-batches (what the step optimised), not rank 0's
     alone; other figures stay this process's. Every process has the same loss keys: they follow the step's
-    phase, which all share."""
+    phase, which all share. The figures stay on the device (nothing is read back)."""
     keys = [k for k in LOSS_KEYS if k in sums]
     if accelerator.num_processes == 1 or not keys:
         return sums
-    local = torch.tensor([sums[k] for k in keys], dtype=torch.float32, device=accelerator.device)
+    local = torch.stack([torch.as_tensor(sums[k], device=accelerator.device).float() for k in keys])
     mean = accelerator.reduce(local, reduction="mean")
-    return {**sums, **dict(zip(keys, mean.tolist()))}
+    return {**sums, **dict(zip(keys, mean.unbind()))}
 
 
 def zero_loss(accelerator: Accelerator, model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:

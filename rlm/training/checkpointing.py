@@ -57,7 +57,8 @@ OPERATIONAL_KEYS = frozenset(
         "eval_selection",
         "save_every",
         "keep_last",
-        "max_nonfinite_in_a_row",
+        "max_bad_batches",
+        "max_nonfinite_in_a_row",  # its old name, in the config of a checkpoint written before
         "dist_timeout_s",
         "gradient_checkpointing",
         "retriever.gradient_checkpointing",

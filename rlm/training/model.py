@@ -15,6 +15,7 @@ from reader.fid import FiDReader
 from reader.formatting import FiDCollator
 from retriever.corrector import CorrectorNetwork
 from retriever.encoder import DualEncoder
+from rlm.training.step_inputs import StepInputs
 from rlm.training.steps import Batch, StepOutput, algorithm1_step, algorithm2_step
 from rlm.training.throughput import NO_TIMER
 
@@ -69,6 +70,7 @@ class RetrievalAugmentedModel(nn.Module):
         self.cfg = cfg
         self.timer = NO_TIMER  # a PhaseTimer while the step is measured (rlm.training.throughput)
         self.query_cache = QueryEmbeddingCache()  # f(x) at the steps that leave the retriever as it is
+        self.inputs = StepInputs()  # the thread that reads and tokenizes each micro-batch's S_x ahead
 
     def forward(
         self, batch: Batch, strategy, corpus, reader_only: bool = False, later: tuple[Batch, ...] = ()

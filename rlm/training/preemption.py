@@ -4,8 +4,14 @@ kill) and SIGUSR1 (Slurm's `--signal` warning).
 A handler only records the signal; the training loop asks after each optimizer step whether any process got
 one (`requested_anywhere`: one tiny all-gather, so every process stops at the same step), writes one
 checkpoint of that step and exits with `EXIT_PREEMPTED`. Long work inside a step (a refresh of re-embedded
-rows, the buffer build) calls `check()` between batches and stops at once with `Preempted`: finishing a
-refresh could outlast the scheduler's grace, and it is redone on resume.
+rows) asks the same between its parts (`stop_together`), and the buffer build between batches, with its
+processes meeting at its end (`retriever.buffer.BuildStopped`): finishing either could outlast the
+scheduler's grace, and it is redone on resume.
+
+Every stop is agreed by every process, at one collective, before anything is written: torchrun sends SIGTERM
+to the survivors of a failed worker, and those must not take it for a stop (the failed one never takes part,
+so the collective fails instead). Only after an agreed stop does the main process record it for the launcher
+(`rlm.training.attempt`), which requeues on that record alone.
 """
 
 from __future__ import annotations
@@ -57,13 +63,18 @@ class StopSignals:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def check(self, step: int) -> None:
-        """Raise `Preempted` if a signal arrived (for long work between the loop's own checks)."""
-        if self.received is not None:
-            raise Preempted(self.received, step)
+    def stop_together(self, accelerator, step: int) -> None:
+        """Raise `Preempted` on every process if any process got a signal (collective: every process calls it
+        at the same point of its work, which is where they all stop)."""
+        got = self.requested_anywhere(accelerator)
+        if got is not None:
+            raise Preempted(got, step)
 
     def requested_anywhere(self, accelerator) -> int | None:
         """The signal any process received (the same answer on every process), or None."""
+        # One process has nothing to agree on, and reading a tensor back would wait for the GPU.
+        if accelerator.num_processes == 1:
+            return self.received
         mine = torch.tensor([self.received or 0], device=accelerator.device)
         if accelerator.num_processes > 1:
             mine = accelerator.gather(mine)

@@ -5,8 +5,11 @@ checkpoint it resumes from. `rlm.train` advances it one optimizer step at a time
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,13 +18,15 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 
 from atomicio import atomic_write_text
+from retriever.buffer import BuildStopped
 from retriever.distributed import Processes
 from rlm.components import build_components
 from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
 from rlm.errors import UserError
-from rlm.training import checkpointing
+from rlm.training import attempt, checkpointing
 from rlm.training.accelerator import (
+    CollectiveTimeout,
     configure_ddp,
     configure_deepspeed,
     distribute_strategy,
@@ -30,8 +35,9 @@ from rlm.training.accelerator import (
 from rlm.training.alignment_stage import AlignmentStage
 from rlm.training.checkpointing import checkpoints
 from rlm.training.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
+from rlm.training.heartbeat import Heartbeat
 from rlm.training.model import RetrievalAugmentedModel, embed_rows
-from rlm.training.preemption import StopSignals
+from rlm.training.preemption import Preempted, StopSignals
 from rlm.training.schedule import (
     batch_indices,
     check_gold_passages,
@@ -55,16 +61,26 @@ class TrainState:
     """Counters that must survive a resume (saved with the checkpoint, as JSON)."""
 
     step: int = 0  # optimizer steps done
-    nonfinite_total: int = 0
-    nonfinite_in_a_row: int = 0
+    # The batches skipped for a non-finite loss, each {"step", "window", "questions"}: the optimizer step that
+    # skipped it, its data window (`window`) and its question ids. Every skip moves the data on by one window.
+    bad_batches: list[dict] = field(default_factory=list)
     wall_time: float = 0.0
     tracker_run_id: str | None = None  # W&B's run id, so a resumed run logs into the same run
     prefix: str | None = None  # the shared prefix this run continued from (rlm.training.prefix), if any
+
+    @property
+    def window(self) -> int:
+        """The data window the current step trains on: its place in the data order (a pure function of the
+        seed and the window), past the windows of the steps before it and of the batches skipped."""
+        return self.step + len(self.bad_batches)
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
 
     def load_state_dict(self, state: dict) -> None:
+        # A checkpoint written before bad batches were skipped counts retries of batches later trained
+        # (`nonfinite_total`, `nonfinite_in_a_row`): none moved the data on.
+        state = {k: v for k, v in state.items() if k not in ("nonfinite_total", "nonfinite_in_a_row")}
         self.__dict__.update(state)
 
 
@@ -101,6 +117,12 @@ class TrainRun:
     validation_cache: PassageEmbeddingCache = field(default_factory=PassageEmbeddingCache)
     # SIGTERM / SIGUSR1 received (`rlm.training.preemption`): checked between steps and inside long refreshes.
     stops: StopSignals = field(default_factory=StopSignals)
+    # The process group's timeout, sized by the stretches between collectives measured here and in the loop.
+    timeout: CollectiveTimeout = field(default_factory=lambda: CollectiveTimeout(None, multiprocess=False))
+    # This process's progress, which the main process reads to name a rank that holds the others up.
+    heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None, 0, 1))
+    # The time this step's refresh took, which the step's own measure leaves out (its parts are measured).
+    _refresh_s: float = field(default=0.0, init=False, repr=False)
     alignment: AlignmentStage | None = None  # DAFT's stage 1, when `retriever.align_steps` asks for one
 
     @property
@@ -110,23 +132,55 @@ class TrainRun:
     # Refreshes and validation run in the training step's precision (accelerate's autocast: a no-op unless
     # mixed_precision is set); only the fixed buffer B, built once and shared by runs, is always float32.
     def reembed(self, rows) -> torch.Tensor:
-        """The rows embedded by the current passage tower, in parts between which a stop signal ends the
-        refresh (a refresh of a large corpus outlasts a scheduler's grace)."""
-        with self.accelerator.autocast():
+        """The rows embedded by the current passage tower, in parts of `REEMBED_PART_ROWS`. Before each part the
+        processes agree whether any got a stop signal (`StopSignals.stop_together`): a refresh of a large corpus
+        outlasts a scheduler's grace, and this way every process stops at the same part, from where they
+        checkpoint together. Every process runs as many parts (the most any has; the rest empty), so that
+        they agree as often, and no wait at a collective is longer than a part."""
+        acc = self.accelerator
+        count = max(-(-len(rows) // REEMBED_PART_ROWS), 1)
+        if acc.num_processes > 1:
+            count = int(acc.gather(torch.tensor([count], device=acc.device)).max())
+        with acc.autocast(), self.heartbeat.doing("refresh"):
             tower = self.raw.retriever.passage_tower
             texts = self.corpus.retrieval_texts()
             parts = []
-            for start in range(0, max(len(rows), 1), REEMBED_PART_ROWS):
-                self.stops.check(self.state.step)
+            for start in range(0, count * REEMBED_PART_ROWS, REEMBED_PART_ROWS):
+                self.stops.stop_together(acc, self.state.step)
+                started = time.monotonic()
                 part = rows[start : start + REEMBED_PART_ROWS]
                 parts.append(embed_rows(tower, texts, part, batch_size=self.cfg.buffer.batch_size))
+                took = time.monotonic() - started
+                self._refresh_s += took
+                self.timeout.measured(took)  # the longest wait a refresh makes: one part
             return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @contextlib.contextmanager
+    def phase(self, what: str) -> Iterator[None]:
+        """Work every process does together between two collectives (a checkpoint, a validation): marked in
+        the heartbeat, and measured for the process group's timeout."""
+        started = time.monotonic()
+        with self.heartbeat.doing(what):
+            yield
+        self.timeout.measured(time.monotonic() - started)
+
+    def step_ended(self, seconds: float) -> None:
+        """The loop's word that an optimizer step (taken or skipped) ended after `seconds`; a refresh in it
+        counts by its parts, between which the processes meet."""
+        self.heartbeat.step_done(self.state.step)
+        self.timeout.measured(seconds - self._refresh_s)
+        self._refresh_s = 0.0
+
+    def preempted(self, signum: int) -> Preempted:
+        """Every process agreed to stop on `signum`: a checkpoint of the current step, then the main process's
+        record for the launcher; returns the `Preempted` to raise (every process must call it)."""
+        return stop_recorded(self.accelerator, self.cfg, signum, self.state.step, self.save())
 
     def validate(self, subcorpus: bool = True, selection: bool = False) -> dict[str, float]:
         """Dev metrics, the work sharded across the processes (every process must call it); `selection`:
         answering from the strategy's own selection (`dev_selection_*`) instead of the re-embedded corpus."""
         acc = self.accelerator
-        with acc.autocast():
+        with acc.autocast(), self.phase("validation"):
             return validate(
                 self.raw,
                 self.corpus,
@@ -150,15 +204,16 @@ class TrainRun:
             "processes": self.accelerator.num_processes,
         }
         output_dir = Path(self.cfg.output_dir)
-        path = checkpointing.save_checkpoint(
-            self.accelerator,
-            output_dir,
-            self.state.step,
-            self.cfg.keep_last,
-            state,
-            dump_config(self.cfg),
-            prune,
-        )
+        with self.phase("checkpoint"):
+            path = checkpointing.save_checkpoint(
+                self.accelerator,
+                output_dir,
+                self.state.step,
+                self.cfg.keep_last,
+                state,
+                dump_config(self.cfg),
+                prune,
+            )
         self.tell_strategy_kept_checkpoints()
         if self.accelerator.is_main_process:  # the refreshed rows neither they nor this step need
             self.strategy.prune_refreshes(self.strategy.checkpoint_steps, self.state.step)
@@ -182,11 +237,13 @@ class TrainRun:
             if self.alignment.end is not None:  # re-embedding counts from the first passage-tower update
                 self.strategy.start_step = self.alignment.end
 
-    def batch(self, step: int, micro: int) -> Batch:
-        """This process's questions at micro-step `micro` of optimizer step `step`."""
+    def batch(self, step: int, micro: int, window: int | None = None) -> Batch:
+        """This process's questions at micro-step `micro` of optimizer step `step`, taken from data window
+        `window` (default: `step`; the loop passes `TrainState.window`, which skipped batches move on)."""
         cfg, acc = self.cfg, self.accelerator
+        window = step if window is None else window
         indices = batch_indices(
-            step * self.accumulation_steps + micro,
+            window * self.accumulation_steps + micro,
             len(self.train_examples),
             cfg.optim.batch_size,
             acc.process_index,
@@ -195,6 +252,19 @@ class TrainRun:
         )
         gold_phase = cfg.algorithm == 2 and step < cfg.schedule.gold_passage_steps
         return make_batch(self.train_examples, indices, self.corpus, cfg.algorithm, gold_passages=gold_phase)
+
+    def window_question_ids(self, window: int) -> list[str]:
+        """The ids of every process's questions in data window `window`, rank by rank, micro-step by micro-step:
+        computed from the data order, which every process knows (nothing is gathered)."""
+        cfg, world, accum = self.cfg, self.accelerator.num_processes, self.accumulation_steps
+        return [
+            self.train_examples[i].id
+            for rank in range(world)
+            for micro in range(accum)
+            for i in batch_indices(
+                window * accum + micro, len(self.train_examples), cfg.optim.batch_size, rank, world, cfg.seed
+            )
+        ]
 
 
 def alignment_stage(cfg: TrainConfig, accelerator: Accelerator) -> AlignmentStage | None:
@@ -258,6 +328,7 @@ def claim_run_folder(
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(output_dir / "config.yaml", dump_config(cfg))  # read back by evaluate, resume
+        attempt.start_attempt(output_dir)  # before the others write records of this attempt
     accelerator.wait_for_everyone()
     return None if verdict[0] is None else Path(verdict[0])
 
@@ -303,9 +374,10 @@ def build_run(
     stops: StopSignals | None = None,
 ) -> TrainRun:
     """Data, models, the fixed buffer B, the strategy, optimizer and schedule, prepared by accelerate; a stop
-    signal (`stops`) ends a buffer build between batches with `Preempted`."""
+    signal (`stops`) ends a buffer build between batches with `Preempted`, on every process alike."""
     stops = stops or StopSignals()
     accelerator = accelerator or make_accelerator(cfg)
+    timeout = CollectiveTimeout(cfg.dist_timeout_s, accelerator.num_processes > 1, say=accelerator.print)
     accum = cfg.optim.accumulation_steps(accelerator.num_processes)
     accelerator.gradient_accumulation_steps = accum
     configure_deepspeed(accelerator, cfg.optim, accum)
@@ -314,9 +386,22 @@ def build_run(
     buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
     for key, folder in (("output_dir", Path(cfg.output_dir)), ("buffer.dir", buffer_dir)):
         check_shared_folder(folder, Processes.of(accelerator), key)
+    # From here on the main process can name a rank that holds the others up (the run closes it as it ends;
+    # a start that fails ends the process, and the thread with it).
+    heartbeat = heartbeat_for(cfg, accelerator, timeout).start()
+
+    def stop_between_batches() -> None:  # the buffer build's check
+        if stops.received is not None:
+            raise BuildStopped(f"stopped by {signal.Signals(stops.received).name}")
 
     # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
-    parts = build_components(cfg, accelerator, check=lambda: stops.check(0))
+    try:
+        parts = build_components(cfg, accelerator, check=stop_between_batches)
+    except BuildStopped:  # on every process, at the build's meeting point: its finished shards stay
+        signum = stops.requested_anywhere(accelerator)
+        if signum is None:
+            raise
+        raise stop_recorded(accelerator, cfg, signum, 0, None) from None
     if cfg.algorithm == 2 and cfg.schedule.gold_passage_steps:
         check_gold_passages(parts.train_examples, parts.corpus)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
@@ -347,6 +432,8 @@ def build_run(
         state=TrainState(),
         accumulation_steps=accum,
         stops=stops,
+        timeout=timeout,
+        heartbeat=heartbeat,
         alignment=alignment,
     )
     ensure_dev_subcorpus(run)
@@ -357,6 +444,29 @@ def build_run(
         run.load(resume_from)
         accelerator.print(f"resumed from {resume_from} at step {run.state.step}")
     return run
+
+
+def heartbeat_for(cfg: TrainConfig, accelerator: Accelerator, timeout: CollectiveTimeout) -> Heartbeat:
+    """This process's heartbeat in the attempt's folder, watching stalls against the current `timeout`."""
+    folder = attempt.attempt_folder(cfg.output_dir)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    return Heartbeat(folder, rank, world, timeout=lambda: timeout.seconds)
+
+
+def stop_recorded(
+    accelerator: Accelerator, cfg: TrainConfig, signum: int, step: int, checkpoint: Path | None
+) -> Preempted:
+    """After every process agreed to stop on `signum` and what the run resumes from is on disk (`checkpoint`,
+    or the buffer's finished shards): the main process's record for the launcher (`rlm.training.attempt`,
+    which the sbatch script requeues on), and the `Preempted` every process raises."""
+    if accelerator.is_main_process:
+        name = signal.Signals(signum).name
+        folder = attempt.attempt_folder(cfg.output_dir)
+        attempt.write_stopped(folder, name, step, None if checkpoint is None else str(checkpoint))
+    # No process exits before the record is on disk: the first to exit makes its launcher, then srun, end the
+    # others, the main process among them.
+    accelerator.wait_for_everyone()
+    return Preempted(signum, step, checkpoint)
 
 
 def ensure_dev_subcorpus(run: TrainRun) -> None:

@@ -8,6 +8,8 @@ batches an uninterrupted run would, with no dataloader state to restore.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlm.config import TrainConfig
@@ -25,9 +27,16 @@ def batch_indices(micro_step: int, num_examples: int, batch_size: int, rank: int
             "lower optim.batch_size or use more data"
         )
     epoch, pos = divmod(micro_step, per_epoch)
-    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
     start = pos * global_batch + rank * batch_size
-    return order[start : start + batch_size].tolist()
+    return list(epoch_order(num_examples, seed, epoch)[start : start + batch_size])
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(num_examples: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """Epoch `epoch`'s seeded permutation of the examples, drawn and read into Python once per epoch (per
+    micro-step, the draw over a paper-sized train set costs a millisecond and the read a tensor conversion)."""
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    return tuple(order.tolist())
 
 
 def make_batch(examples, indices, corpus, algorithm: int, gold_passages: bool = False) -> Batch:

@@ -9,6 +9,11 @@ strategy refreshes). What the step read is counted where it enters the modules, 
 questions of each micro-batch (the model's forward), the passages and tokens the passage tower embedded with
 gradient (g over S_x, step 3) and the tokens the reader read with gradient (FiD, step 6). Scoring, refreshes and
 validation run without gradient and are not counted.
+
+The model FLOPs of the steps (`DenseFlops`: every dense layer's matmuls as the step runs them, scoring, h over
+the buffer and refreshes included, validation not) give `model_tflops_per_step`, and over the device's peak
+(`PEAK_TFLOPS`) the MFU; `input_wait_s` is how long a step waited for the inputs its background thread makes
+(`rlm.training.step_inputs`).
 """
 
 from __future__ import annotations
@@ -99,6 +104,70 @@ class NoTimer:
 NO_TIMER = NoTimer()
 
 
+# Peak dense (no sparsity) tensor-core throughput of one GPU in TFLOP/s, from the vendors' datasheets: bf16 (and
+# fp16) for mixed precision, TF32 for float32 runs (`allow_tf32` puts their matmuls on TF32 tensor cores).
+# Matched against torch.cuda.get_device_name in this order (the first name found in it wins).
+PEAK_TFLOPS = (
+    ("H200", {"bf16": 989.4, "tf32": 494.7}),
+    ("GH200", {"bf16": 989.4, "tf32": 494.7}),
+    ("H100 NVL", {"bf16": 835.0, "tf32": 417.5}),
+    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0}),
+    ("H100", {"bf16": 989.4, "tf32": 494.7}),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("A100", {"bf16": 312.0, "tf32": 156.0}),
+    ("L40S", {"bf16": 362.05, "tf32": 183.0}),
+    ("L4", {"bf16": 121.0, "tf32": 60.0}),
+)
+
+
+def peak_flops(device: torch.device, mixed_precision: str) -> float | None:
+    """The device's peak FLOP/s for the step's matmuls (`PEAK_TFLOPS`), or None: a GPU not in the table, or a
+    CPU, whose peak depends on its vector units, cores and clocks under load, which nothing here measures."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = "tf32" if mixed_precision == "no" else "bf16"
+    return next((peaks[kind] * 1e12 for key, peaks in PEAK_TFLOPS if key in name), None)
+
+
+class DenseFlops:
+    """The matmul FLOPs of every `nn.Linear` of a model as its steps run them: 2 x rows x in x out for the forward,
+    as much again for each gradient its backward computes (the input's, the weight's). Forwards that activation
+    checkpointing runs again inside the backward are not counted again (model FLOPs, not hardware FLOPs).
+    Attention's own products (the scores and their weighted sum) are left out; padding positions are in (a
+    layer counts the rows it is given). Counted on the host from shapes: nothing waits for the device."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.flops = 0
+        self.counting = False  # on inside the training step (`Throughput.step`) only
+        self.hooks = [
+            module.register_forward_hook(self._count)
+            for module in model.modules()
+            if isinstance(module, torch.nn.Linear)
+        ]
+
+    def _count(self, module: torch.nn.Linear, args, output) -> None:
+        # Outside the step, or activation checkpointing's recomputation inside the backward.
+        if not self.counting or _in_backward():
+            return
+        x = args[0]
+        rows, inner, outer = x.numel() // module.in_features, module.in_features, module.out_features
+        grads = torch.is_grad_enabled() and (x.requires_grad + module.weight.requires_grad)
+        self.flops += 2 * rows * inner * outer * (1 + grads)
+
+    def take(self) -> int:
+        taken, self.flops = self.flops, 0
+        return taken
+
+    def close(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _in_backward() -> bool:
+    graph_task = getattr(torch._C, "_current_graph_task_id", None)
+    return graph_task is not None and graph_task() != -1
+
+
 class Throughput:
     """The counts and clocks of a run's training steps, read once per logging interval (`interval`).
 
@@ -106,9 +175,12 @@ class Throughput:
     tower; `close` takes them off. With `retriever.shared_towers` the one tower is also the query tower: its
     questions' tokens (f(x) with gradient, step 1) count as passage-tower tokens too."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, mixed_precision: str = "no"):
         self.model, self.device = model, device
         self.timer = PhaseTimer(device)
+        self.flops, self.peak_flops = DenseFlops(model), peak_flops(device, mixed_precision)
+        self.inputs = getattr(model, "inputs", None)  # the thread making the step's inputs (step_inputs)
+        self.waited_from = self.inputs.waited_s if self.inputs is not None else 0.0
         # Running totals; a token count stays a tensor on its module's device until `interval` reads it.
         self.counts: dict[str, int | torch.Tensor] = dict.fromkeys(COUNTS, 0)
         model.timer = self.timer
@@ -143,9 +215,11 @@ class Throughput:
     def step(self) -> Iterator[None]:
         """Time one optimizer step (its phases are timed inside it by the step itself)."""
         start = self.timer.mark()
+        self.flops.counting = True
         try:
             yield
         finally:
+            self.flops.counting = False
             self.timer.add("step", start, self.timer.mark())
 
     def interval(self, accelerator, steps: int, seconds: float) -> dict[str, float]:
@@ -157,11 +231,15 @@ class Throughput:
         step_s = phases.pop("step", 0.0)
         phases["backward_optimizer"] = max(step_s - sum(phases.values()), 0.0)
         phases["step"] = step_s
+        waited = self.inputs.waited_s if self.inputs is not None else 0.0
         local = {
             "counts": {key: float(total) for key, total in self.counts.items()},
             "seconds": {"interval": seconds, **{k: v / max(steps, 1) for k, v in phases.items()}},
             "memory": self.peak_memory(),
+            "flops": self.flops.take(),
+            "input_wait_s": waited - self.waited_from,
         }
+        self.waited_from = waited
         self.counts = dict.fromkeys(COUNTS, 0)
         every = gather_object([local]) if accelerator.num_processes > 1 else [local]
         counts = {key: sum(p["counts"][key] for p in every) for key in COUNTS}
@@ -169,6 +247,14 @@ class Throughput:
         seconds = {name: max(p["seconds"].get(name, 0.0) for p in every) for name in names}
         interval_s = max(seconds.pop("interval"), 1e-9)
         memory_key = "peak_cuda_memory_gib" if self.timer.cuda else "peak_rss_gib"
+        flops = sum(p["flops"] for p in every)
+        # Of the device's peak, over every process's device: the model's FLOPs over what the devices could have
+        # done in the interval (left out where the peak is not known: a CPU, a GPU not in PEAK_TFLOPS).
+        mfu = (
+            {}
+            if self.peak_flops is None
+            else {"mfu": round(flops / (interval_s * len(every) * self.peak_flops), 4)}
+        )
         return {
             "interval_s": round(interval_s, 6),  # a fast interval is tens of ms: rates times it stay exact
             **{f"{key}_per_step": round(counts[key] / max(steps, 1), 4) for key in COUNTS},
@@ -177,6 +263,10 @@ class Throughput:
             "tokens_per_s": round((counts["reader_tokens"] + counts["passage_tokens"]) / interval_s, 2),
             **{f"seconds_{name}": round(value, 5) for name, value in seconds.items()},
             memory_key: round(max(p["memory"] for p in every) / GIB, 4),
+            "model_tflops_per_step": round(flops / max(steps, 1) / 1e12, 6),
+            **mfu,
+            # The host seconds a step waited for the background thread's inputs (the slowest process's).
+            "input_wait_s": round(max(p["input_wait_s"] for p in every) / max(steps, 1), 5),
         }
 
     def peak_memory(self) -> int:
@@ -193,4 +283,5 @@ class Throughput:
         """Take the hooks off; the model's timer does nothing again."""
         for hook in self.hooks:
             hook.remove()
+        self.flops.close()
         self.model.timer = NO_TIMER

@@ -159,17 +159,16 @@ class RegressionStrategy(ExhaustiveStrategy):
             return embed_rows(rows.tolist())
         procs, count = self.procs, len(rows)
         start, stop = procs.part(count)
-        mine = embed_rows(rows[start:stop].tolist()) if stop > start else None
+        # An empty share is embedded too: every process's refresh meets the others as often (`embed_rows` agrees
+        # on stop signals between its parts), whatever its share.
+        mine = embed_rows(rows[start:stop].tolist())
         # The passage tower hands back host float32, and NCCL gathers device tensors only.
-        device = (
-            procs.device or self.search.device or (mine.device if mine is not None else torch.device("cpu"))
-        )
+        device = procs.device or self.search.device or mine.device
         per = -(
             -count // procs.world
         )  # the gather needs one shape on every process: pad to the largest share
         padded = torch.zeros(per, self.buffer.dim, device=device)
-        if mine is not None:
-            padded[: stop - start] = mine.to(device=device, dtype=torch.float32)
+        padded[: stop - start] = mine.to(device=device, dtype=torch.float32)
         gathered = procs.gather(padded)
         shares = [Processes(r, procs.world).part(count) for r in range(procs.world)]
         return torch.cat([gathered[r * per : r * per + (b - a)] for r, (a, b) in enumerate(shares)])
