@@ -16,7 +16,7 @@ Corpora:
              questions are the held-out ones (gold passage known), its test questions a second tuning run
              (`tune(query_vectors=...)`: what the index is asked)
 
-The trend: share = a + b log2(N), least squares over the sizes of one corpus and factory; at 21M the share is
+The trend: share = a + b log2(N), least squares over the largest three sizes of one corpus and factory; at 21M the share is
 that fit (clipped to [1/lists, 1]), nprobe the power of two `tune` would reach, p50 the measured time per code
 scanned (its spread over the sizes printed: the projection holds it constant) x the codes scanned at 21M, plus
 the coarse quantizer's search at 16,384 lists. The assumption is written in the report: the share's fit over
@@ -50,6 +50,9 @@ FACTORIES = {"synthetic": "IVF{nlist},PQ256np+rescore5", "toy": "IVF{nlist},Flat
 QUICK_FACTORIES = {"synthetic": "IVF{nlist},PQ32x4np+rescore5;HNSW32,SQ8", "toy": "IVF{nlist},Flat"}
 RESCORED = "+rescore"
 K = 20
+# The fit uses the largest sizes only: the nearest to 21M, and three, the fewest a constant is claimed from.
+FIT_SIZES = 3
+GOAL_POINTS = 1.0  # the goal's recall: gold recall@20 within a point of exact search's
 TOY_QUESTIONS = 1000  # dev (held out) and test (a second tuning) questions of each toy world
 
 
@@ -148,9 +151,9 @@ def measure(corpus: dict, factory: str, args) -> dict:
     from retriever.index import PassageIndex
 
     rows, n = corpus["rows"], len(corpus["rows"])
-    nlist = BENCH.nlist_for(n)
     template, _, k_factor = factory.partition(RESCORED)
-    name = template.format(nlist=nlist)
+    nlist = lists_for(template, n)
+    name = template.format(nlist=BENCH.nlist_for(n), nlist4=4 * BENCH.nlist_for(n))
     start = time.perf_counter()
     with BENCH.TimedTraining() as training:
         index = PassageIndex.build(
@@ -172,6 +175,7 @@ def measure(corpus: dict, factory: str, args) -> dict:
     _, found = index.search_rows(held_out, K)
     exact = corpus["exact"]
     lost = 100 * float((exact == gold[:, None]).any(-1).mean() - (found == gold[:, None]).any(-1).mean())
+    goal = smallest_within_a_point(index, held_out, gold, exact, tuned)
     latency = held_out[: args.latency_queries]
     one_core = p50_ms(index, latency, 1, args.latency_seconds)
     all_cores = p50_ms(index, latency, args.cores, args.latency_seconds)
@@ -195,6 +199,9 @@ def measure(corpus: dict, factory: str, args) -> dict:
         if on_questions is None
         else {"value": on_questions["value"], "recall": on_questions["recall"]},
         "gold_points_lost": lost,
+        # The held-out questions' own answer: the smallest setting within 1 point of exact search's gold recall@20.
+        "goal_value": goal,
+        "goal_share": goal / ivf.nlist if goal is not None and ivf is not None else None,
         "codes_per_query": scanned,
         "p50_ms_1_core": one_core,
         "p50_ms_all_cores": all_cores,
@@ -208,38 +215,104 @@ def measure(corpus: dict, factory: str, args) -> dict:
     }
 
 
+def lists_for(template: str, n: int) -> int:
+    """IVF lists of a factory template at n rows: `{nlist}` N/1,000 (16,384 at 21M), `{nlist4}` four times as
+    many (65,536 at 21M: autofaiss's pick for 21M x 768 in 8 GB, with an HNSW coarse quantizer)."""
+    return (4 if "{nlist4}" in template else 1) * BENCH.nlist_for(n)
+
+
+def trend(x: np.ndarray, values: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of values against log2 N, least squares."""
+    slope, intercept = np.polyfit(x, values, 1)
+    return float(intercept), float(slope)
+
+
+def smallest_within_a_point(index, held_out: np.ndarray, gold: np.ndarray, exact: np.ndarray, tuned: dict):
+    """The smallest value of the tuned parameter (`tune`'s own steps, on past the one it chose to the last it
+    has: every list, or the largest efSearch) whose gold recall@20 on the held-out questions is within
+    `GOAL_POINTS` of exact search's; None if none is (the codes cap it). The tuned value is set again after."""
+    name, chosen = tuned["parameter"], tuned["value"]
+    exact_gold = float((exact == gold[:, None]).any(-1).mean())
+    found_value = None
+    import faiss
+
+    from retriever.index import EF_SEARCH_VALUES
+
+    ivf = faiss.try_extract_index_ivf(index.index)
+    values = EF_SEARCH_VALUES if ivf is None else [2**i for i in range(int(math.log2(ivf.nlist)) + 1)]
+    for value in values:
+        index.set_search_params({name: value})
+        _, found = index.search_rows(held_out, K)
+        if 100 * (exact_gold - float((found == gold[:, None]).any(-1).mean())) <= GOAL_POINTS:
+            found_value = value
+            break
+    index.set_search_params({name: chosen})
+    return found_value
+
+
 def fit(rows: list[dict]) -> dict | None:
-    """share = a + b log2(N) over one series' sizes, and what it gives at 21M."""
-    ivf = sorted((r for r in rows if r["share"] is not None), key=lambda r: r["n"])
-    if len(ivf) < 2:
+    """One series (corpus, factory) over its largest `FIT_SIZES` sizes, fitted in log2 N, and what it gives at
+    21M: IVF's share of the lists, or HNSW's efSearch and the distances a question computes."""
+    from retriever.index import EF_SEARCH_VALUES
+
+    all_rows = sorted(rows, key=lambda r: r["n"])
+
+    rows = sorted(rows, key=lambda r: r["n"])[-FIT_SIZES:]
+    if len(rows) < 2:
         return None
-    x = np.log2([r["n"] for r in ivf])
-    b, a = np.polyfit(x, [r["share"] for r in ivf], 1)
-    lists = BENCH.nlist_for(TARGET_N)
-    share = float(np.clip(a + b * math.log2(TARGET_N), 1 / lists, 1.0))
-    nprobe = min(lists, 2 ** math.ceil(math.log2(max(1.0, share * lists))))
-    per_code = [r["us_per_code"] for r in ivf]
-    speedup = [r["p50_ms_1_core"] / r["p50_ms_all_cores"] for r in ivf]
-    coarse = BENCH.coarse_costs(lists)["query_ms"] if ivf[0]["dim"] == BENCH.D else 0.0
-    codes = nprobe / lists * TARGET_N
-    p50 = float(np.mean(per_code)) * codes / 1e3 + coarse
-    last = ivf[-1]
-    grows = last["index_bytes"] - last["quantizer_bytes"]
-    ram_gb = (grows / last["n"] * TARGET_N + last["quantizer_bytes"] * lists / last["nlist"]) / 1e9
+    x, at = np.log2([r["n"] for r in rows]), math.log2(TARGET_N)
+    template = rows[0]["factory_template"].partition(RESCORED)[0]
+    if rows[0]["share"] is not None:
+        lists = lists_for(template, TARGET_N)
+        a, b = trend(x, [r["share"] for r in rows])
+        share = float(np.clip(a + b * at, 1 / lists, 1.0))
+        value = min(lists, 2 ** math.ceil(math.log2(max(1.0, share * lists))))
+        codes = value / lists * TARGET_N
+        setting, measured = f"nprobe={value:,} of {lists:,}", [f"{r['share']:.3f}" for r in rows]
+        # A flat coarse quantizer is searched whole (768-d: measured); an HNSW one walks a few hundred centroids.
+        flat_quantizer = "HNSW" not in template.split(",")[0] and rows[0]["dim"] == BENCH.D
+        coarse = BENCH.coarse_costs(lists)["query_ms"] if flat_quantizer else 0.0
+        last = rows[-1]
+        grows = last["index_bytes"] - last["quantizer_bytes"]
+        ram_gb = (grows / last["n"] * TARGET_N + last["quantizer_bytes"] * lists / last["nlist"]) / 1e9
+    else:
+        a, b = trend(x, [r["value"] for r in rows])
+        value = next((v for v in EF_SEARCH_VALUES if v >= a + b * at), EF_SEARCH_VALUES[-1])
+        c, d = trend(x, [r["codes_per_query"] for r in rows])
+        codes, coarse = c + d * at, 0.0
+        setting, measured = f"efSearch={value:,}", [f"{r['value']:,}" for r in rows]
+        ram_gb = rows[-1]["bytes_per_passage"] * TARGET_N / 1e9
     ram_gb += TARGET_N * BENCH.ID_BYTES / 1e9
+    per_code = [r["us_per_code"] for r in rows]
+    p50 = float(np.mean(per_code)) * codes / 1e3 + coarse
+    speedup = float(np.mean([r["p50_ms_1_core"] / r["p50_ms_all_cores"] for r in rows]))
+    goal = None  # the same fit of what the held-out questions need (within a point of exact search)
+    swept = [r for r in all_rows if r.get("goal_share") is not None][-FIT_SIZES:]
+    if rows[0]["share"] is not None and len(swept) >= 2:
+        c, d = trend(np.log2([r["n"] for r in swept]), [r["goal_share"] for r in swept])
+        goal_share = float(np.clip(c + d * at, 1 / lists, 1.0))
+        goal_value = min(lists, 2 ** math.ceil(math.log2(max(1.0, goal_share * lists))))
+        goal = {
+            "constant": len(swept) >= FIT_SIZES and len({r["goal_share"] for r in swept}) == 1,
+            "setting": f"nprobe={goal_value:,} of {lists:,}",
+            "measured": [f"{r['goal_share']:.3f} ({r['n']:,})" for r in swept],
+            "p50_ms_1_core": float(np.mean(per_code)) * goal_value / lists * TARGET_N / 1e3 + coarse,
+        }
+    held = [r["share"] if r["share"] is not None else r["value"] for r in rows]
     return {
-        "sizes": [r["n"] for r in ivf],
-        "shares": [r["share"] for r in ivf],
-        "slope_per_doubling": float(b),
-        "share_at_target": share,
-        "nprobe_at_target": nprobe,
-        "lists_at_target": lists,
-        "us_per_code": per_code,
+        "goal": goal,
+        # The rule of a projection: what it holds constant was measured constant at three sizes or more.
+        "constant": len(rows) >= FIT_SIZES and len(set(held)) == 1,
+        "sizes": [r["n"] for r in rows],
+        "measured": measured,
+        "slope_per_doubling": b,
+        "setting_at_target": setting,
         "codes_at_target": codes,
+        "us_per_code": per_code,
         "p50_ms_1_core": p50,
-        "p50_ms_all_cores": p50 / float(np.mean(speedup)),
+        "p50_ms_all_cores": p50 / speedup,
         "ram_gb": ram_gb,
-        "gold_points_lost": [r["gold_points_lost"] for r in ivf],
+        "gold_points_lost": [r["gold_points_lost"] for r in rows],
     }
 
 
@@ -259,6 +332,8 @@ MEASURED = [
     ("tuned on real questions", lambda r: r["on_questions"] and f"{r['on_questions']['value']}", ""),
     ("answers kept (tune)", "tune_recall", ".3f"),
     ("gold recall@20 lost (points)", "gold_points_lost", ".2f"),
+    ("within 1 point from (held out)", lambda r: r.get("goal_value") and f"{r['goal_value']}", ""),
+    ("its share of lists", "goal_share", ".3f"),
     ("codes scanned / question", "codes_per_query", ",.0f"),
     ("us per code", "us_per_code", ".4f"),
     ("p50 ms, 1 core", "p50_ms_1_core", ".2f"),
@@ -270,15 +345,24 @@ MEASURED = [
 PROJECTED = [
     ("corpus, factory", lambda r: f"{r['corpus']}, {r['factory']}", ""),
     ("sizes", lambda r: ", ".join(f"{n:,}" for n in r["sizes"]), ""),
-    ("share of lists", lambda r: ", ".join(f"{s:.3f}" for s in r["shares"]), ""),
-    ("share per doubling of N", "slope_per_doubling", "+.3f"),
-    ("share at 21M (fit)", "share_at_target", ".3f"),
-    ("nprobe at 21M", lambda r: f"{r['nprobe_at_target']:,} of {r['lists_at_target']:,}", ""),
+    ("tuned: share of lists, or efSearch", lambda r: ", ".join(r["measured"]), ""),
+    ("its change per doubling of N", "slope_per_doubling", "+.3f"),
+    ("constant at 3 sizes", lambda r: "yes" if r["constant"] else "no: a trend, extrapolated", ""),
+    ("setting at 21M (fit)", "setting_at_target", ""),
+    ("codes / question at 21M", "codes_at_target", ",.0f"),
     ("us per code (sizes)", lambda r: ", ".join(f"{u:.4f}" for u in r["us_per_code"]), ""),
     ("p50 ms at 21M, 1 core", "p50_ms_1_core", ",.0f"),
     ("p50 ms at 21M, all cores", "p50_ms_all_cores", ",.0f"),
     ("RAM GB at 21M", "ram_gb", ".1f"),
     ("points lost (sizes)", lambda r: ", ".join(f"{p:.2f}" for p in r["gold_points_lost"]), ""),
+    ("held out within 1 point: share (sizes)", lambda r: r["goal"] and ", ".join(r["goal"]["measured"]), ""),
+    (
+        "constant at 3 sizes (held out)",
+        lambda r: r["goal"] and ("yes" if r["goal"]["constant"] else "no"),
+        "",
+    ),
+    ("its setting at 21M", lambda r: r["goal"] and r["goal"]["setting"], ""),
+    ("its p50 ms at 21M, 1 core", lambda r: r["goal"] and r["goal"]["p50_ms_1_core"], ",.0f"),
 ]
 
 
@@ -299,10 +383,13 @@ def markdown(results: dict) -> str:
         "'tuned on real questions': the same index tuned on the toy world's test questions instead.\n\n"
         f"## Measured\n\n{reporting.table(results['rows'], MEASURED)}\n\n"
         "## Projected to 21M passages from the trend\n\n"
-        "Assumption: the share of lists the tuning keeps follows a + b log2(N) fitted over the measured sizes "
-        "(the table shows the shares it was fitted on); the time per code scanned is constant (shown per size); "
-        "p50 = that time x the codes scanned at 21M + the coarse quantizer's search at 16,384 lists (768-d "
-        "only). RAM: the largest size's bytes per passage x 21M + its quantizer at 16,384 lists + ids.\n\n"
+        "Assumption: what the tuning keeps follows a + b log2(N) fitted over the largest three measured sizes "
+        "(the table shows what it was fitted on): an IVF index's share of its lists (then nprobe at 21M is that share of "
+        "16,384 lists for `{nlist}`, 65,536 for `{nlist4}`, rounded up to a power of two as `tune` steps), an "
+        "HNSW index's efSearch and the distances a question computes. The time per code scanned is held "
+        "constant (shown per size). p50 = that time x the codes at 21M, + a flat coarse quantizer's search "
+        "at 21M's lists (768-d only). RAM: the largest size's bytes per passage x 21M (with its quantizer at "
+        "21M's lists) + ids.\n\n"
         f"{reporting.table(projected, PROJECTED)}\n"
     )
 
@@ -310,11 +397,11 @@ def markdown(results: dict) -> str:
 def plot(results: dict):
     fig, ax = reporting.figure()
     for (corpus, template), rows in series(results).items():
-        ivf = [r for r in rows if r["share"] is not None]
+        ivf = [r for r in rows if r["share"] is not None]  # HNSW's efSearch is in the tables
         if ivf:
             ax.plot([r["n"] for r in ivf], [r["share"] for r in ivf], "o-", label=f"{corpus}: {template}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("passages N (lists = N/1,000)")
+    ax.set_xlabel("passages N (lists: N/1,000, or 4x for {nlist4})")
     ax.set_ylabel("nprobe tuned / lists")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)

@@ -520,3 +520,21 @@ def test_the_index_types_faiss_cannot_map_are_read_whole(tmp_path):
     assert mmap_flag("IVF64,PQ32x4fs") is None
     assert mmap_flag("IVF65536_HNSW32,PQ256") == mmap_flag("OPQ64,IVF1024,PQ64") == "IO_FLAG_MMAP"
     assert mmap_flag("HNSW32,SQ8") == mmap_flag("Flat") == "IO_FLAG_MMAP_IFC"
+
+
+def test_an_hnsw_coarse_quantizer_finds_as_many_lists_as_nprobe_asks_for(tmp_path):
+    """faiss leaves an HNSW quantizer's efSearch at 16, which caps the lists it finds whatever nprobe says: with
+    every list probed, `IVF256_HNSW32,Flat` must be exact search (it found 0.78 of its top 20 without the fix),
+    and the setting must survive a save and load."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((256 * 40, 128)).astype(np.float32)
+    queries = rng.standard_normal((200, 128)).astype(np.float32)
+    exact = PassageIndex.build(rows, [str(i) for i in range(len(rows))], "Flat", use_gpu=False)
+    _, want = exact.search_rows(queries, 20)
+    index = PassageIndex.build(rows, [str(i) for i in range(len(rows))], "IVF256_HNSW32,Flat", use_gpu=False)
+    index.set_search_params({"nprobe": 256})
+    _, found = index.search_rows(queries, 20)
+    assert (found == want).mean() > 0.999
+    index.save(tmp_path / "index")
+    _, again = PassageIndex.load(tmp_path / "index").search_rows(queries, 20)
+    assert np.array_equal(again, found)
