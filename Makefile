@@ -14,7 +14,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export GRADIO_ANALYTICS_ENABLED := False
 
-.PHONY: demo test test-fast test-kernels lint format bench clean venv browser
+.PHONY: demo test test-fast test-kernels lint format bench clean venv browser hooks
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,12 @@ browser:
 		echo "warning: /usr/bin/chromium missing and apt-get (as root) unavailable: apt-get install -y chromium"; \
 	fi
 
-test: $(VENV)/.installed-test browser
+# The repository's git hooks (.githooks/commit-msg: subjects of at most 72 characters), for whoever commits
+# from this checkout; nothing outside a git checkout.
+hooks:
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then git config core.hooksPath .githooks; fi
+
+test: $(VENV)/.installed-test browser hooks
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --timeout=900 --durations=15 $(PYTEST_ARGS)
 
 # The learning tests (pytest -m learning) once per float kernel family this CPU can run (default, avx2, avx512:
