@@ -657,6 +657,20 @@ def _stopped_anywhere(accelerator, stopped: bool) -> bool:
     return bool(flag.item())
 
 
+def _embed_together(
+    ids, texts, encoder, folder: Path, settings: dict, shards, accelerator, **options
+) -> None:
+    """This process's `shards` (`embed_shards`), then the build's meeting point: a `BuildStopped` raised on any
+    process is raised on every one."""
+    stopped = None
+    try:
+        embed_shards(ids, texts, encoder, folder, settings, shards, **options)
+    except BuildStopped as err:
+        stopped = err
+    if _stopped_anywhere(accelerator, stopped is not None):
+        raise stopped or BuildStopped("another process stopped the build")
+
+
 def build_passage_buffer(
     ids: Sequence[str],
     texts: Sequence[str],
@@ -698,23 +712,9 @@ def build_passage_buffer(
     _check_or_write_build(folder, settings, write=False)
     if accelerator is not None:
         encoder.to(accelerator.device)
-    stopped = None
-    try:
-        embed_shards(
-            ids,
-            texts,
-            encoder,
-            folder,
-            settings,
-            shards_for_rank(settings["num_shards"], rank, world),
-            batch_size=batch_size,
-            show_progress=show_progress and is_main,
-            check=check,
-        )
-    except BuildStopped as err:
-        stopped = err
-    if _stopped_anywhere(accelerator, stopped is not None):
-        raise stopped or BuildStopped("another process stopped the build")
+    shards = shards_for_rank(settings["num_shards"], rank, world)
+    options = {"batch_size": batch_size, "show_progress": show_progress and is_main, "check": check}
+    _embed_together(ids, texts, encoder, folder, settings, shards, accelerator, **options)
     if is_main:
         finalize_buffer(folder, ids, settings)
     _wait_for_everyone(accelerator)

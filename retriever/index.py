@@ -501,12 +501,8 @@ class PassageIndex:
         index's top k holds. Else they are `queries` indexed rows made question-like (`question_like_rows`),
         each with its source row, the passage that answers it, and recall@k is the share of the made questions
         whose source exact search ranks in its top k that the index ranks there too: the answers a reader
-        loses, which is what "within 1 point of Flat" counts. The share of all top-k neighbours found is the
-        weaker measure: at 1M synthetic passages it reached 0.96 at nprobe 16, where held-out queries lost 7
-        points of gold recall@20 (docs/results/bench_index). A row itself sits in its own IVF list and HNSW
-        neighbourhood and asks less of the search than a question does (bare rows: nprobe 4, 14 points lost)."""
-        import torch
-
+        loses, which is what "within 1 point of Flat" counts (why neither all top-k neighbours nor bare rows:
+        docs/retriever.md, "Search parameters")."""
         from retriever.buffer import PassageBuffer
         from retriever.search import corrected_topk
 
@@ -517,17 +513,11 @@ class PassageIndex:
             raise InputError(f"target recall must be in (0, 1], got {target_recall}")
         if not isinstance(rows, PassageBuffer):
             rows = _array_rows(rows)
-        made, sources = {}, None
-        if query_vectors is not None:
-            sample = torch.from_numpy(_as_float32(query_vectors, self.dim)[:queries])
-        else:
-            sample, sources, made = question_like_rows(rows, queries, np.random.default_rng(seed))
+        sample, sources, made = self._tuning_queries(rows, queries, seed, query_vectors)
         k = min(k, self.ntotal)
         exact = corrected_topk(sample, rows, None, k).indices.numpy()
         if sources is not None and not (exact == sources[:, None]).any():
-            sources = (
-                None  # no source in its exact top k (rows of near-duplicates): count the neighbours found
-            )
+            sources = None  # no source in its exact top k (near-duplicate rows): count the neighbours found
         chosen, measured = self._smallest_reaching(name, sample.numpy(), exact, sources, target_recall)
         recall = {value: answers for value, (answers, _) in measured.items()}
         if recall[chosen] < target_recall:
@@ -551,6 +541,15 @@ class PassageIndex:
         if sources is not None:  # the plateau's measure, beside the one chosen on
             self.tuning["tried_top_k_found"] = {str(v): found for v, (_, found) in measured.items()}
         return self.tuning
+
+    def _tuning_queries(self, rows, queries: int, seed: int, query_vectors: np.ndarray | None):
+        """`tune`'s queries [Q, D]: the first `queries` of `query_vectors`, else that many rows made question-like;
+        with the made ones' source rows and how they were made (None and {} for given vectors)."""
+        import torch
+
+        if query_vectors is not None:
+            return torch.from_numpy(_as_float32(query_vectors, self.dim)[:queries]), None, {}
+        return question_like_rows(rows, queries, np.random.default_rng(seed))
 
     def _smallest_reaching(
         self, name: str, sample: np.ndarray, exact: np.ndarray, sources: np.ndarray | None, target: float

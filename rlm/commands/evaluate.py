@@ -21,6 +21,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retriever", help="retriever folder instead of <checkpoint>/retriever (e.g. MiniLM)"
     )
+    add_question_arguments(parser.add_argument_group("questions and corpus"))
+    index = parser.add_argument_group("index")
+    index.add_argument(
+        "--index",
+        help="reuse a saved faiss index folder (`rlm index`) instead of embedding; `corrected`: retrieve over "
+        "h(B), the run's fixed buffer through its trained corrector (nothing re-embedded)",
+    )
+    index.add_argument(
+        "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
+    )
+    add_search_arguments(index)
+    add_rescore_buffer_argument(index)
+    add_index_building_arguments(index)
+    add_reading_arguments(parser.add_argument_group("retrieving and reading"))
+    parser.add_argument(
+        "--out",
+        help="folder for predictions.jsonl and metrics.json (a folder holding other files is refused)",
+    )
+    add_device_arguments(parser)
+    add_cache_argument(parser)
+    add_dist_timeout_argument(parser)
+
+
+def add_question_arguments(parser) -> None:
+    """The questions `rlm evaluate` answers and the corpus it retrieves from."""
     parser.add_argument(
         "--dataset",
         default="toy",
@@ -41,24 +66,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--subcorpus", help="ids file (one per line) restricting the corpus, e.g. a hard subcorpus"
     )
-    parser.add_argument(
-        "--index",
-        help="reuse a saved faiss index folder (`rlm index`) instead of embedding; `corrected`: retrieve over "
-        "h(B), the run's fixed buffer through its trained corrector (nothing re-embedded)",
-    )
-    parser.add_argument(
-        "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
-    )
-    add_search_arguments(parser)
-    add_rescore_buffer_argument(parser)
-    add_index_building_arguments(parser)
+    parser.add_argument("--max-examples", type=int, default=None, help="at most this many questions")
+
+
+def add_reading_arguments(parser) -> None:
+    """How many passages `rlm evaluate` retrieves and reads, and in which mode."""
     parser.add_argument(
         "--k", type=int, default=100, help="passages retrieved per question (recall@k up to k)"
     )
     parser.add_argument(
         "--num-passages", type=int, default=None, help="passages the reader reads (default: config)"
     )
-    parser.add_argument("--max-examples", type=int, default=None, help="at most this many questions")
     parser.add_argument("--batch-size", type=int, default=16, help="questions per batch")
     parser.add_argument("--num-beams", type=int, default=1, help="beam width of the reader's decoding")
     mode = parser.add_mutually_exclusive_group()
@@ -78,13 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ignore the checkpoint's answer policy (answer_policy.json, `rlm calibrate`): answer everything, "
         "with the reader's own probability as confidence",
     )
-    parser.add_argument(
-        "--out",
-        help="folder for predictions.jsonl and metrics.json (a folder holding other files is refused)",
-    )
-    add_device_arguments(parser)
-    add_cache_argument(parser)
-    add_dist_timeout_argument(parser)
 
 
 def add_rescore_buffer_argument(parser: argparse.ArgumentParser) -> None:
@@ -204,8 +215,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load, evaluate, print the table."""
-    from rlm.cache import corpus_fingerprint_cache
-    from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_split
     from rlm.inference import checkpoint, evaluation
     from rlm.inference.device import autocast, inference_bf16, inference_device
@@ -213,16 +222,7 @@ def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
     need_reader = not args.retrieval_only
     questions = load_qa_split(args.dataset, args.split, args.data_path).limited(args.max_examples)
-    corpus = None
-    if not args.closed_book:
-        corpus_path = _default_corpus(args)
-        if corpus_path is None:
-            raise UserError("no corpus: pass --corpus FILE (or a --data-path folder holding corpus.jsonl)")
-        corpus = load_corpus(corpus_path, args.corpus_format, corpus_fingerprint_cache(args.cache_dir))
-        if args.subcorpus:
-            from rlm.training.hard_subcorpus import load_subcorpus
-
-            corpus = load_subcorpus(corpus, args.subcorpus)
+    corpus = None if args.closed_book else _corpus(args)
     without_retriever = args.closed_book or args.no_retriever
     if not without_retriever and not args.index:
         from rlm.inference.indexing import check_embed_limit
@@ -266,6 +266,23 @@ def run(args: argparse.Namespace) -> int:
     if result.metrics_path is not None:
         print(f"\nwrote {result.predictions_path} and {result.metrics_path}")
     return 0
+
+
+def _corpus(args):
+    """The corpus passages are retrieved from (`--corpus`, else corpus.jsonl in `--data-path`), restricted to
+    `--subcorpus` when given."""
+    from rlm.cache import corpus_fingerprint_cache
+    from rlm.data.corpus import load_corpus
+
+    corpus_path = _default_corpus(args)
+    if corpus_path is None:
+        raise UserError("no corpus: pass --corpus FILE (or a --data-path folder holding corpus.jsonl)")
+    corpus = load_corpus(corpus_path, args.corpus_format, corpus_fingerprint_cache(args.cache_dir))
+    if args.subcorpus:
+        from rlm.training.hard_subcorpus import load_subcorpus
+
+        corpus = load_subcorpus(corpus, args.subcorpus)
+    return corpus
 
 
 def _index(args, corpus, retriever, device, progress: bool, options):

@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "records the buffer's folder relative to itself: copy or move the two together, or point to it with "
         "`--rescore-buffer` where the index is used). 0: off",
     )
+    add_tuning_arguments(parser.add_argument_group("tuning the search (IVF, HNSW)"))
+
+
+def add_tuning_arguments(parser) -> None:
+    """How `rlm index` chooses nprobe / efSearch."""
     parser.add_argument(
         "--target-recall",
         type=float,

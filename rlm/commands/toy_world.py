@@ -32,6 +32,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-occupations", type=int, default=defaults.num_occupations, help="distinct occupation answers"
     )
+    add_difficulty_arguments(parser.add_argument_group("how hard the world is"), defaults)
+    parser.add_argument(
+        "--question-types",
+        default=",".join(defaults.question_types),
+        help=f"comma-separated subset of {','.join(QUESTION_TYPES)}",
+    )
+    parser.add_argument(
+        "--max-train-questions",
+        type=int,
+        default=defaults.max_questions["train"],
+        help="cap on train questions (default: all)",
+    )
+    parser.add_argument(
+        "--max-eval-questions",
+        type=int,
+        default=defaults.max_questions["dev"],
+        help="cap on dev and on test questions",
+    )
+
+
+def add_difficulty_arguments(parser, defaults) -> None:
+    """What makes retrieval in the toy world hard: near-duplicates, distractors, kin facts, filler."""
     parser.add_argument(
         "--twin-rate",
         type=float,
@@ -56,23 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=defaults.filler_rate,
         help="share of passages with a filler sentence",
-    )
-    parser.add_argument(
-        "--question-types",
-        default=",".join(defaults.question_types),
-        help=f"comma-separated subset of {','.join(QUESTION_TYPES)}",
-    )
-    parser.add_argument(
-        "--max-train-questions",
-        type=int,
-        default=defaults.max_questions["train"],
-        help="cap on train questions (default: all)",
-    )
-    parser.add_argument(
-        "--max-eval-questions",
-        type=int,
-        default=defaults.max_questions["dev"],
-        help="cap on dev and on test questions",
     )
 
 

@@ -360,10 +360,8 @@ def run_evaluation(
     Modes: full (retriever + reader), retrieval-only (no reader), closed book (no passages), gold passages (the
     gold passages swapped into the top `num_passages`, `with_gold_passages`, or alone without a retriever).
     `index` is reused when given, else the corpus is embedded and indexed as `index_options` says. With
-    `out_dir`: `predictions.jsonl` and `metrics.json`, atomically. Data-parallel when
-    `index_options.accelerator` has several processes: each retrieves, reads and scores its share of the
-    questions (each question's recall ranks and record once, by one process), the results are gathered once,
-    every process returns the same metrics and only the main one writes.
+    `out_dir`: `predictions.jsonl` and `metrics.json`, atomically. Data-parallel when `index_options.accelerator`
+    has several processes: each answers and scores its share, gathered once; only the main one writes.
 
     Each prediction records its `confidence` and whether it was `abstained`: with `policy` (the checkpoint's
     `AnswerPolicy`) the calibrated P(correct) and the policy's verdict, else the reader's own probability.
@@ -387,17 +385,9 @@ def run_evaluation(
         reading = _read_for_evaluation(
             reader, mine, corpus, retrieved, num_passages, gold_passages, policy, timings, **read_options
         )
-    # Each question is scored by the process that answered it: its passages' texts are read for recall once, and
-    # what is gathered is their ranks and the records, not the retrieved lists for every process to score again.
-    records = procs.gather_object(
-        [_evaluation_record(ex, i, reading, retrieved) for i, ex in enumerate(mine)]
+    records = _scored_shares(
+        procs, examples, mine, corpus, retrieved, reading, k, 0 if closed_book else num_passages, metrics
     )
-    if retrieved is not None:
-        hits = procs.gather_object(retrieval_hits(corpus, mine, retrieved))
-        metrics.update(recall_from_hits(hits, examples, [kk for kk in RECALL_KS if kk <= k]))
-    if reading is not None:
-        reading = reading.gathered(procs)
-        metrics.update(_reading_scores(reading, examples, 0 if closed_book else num_passages))
     # Timings last: metrics.json and the printed table list the scores first. Each the slowest process's.
     for key, value in timings.items():
         metrics[key] = round(max(procs.gather_object([value])), 2)
@@ -407,6 +397,23 @@ def run_evaluation(
         _write_evaluation(result, out_dir)
     procs.barrier()  # the files are written before any process goes on
     return result
+
+
+def _scored_shares(
+    procs, examples, mine, corpus, retrieved, reading, k: int, passages_read: int, metrics: dict
+):
+    """Every process's records, gathered, with the recall and reading scores added to `metrics`. Each question is
+    scored by the process that answered it (`mine`): its passages' texts are read for recall once, and what is
+    gathered is their ranks and the records, not the retrieved lists for every process to score again."""
+    records = procs.gather_object(
+        [_evaluation_record(ex, i, reading, retrieved) for i, ex in enumerate(mine)]
+    )
+    if retrieved is not None:
+        hits = procs.gather_object(retrieval_hits(corpus, mine, retrieved))
+        metrics.update(recall_from_hits(hits, examples, [kk for kk in RECALL_KS if kk <= k]))
+    if reading is not None:
+        metrics.update(_reading_scores(reading.gathered(procs), examples, passages_read))
+    return records
 
 
 def format_table(metrics: dict[str, float], title: str | None = None) -> str:

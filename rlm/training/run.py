@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
+from torch.optim.lr_scheduler import LambdaLR
 
 from atomicio import atomic_write_text
 from retriever.buffer import BuildStopped
@@ -110,7 +111,7 @@ class TrainRun:
     model: torch.nn.Module  # as prepared by accelerate (DDP / DeepSpeed wrapper)
     strategy: SelectionStrategy
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: LambdaLR
     state: TrainState
     accumulation_steps: int
     # Passage embeddings of the last validation, reused while the passage tower is unchanged.
@@ -389,35 +390,14 @@ def build_run(
     # From here on the main process can name a rank that holds the others up (the run closes it as it ends;
     # a start that fails ends the process, and the thread with it).
     heartbeat = heartbeat_for(cfg, accelerator, timeout).start()
-
-    def stop_between_batches() -> None:  # the buffer build's check
-        if stops.received is not None:
-            raise BuildStopped(f"stopped by {signal.Signals(stops.received).name}")
-
-    # Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load).
-    try:
-        parts = build_components(cfg, accelerator, check=stop_between_batches)
-    except BuildStopped:  # on every process, at the build's meeting point: its finished shards stay
-        signum = stops.requested_anywhere(accelerator)
-        if signum is None:
-            raise
-        raise stop_recorded(accelerator, cfg, signum, 0, None) from None
+    parts = components_or_stop(cfg, accelerator, stops)
     if cfg.algorithm == 2 and cfg.schedule.gold_passage_steps:
         check_gold_passages(parts.train_examples, parts.corpus)
     model = RetrievalAugmentedModel(parts.retriever, parts.reader, parts.corrector, parts.collator, cfg)
     strategy = strategy_for(cfg, parts.buffer)
     distribute_strategy(strategy, cfg, accelerator)
     alignment = alignment_stage(cfg, accelerator)
-    if cfg.gradient_checkpointing and model.reader is not None:
-        model.reader.gradient_checkpointing_enable()
-
-    optimizer = build_optimizer(model, strategy, cfg.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.optim.max_steps)
-    )
-    # The scheduler is not handed to accelerate: `train_step` steps it exactly once per optimizer step taken.
-    configure_ddp(accelerator, cfg, model)  # after the optimizer's groups froze what is not trained
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer, scheduler = prepared_for_training(model, strategy, cfg, accelerator)
     run = TrainRun(
         cfg=cfg,
         accelerator=accelerator,
@@ -444,6 +424,38 @@ def build_run(
         run.load(resume_from)
         accelerator.print(f"resumed from {resume_from} at step {run.state.step}")
     return run
+
+
+def prepared_for_training(
+    model: RetrievalAugmentedModel, strategy, cfg: TrainConfig, accelerator: Accelerator
+):
+    """The model (its reader gradient-checkpointed when asked) and its optimizer prepared by accelerate, and the
+    lr schedule, which is not handed to accelerate: `train_step` steps it once per optimizer step taken."""
+    if cfg.gradient_checkpointing and model.reader is not None:
+        model.reader.gradient_checkpointing_enable()
+    optimizer = build_optimizer(model, strategy, cfg.optim)
+    scheduler = LambdaLR(optimizer, lr_lambda(cfg.optim.warmup_steps, cfg.optim.max_steps))
+    configure_ddp(accelerator, cfg, model)  # after the optimizer's groups froze what is not trained
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, scheduler
+
+
+def components_or_stop(cfg: TrainConfig, accelerator: Accelerator, stops: StopSignals):
+    """Data, models and the fixed buffer B (built once by the initial passage tower, verified on every load); a
+    stop signal ends the buffer build between batches, every process at the build's meeting point, where the
+    stop is recorded and `Preempted` raised (its finished shards stay)."""
+
+    def stop_between_batches() -> None:  # the buffer build's check
+        if stops.received is not None:
+            raise BuildStopped(f"stopped by {signal.Signals(stops.received).name}")
+
+    try:
+        return build_components(cfg, accelerator, check=stop_between_batches)
+    except BuildStopped:
+        signum = stops.requested_anywhere(accelerator)
+        if signum is None:
+            raise
+        raise stop_recorded(accelerator, cfg, signum, 0, None) from None
 
 
 def heartbeat_for(cfg: TrainConfig, accelerator: Accelerator, timeout: CollectiveTimeout) -> Heartbeat:
