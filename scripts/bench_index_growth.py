@@ -256,8 +256,7 @@ def fit(rows: list[dict]) -> dict | None:
     from retriever.index import EF_SEARCH_VALUES
 
     all_rows = sorted(rows, key=lambda r: r["n"])
-
-    rows = sorted(rows, key=lambda r: r["n"])[-FIT_SIZES:]
+    rows = all_rows[-FIT_SIZES:]
     if len(rows) < 2:
         return None
     x, at = np.log2([r["n"] for r in rows]), math.log2(TARGET_N)

@@ -161,15 +161,7 @@ def test_sigterm_to_accelerate_launch_stops_both_processes_at_one_step_and_resum
     assert (record["signal"], record["step"]) == ("SIGTERM", stopped[0]) and record["checkpoint"].endswith(
         f"step_{stopped[0]:07d}"
     )
-    resumed = subprocess.run(
-        [*launch_two(root, out.name), "--resume"],
-        capture_output=True,
-        text=True,
-        env=launch_env(),
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    same_losses(read_log(out / "log.jsonl"), read_log(root / "reference" / "log.jsonl"))
+    resume_two_and_compare(root, out, root / "reference")
 
 
 @pytest.mark.slow
@@ -228,6 +220,12 @@ def test_a_signal_to_one_process_during_a_refresh_stops_both_at_one_part_with_a_
     assert steps_of(out) == [2], (steps_of(out), done.stderr[-3000:])
     record = json.loads((out / "attempt" / "stopped.json").read_text())
     assert (record["signal"], record["step"]) == ("SIGTERM", 2), record
+    resume_two_and_compare(root, out, root / "two_refresh_ref", *extra)
+
+
+def resume_two_and_compare(root: Path, out: Path, reference: Path, *extra: str) -> None:
+    """Resume the stopped two-process run `out` under `accelerate launch` and check it logs `reference`'s
+    losses, step for step."""
     resumed = subprocess.run(
         [*launch_two(root, out.name, *extra), "--resume"],
         capture_output=True,
@@ -236,7 +234,7 @@ def test_a_signal_to_one_process_during_a_refresh_stops_both_at_one_part_with_a_
         timeout=600,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    same_losses(read_log(out / "log.jsonl"), read_log(root / "two_refresh_ref" / "log.jsonl"))
+    same_losses(read_log(out / "log.jsonl"), read_log(reference / "log.jsonl"))
 
 
 # ---- 3. resume trusts nothing on disk -----------------------------------------------------------------

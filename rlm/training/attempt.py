@@ -66,7 +66,6 @@ def now_iso() -> str:
 def write_stopped(folder: Path, signal_name: str, step: int, checkpoint: str | None) -> Path:
     """The main process's record that every process stopped on `signal_name` with `checkpoint` complete."""
     path = Path(folder) / STOPPED
-    path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "attempt": attempt_name(),
         "signal": signal_name,
@@ -88,13 +87,11 @@ def write_failure(folder: Path, rank: int, error: BaseException) -> Path:
         message = message[:MESSAGE_CHARS] + " ..."
     line = f"{now_iso()} rank {rank} on {socket.gethostname()} (pid {os.getpid()}) failed: {name}: {message}"
     path = Path(folder) / f"{FAILED_PREFIX}{rank:05d}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, line + "\n")
     return path
 
 
 def write_stalled(folder: Path, report: str) -> Path:
     path = Path(folder) / STALLED
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, report.rstrip("\n") + "\n")
     return path

@@ -131,8 +131,7 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         if self.active and self._thread is None:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.write()
+            self.write()  # atomic_write_json makes the folder
             self._thread = threading.Thread(target=self._run, name="rlm-heartbeat", daemon=True)
             self._thread.start()
         return self
