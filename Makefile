@@ -74,7 +74,7 @@ format: $(VENV)/.installed-test
 	$(BIN)/ruff check --fix .
 
 bench: $(VENV)/.installed
-	$(PY) scripts/bench_retrieval.py $(BENCH_ARGS)
+	$(PY) scripts/bench/bench_retrieval.py $(BENCH_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.service import InvalidQuestion, QAService
+from rlm.app.service import InvalidQuestion, QAService
 from rlm.inference.batching import BatchingQueue
 
 if TYPE_CHECKING:

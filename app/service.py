@@ -7,7 +7,7 @@ passage tower into a faiss index cached outside the checkpoint (`rlm.cache`). `S
 precision, which index (cached, prebuilt, or over h(B)), the example questions, whether to apply the
 checkpoint's answer policy; it refuses a bad value when made, before anything loads.
 `QAService.answer(question, k)` answers one question, and `answer_requests` several users' questions in one
-pass (what the Gradio page's batching queue calls, `app.demo.answer_queue`); it has no UI code so it can be
+pass (what the Gradio page's batching queue calls, `rlm.app.demo.answer_queue`); it has no UI code so it can be
 tested (and reused) without a browser.
 """
 
@@ -27,10 +27,10 @@ from rlm.inference.indexing import EMBED_LIMIT
 from rlm.inference.metrics import has_answer
 
 if TYPE_CHECKING:  # torch, transformers and faiss load with the checkpoint, not with this module
-    from reader.fid import FiDReader
-    from retriever.encoder import DualEncoder, SentenceEncoder
-    from retriever.index import PassageIndex
     from rlm.data.corpus import Corpus
+    from rlm.reader.fid import FiDReader
+    from rlm.retriever.encoder import DualEncoder, SentenceEncoder
+    from rlm.retriever.index import PassageIndex
 
 MAX_QUESTION_CHARS = 300
 MAX_K = 20
@@ -220,7 +220,7 @@ class QAService:
         """Results for (question, k) requests that may ask for different k, in request order: one `answer_many`
         per distinct k (after `clamp_k`). A refused question gets its `InvalidQuestion` in its place, and the
         others are answered as if it had not been sent. What the demo's batching queue runs
-        (`app.demo.answer_queue`), so questions from several users are answered in one pass."""
+        (`rlm.app.demo.answer_queue`), so questions from several users are answered in one pass."""
         results: list[dict | Exception | None] = [None] * len(requests)
         by_k: dict[int, list[int]] = {}
         for i, (question, k) in enumerate(requests):

@@ -20,12 +20,12 @@ import torch
 from transformers import AutoModelForSeq2SeqLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
-from atomicio import atomic_directory, atomic_write_json
-from evalmode import activation_checkpointing, eval_mode, set_activation_checkpointing
-from reader.errors import InputError
-from reader.formatting import DEFAULT_QUESTION_TEMPLATE, DEFAULT_TEMPLATE, FiDCollator, Passages
-from reader.small_t5 import SmallT5Config, build_small_t5
-from reader.tokenizer import load_tokenizer
+from rlm.base.atomicio import atomic_directory, atomic_write_json
+from rlm.base.evalmode import activation_checkpointing, eval_mode, set_activation_checkpointing
+from rlm.reader.errors import InputError
+from rlm.reader.formatting import DEFAULT_QUESTION_TEMPLATE, DEFAULT_TEMPLATE, FiDCollator, Passages
+from rlm.reader.small_t5 import SmallT5Config, build_small_t5
+from rlm.reader.tokenizer import load_tokenizer
 
 FID_CONFIG_NAME = "fid_config.json"
 

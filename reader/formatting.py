@@ -7,11 +7,11 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from reader.errors import InputError
+from rlm.reader.errors import InputError
 
 DEFAULT_TEMPLATE = "question: {question} title: {title} context: {text}"
 # A template may also name `{rank}`: the passage's 1-based place in the list it came in (the retriever's
-# order). Scoring a passage alone (`reader.scoring.score_passages`, step 4 of Algorithm 2) reads every passage
+# order). Scoring a passage alone (`rlm.reader.scoring.score_passages`, step 4 of Algorithm 2) reads every passage
 # as rank 1, so the relevance labels that train the retriever never depend on its own ranking.
 RANKED_TEMPLATE = "question: {question} rank: {rank} title: {title} context: {text}"
 # What the encoder reads for a question with no passage (closed book, or fewer passages than the batch's K).
@@ -57,7 +57,7 @@ class FiDCollator:
                 ) from None
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError(
-                "the tokenizer needs pad and eos tokens; load it with reader.tokenizer.load_tokenizer"
+                "the tokenizer needs pad and eos tokens; load it with rlm.reader.tokenizer.load_tokenizer"
             )
         if max_passage_length < 2 or max_answer_length < 1:
             raise InputError(

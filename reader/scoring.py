@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from evalmode import eval_mode
-from reader.fid import FiDReader
-from reader.formatting import FiDCollator, Passages
+from rlm.base.evalmode import eval_mode
+from rlm.reader.fid import FiDReader
+from rlm.reader.formatting import FiDCollator, Passages
 
 REDUCTIONS = ("sum", "mean")
 

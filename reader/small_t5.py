@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig, PreTrainedTokenizerBase, T5Config, T5ForConditionalGeneration
 
-from reader.errors import InputError
+from rlm.reader.errors import InputError
 
 
 @dataclass
@@ -37,7 +37,7 @@ class SmallT5Config:
             )
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError(
-                "the tokenizer needs pad and eos tokens; load it with reader.tokenizer.load_tokenizer"
+                "the tokenizer needs pad and eos tokens; load it with rlm.reader.tokenizer.load_tokenizer"
             )
         fields = dataclasses.asdict(self)
         fields["d_kv"] = self.d_kv or self.d_model // self.num_heads

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from atomicio import atomic_directory
-from reader.errors import InputError
+from rlm.base.atomicio import atomic_directory
+from rlm.reader.errors import InputError
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "</s>"

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModel, BertConfig, BertLMHeadModel, EncoderDecoderModel, PreTrainedTokenizerBase
 
-from reader.errors import InputError
-from reader.tokenizer import load_tokenizer
+from rlm.reader.errors import InputError
+from rlm.reader.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -46,7 +46,7 @@ def build_warm_started_encoder_decoder(
     """Pretrained encoder from `encoder_path` (a BERT-family folder or name) + a randomly initialised decoder.
 
     Returns the model and the encoder's tokenizer (its `[CLS]` starts decoding, `[SEP]` ends answers).
-    Wrap with `reader.fid.FiDReader(model, tokenizer)`.
+    Wrap with `rlm.reader.fid.FiDReader(model, tokenizer)`.
     """
     config = config or WarmStartConfig()
     tokenizer = tokenizer or load_tokenizer(encoder_path)

@@ -37,11 +37,11 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from atomicio import atomic_file, atomic_write_bytes, atomic_write_text
-from evalmode import eval_mode
-from retriever.encoder import bucket_size_for
-from retriever.errors import InputError
-from retriever.ids import IdSequence, id_lines
+from rlm.base.atomicio import atomic_file, atomic_write_bytes, atomic_write_text
+from rlm.base.evalmode import eval_mode
+from rlm.retriever.encoder import bucket_size_for
+from rlm.retriever.errors import InputError
+from rlm.retriever.ids import IdSequence, id_lines
 
 META_NAME = "meta.json"
 BUILD_NAME = "build.json"
@@ -242,7 +242,7 @@ class PassageBuffer:
         """Ask the kernel to read the rows `indices` (any shape; -1 ignored) of memory-mapped shards into the page
         cache, all at once (`posix_fadvise(WILLNEED)` on each row's bytes), so that `rows` then finds them there:
         touching rows that are on disk one at a time waits for one read after another (100 evicted rows: 330 ms
-        read fault by fault, 2.0 ms prefetched; docs/results/rescoring). Does nothing for a buffer in memory or
+        read fault by fault, 2.0 ms prefetched; scripts/bench/reports/rescoring). Does nothing for a buffer in memory or
         where the OS has no `posix_fadvise`."""
         if not self._files or not hasattr(os, "posix_fadvise"):
             return
@@ -453,7 +453,7 @@ def _embed_tokens(
 
 def forward_rows(device: torch.device, batch_size: int) -> int:
     """Rows per forward on `device`: the whole batch on an accelerator, at most
-    `retriever.encoder.CPU_BUCKET_SIZE` on a CPU, which runs forwards of about 16 rows fastest (figures in
+    `rlm.retriever.encoder.CPU_BUCKET_SIZE` on a CPU, which runs forwards of about 16 rows fastest (figures in
     docs/retriever.md, "Full, length-sorted batches")."""
     return min(batch_size, bucket_size_for(device) or batch_size)
 

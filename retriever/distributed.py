@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from atomicio import atomic_open
-from retriever.buffer import PassageBuffer
-from retriever.search import TopK, corrected_topk, sort_desc_then_row
+from rlm.base.atomicio import atomic_open
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.search import TopK, corrected_topk, sort_desc_then_row
 
 
 def _all_gather_identity(tensor: Tensor) -> Tensor:
@@ -86,7 +86,7 @@ def merge_topk(procs: Processes, local: TopK, row_ids: Tensor | None, k: int, ba
     `local` is this process's top-k of *every* process's queries (all-gathered, process-major, `batch` each)
     over its own rows (indices into them, -1 where fewer were found); `row_ids` maps them to corpus rows
     (None: the same). The lists are all-gathered and each process keeps the global top-k of its own queries:
-    the top-k over all rows under the ordering contract of `retriever.search` (score descending, then row
+    the top-k over all rows under the ordering contract of `rlm.retriever.search` (score descending, then row
     ascending). With one process nothing is gathered."""
     scores, rows = local
     if row_ids is not None:

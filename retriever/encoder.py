@@ -23,9 +23,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-from atomicio import atomic_directory, atomic_write_text
-from evalmode import activation_checkpointing, eval_mode, set_activation_checkpointing
-from retriever.errors import InputError
+from rlm.base.atomicio import atomic_directory, atomic_write_text
+from rlm.base.evalmode import activation_checkpointing, eval_mode, set_activation_checkpointing
+from rlm.retriever.errors import InputError
 
 # Encoder-decoder configs whose encoder alone is the sentence encoder (what sentence-transformers does for GTR).
 _ENCODER_ONLY_CLASSES = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}

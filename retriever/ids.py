@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from retriever.errors import InputError
+from rlm.retriever.errors import InputError
 
 _CHUNK = 65_536
 

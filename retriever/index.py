@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm.auto import tqdm
 
-from atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
-from retriever.errors import InputError
-from retriever.ids import IdSequence, id_lines
+from rlm.base.atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
+from rlm.retriever.errors import InputError
+from rlm.retriever.ids import IdSequence, id_lines
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from retriever.buffer import PassageBuffer
+    from rlm.retriever.buffer import PassageBuffer
 
 INDEX_NAME = "index.faiss"
 IDS_NAME = "ids.txt"
@@ -187,7 +187,7 @@ def _array_rows(array) -> PassageBuffer:
     viewed, not copied, so exact search streams it a chunk at a time; other types are converted once."""
     import torch
 
-    from retriever.buffer import PassageBuffer
+    from rlm.retriever.buffer import PassageBuffer
 
     array = np.asarray(array)
     if array.ndim != 2:
@@ -212,12 +212,12 @@ def question_like_rows(
     a trained dense retriever's top-20 holds the answering passage for about 80% of NQ's questions (DPR: 79%).
 
     On MiniLM embeddings of real passages and questions these asked a little more of an IVF64 index than the
-    questions did, on the synthetic vectors of docs/results/bench_index at 1M less than its held-out queries,
+    questions did, on the synthetic vectors of scripts/bench/reports/bench_index at 1M less than its held-out queries,
     far more than bare rows on both (docs/retriever.md). Costs `QUESTION_SCALE_STEPS` exact searches of
     `QUESTION_CALIBRATION` made questions over the rows."""
     import torch
 
-    from retriever.search import corrected_topk
+    from rlm.retriever.search import corrected_topk
 
     count = min(count, len(rows))
     picked = torch.from_numpy(np.sort(rng.choice(len(rows), count, replace=False)))
@@ -325,7 +325,7 @@ class Rescoring:
 
 def _open_rows(folder: Path) -> PassageBuffer:
     """The buffer in `folder`, opened memory-mapped."""
-    from retriever.buffer import PassageBuffer
+    from rlm.retriever.buffer import PassageBuffer
 
     return PassageBuffer.load(folder)
 
@@ -503,8 +503,8 @@ class PassageIndex:
         whose source exact search ranks in its top k that the index ranks there too: the answers a reader
         loses, which is what "within 1 point of Flat" counts (why neither all top-k neighbours nor bare rows:
         docs/retriever.md, "Search parameters")."""
-        from retriever.buffer import PassageBuffer
-        from retriever.search import corrected_topk
+        from rlm.retriever.buffer import PassageBuffer
+        from rlm.retriever.search import corrected_topk
 
         name = self.tunable_parameter()
         if name is None:

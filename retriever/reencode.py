@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from retriever.errors import InputError
+from rlm.retriever.errors import InputError
 
 KERNELS = ("rbf", "linear")
 

@@ -2,7 +2,7 @@
 
 `RowSearch` holds the rows a strategy scans at this step and decides nothing about them: where they live
 (streamed from the memory-mapped buffer, or resident on a device), whether they are sharded across the
-data-parallel processes (each scans its share; `retriever.distributed.merge_topk` merges the lists), whether
+data-parallel processes (each scans its share; `rlm.retriever.distributed.merge_topk` merges the lists), whether
 the top-k is exact or two-stage (Appendix B.2: candidates from a faiss index over the rows, re-scored with h),
 and the h(rows) cache that spares the reader-only steps a pass of every row through an unchanged h.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from retriever.buffer import PassageBuffer
-from retriever.distributed import Processes, ShardedRows, slice_rows
-from retriever.search import TopK, correct_buffer
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.distributed import Processes, ShardedRows, slice_rows
+from rlm.retriever.search import TopK, correct_buffer
 
 
 def auto_index_factory(rows: int) -> str:
@@ -44,7 +44,7 @@ class ScannedRows:
     vectors: PassageBuffer | Tensor  # this process's rows; h(rows) already, when the cache holds them
     corrector: torch.nn.Module | None  # h still to apply while scanning (None: stale, or already corrected)
     row_ids: Tensor | None  # the corpus row of each (None: row i is corpus row i)
-    procs: Processes  # whose lists are merged (`retriever.distributed.merge_topk`); one process: none
+    procs: Processes  # whose lists are merged (`rlm.retriever.distributed.merge_topk`); one process: none
     first_stage: tuple | None  # two-stage search: (index or None, candidates, nprobe); None: exact
 
 
@@ -149,7 +149,7 @@ class RowSearch:
         self.metrics[f"two_stage_overlap@{k}"] = float(same.float().sum(-1).mean() / k)
 
     def _build_index(self, rows: PassageBuffer | Tensor):
-        from retriever.index import PassageIndex
+        from rlm.retriever.index import PassageIndex
 
         rows = rows if isinstance(rows, PassageBuffer) else PassageBuffer(range(len(rows)), [rows.cpu()])
         factory = self.two_stage.index_factory

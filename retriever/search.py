@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from retriever.buffer import PassageBuffer
-from retriever.errors import InputError
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.errors import InputError
 
 
 class TopK(NamedTuple):
@@ -326,7 +326,7 @@ def two_stage_corrected_topk(
 ) -> TopK:
     """Appendix B.2: the top-`num_candidates` rows by the stale buffer, re-scored with h.
 
-    The candidates come from a faiss `index` built over the same buffer rows (`retriever.index.PassageIndex
+    The candidates come from a faiss `index` built over the same buffer rows (`rlm.retriever.index.PassageIndex
     .from_buffer`), or, with `index=None`, from a streamed scan of <q, B_y> over every row: the exact stale
     candidates, no index to build or hold, one read of the buffer per call (cheap where the buffer sits in
     accelerator memory; the expensive part of the exact corrected top-k is h on every row, not the read).

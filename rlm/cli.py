@@ -57,11 +57,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rlm.commands.calibrate",
         "Fit a checkpoint's calibrated confidence and abstention rule on its dev split.",
     ),
-    "bench": (
-        "rlm.commands.bench",
-        "Run a benchmark: retrieval, reader, training, paper-step, index, demo-scale, demo-reader, two-stage, rescoring, "
-        "strategies, synthetic.",
-    ),
 }
 
 DISTRIBUTION = "rlm-corrector"

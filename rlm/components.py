@@ -10,19 +10,19 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from reader.fid import FiDConfig, FiDReader
-from reader.formatting import FiDCollator
-from reader.small_t5 import SmallT5Config
-from reader.tokenizer import load_tokenizer, train_tokenizer
-from retriever.buffer import PassageBuffer, build_passage_buffer
-from retriever.corrector import CorrectorNetwork
-from retriever.distributed import Processes
-from retriever.encoder import DualEncoder, default_retriever_path
 from rlm.config import STRATEGY_FACTS, ReaderConfig, TrainConfig
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.qa import QAExample, QASplit, dataset_name, load_qa_split
 from rlm.data.splits import check_training_splits
 from rlm.errors import UserError
+from rlm.reader.fid import FiDConfig, FiDReader
+from rlm.reader.formatting import FiDCollator
+from rlm.reader.small_t5 import SmallT5Config
+from rlm.reader.tokenizer import load_tokenizer, train_tokenizer
+from rlm.retriever.buffer import PassageBuffer, build_passage_buffer
+from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.distributed import Processes
+from rlm.retriever.encoder import DualEncoder, default_retriever_path
 
 
 @dataclass
@@ -108,7 +108,7 @@ def build_reader(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample], ac
 
 
 def reader_tokenizer(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample], accelerator=None):
-    """The small T5's tokenizer: `reader.tokenizer`, else the run's own in `<output_dir>/tokenizer`.
+    """The small T5's tokenizer: `rlm.reader.tokenizer`, else the run's own in `<output_dir>/tokenizer`.
 
     The run's own is trained on its passages, questions and answers by the main process alone, which saves it
     as one folder renamed into place; the other processes wait for it and load it, so every process reads
@@ -130,7 +130,7 @@ def reader_tokenizer(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]
 def build_warm_started_reader(rc: ReaderConfig, fid_config: FiDConfig, seed: int) -> FiDReader:
     """FiD over the first `rc.warm_start_layers` pretrained encoder layers + a fresh decoder (`reader.arch:
     warm_start`); the encoder's own WordPiece tokenizer, so no tokenizer is trained or saved for the run."""
-    from reader.warm_start import WarmStartConfig, build_warm_started_encoder_decoder
+    from rlm.reader.warm_start import WarmStartConfig, build_warm_started_encoder_decoder
 
     encoder_path = rc.warm_start_path or default_retriever_path()
     warm = WarmStartConfig(

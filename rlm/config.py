@@ -260,7 +260,7 @@ class ReaderConfig:
     num_heads: int = setting(4, ge=1)
     d_kv: int = setting(32, ge=1)
     dropout_rate: float = setting(0.0, ge=0, lt=1)
-    # What the encoder reads per passage (reader.formatting); None: FiD's "question: .. title: .. context: ..".
+    # What the encoder reads per passage (rlm.reader.formatting); None: FiD's "question: .. title: .. context: ..".
     # `{rank}` gives the reader each passage's place in the retriever's order (scoring reads each as rank 1).
     template: str | None = None
     # P(a|y,x) from summed (the paper) or mean token log-likelihood.
@@ -294,7 +294,7 @@ class ScheduleConfig:
 @dataclass
 class BufferConfig:
     # The paper's settings
-    dtype: Literal["float16", "float32"] = "float16"  # the rows as stored (retriever.buffer.DTYPES)
+    dtype: Literal["float16", "float32"] = "float16"  # the rows as stored (rlm.retriever.buffer.DTYPES)
     # Engineering
     dir: str | None = None  # None: <output_dir>/buffer; built with the initial passage tower when missing
     batch_size: int = setting(64, ge=1)
@@ -328,7 +328,7 @@ class RegressionConfig:
         8192, ge=1
     )  # s', passages re-embedded per refit (the paper's NQ and MSMARCO setting)
     landmarks: int = setting(128, ge=1)  # d', random rows of B, fixed for the run (the paper: 128)
-    # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z> (retriever.reencode.KERNELS)
+    # "rbf" exp(-gamma |b - z|^2) or "linear" <b, z> (rlm.retriever.reencode.KERNELS)
     kernel: Literal["rbf", "linear"] = "rbf"
     # rbf width; None: 1 / (2 median squared sample-landmark distance), each refit
     gamma: float | None = setting(None, gt=0)

@@ -15,9 +15,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from atomicio import foreign_entries
-from reader.errors import InputError as ReaderInputError
-from retriever.errors import InputError as RetrieverInputError
+from rlm.base.atomicio import foreign_entries
+from rlm.reader.errors import InputError as ReaderInputError
+from rlm.retriever.errors import InputError as RetrieverInputError
 
 
 class UserError(ValueError):

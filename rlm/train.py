@@ -29,9 +29,9 @@ import torch
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
-from atomicio import atomic_directory, atomic_write_json, atomic_write_text
-from retriever.distributed import Processes
+from rlm.base.atomicio import atomic_directory, atomic_write_json, atomic_write_text
 from rlm.config import TrainConfig, dump_config
+from rlm.retriever.distributed import Processes
 from rlm.training import checkpointing
 from rlm.training.accelerator import (
     clip_per_component,

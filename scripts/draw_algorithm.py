@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
-from atomicio import atomic_file
+from rlm.base.atomicio import atomic_file
 
 ROOT = Path(__file__).resolve().parents[1]
 BLUE, ORANGE, GREEN, GREY = "#dbe9f6", "#fde3c8", "#d9f0d3", "#eeeeee"

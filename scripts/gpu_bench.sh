@@ -15,7 +15,7 @@
 #   BENCH_ARGS="--strategies corrector_h8192,exhaustive" bash scripts/gpu_bench.sh   # options for the benchmark
 # The wheels go to a temporary folder (pip --target, put on PYTHONPATH), never into the node's environment.
 # Exit 0 when both passed, 1 otherwise (the reports say what failed). Never reaches a hub or an index; record
-# each run in docs/results/gpu_smoke/gpu_smoke.md and docs/results/bench_paper_step/bench_paper_step.md.
+# each run in scripts/bench/reports/gpu_smoke/gpu_smoke.md and scripts/bench/reports/bench_paper_step/bench_paper_step.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=python3
@@ -60,7 +60,7 @@ print(" ".join(sorted(f"{d.name}-{d.version}" for d in here)))')"
   fi
 fi
 
-# The smoke test took 60-90 s on an H200 (docs/results/gpu_smoke/gpu_smoke.md); --budget leaves its last
+# The smoke test took 60-90 s on an H200 (scripts/bench/reports/gpu_smoke/gpu_smoke.md); --budget leaves its last
 # report to the script, `timeout` is the backstop for a native call that never returns to Python.
 SECONDS=0
 timeout 180 bash scripts/gpu_smoke.sh --out "$out/gpu_smoke" --budget 150 ${smoke_args[@]+"${smoke_args[@]}"}

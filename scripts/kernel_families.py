@@ -1,14 +1,14 @@
 """The same verdict on every CPU kind: the learning tests, or the quickstart's table, under each float kernel family.
 
 A model trained from scratch lands elsewhere on each family of float kernels (ATen's default / avx2 / avx512,
-with MKL's and oneDNN's code paths capped to match: `rlm/experiments/kernel_families.py`). This runs, on one
+with MKL's and oneDNN's code paths capped to match: `scripts/bench/lab/kernel_families.py`). This runs, on one
 machine, what every CPU kind it can stand in for computes:
 
     # the learning tests (pytest -m learning) under each family this CPU runs; `make test-kernels`
     python scripts/kernel_families.py tests
     # the quickstart's table for seeds 0, 1 and 2 under each family, with its verdict per run
     python scripts/kernel_families.py quickstart --seeds 0,1,2 --runs-dir runs/kernel_families \
-        --out docs/results/kernel_families/kernel_families
+        --out scripts/bench/reports/kernel_families/kernel_families
 
 `tests` prints one line per family and exits 1 when a family fails. `quickstart` trains the corrector run and its
 baselines once per (family, seed) (`rlm quickstart --no-serve`, about 8 minutes each on 2 cores), keeps each
@@ -27,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from rlm.experiments.kernel_families import FAMILIES, TORCH_CAPABILITY, family_environment, parse_families
-from rlm.experiments.reporting import (
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))  # the lab's shared code, as benchmarks see it
+from lab.kernel_families import FAMILIES, TORCH_CAPABILITY, family_environment, parse_families
+from lab.reporting import (
     ROOT,
     arguments,
     child_env,
@@ -141,7 +142,7 @@ def render(results: dict) -> str:
         "# The quickstart's table under each float kernel family",
         "",
         f"CPU: {results['cpu']}; flags `{results['flags']}`; {results['date']}. Each family runs with ATen, MKL and "
-        "oneDNN capped together (`rlm/experiments/kernel_families.py`); one row per (family, seed), world seed 0, "
+        "oneDNN capped together (`scripts/bench/lab/kernel_families.py`); one row per (family, seed), world seed 0, "
         f"dev EM in points (one question = {100 / results['dev_questions']:.2f}). Command: `{results['command']}`.",
         "",
     ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +21,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The lab's shared code (scripts/bench/lab), imported as `lab` as the benchmarks import it; never installed.
+sys.path.append(str(REPO_ROOT / "scripts" / "bench"))
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 

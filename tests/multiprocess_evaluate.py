@@ -30,9 +30,9 @@ def main(argv: list[str]) -> int:
 
     import torch.distributed
 
-    from retriever.index import PassageIndex
     from rlm.cli import main as rlm_main
     from rlm.inference import metrics
+    from rlm.retriever.index import PassageIndex
 
     init_process_group = torch.distributed.init_process_group
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from retriever.distributed import Processes
 from rlm.config import RegressionConfig, add_override_argument, load_config
+from rlm.retriever.distributed import Processes
 from rlm.training.run import build_run
 from rlm.training.strategies import make_strategy
 

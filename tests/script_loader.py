@@ -1,5 +1,5 @@
-"""Load a script of scripts/ as a module for a test (the scripts are not a package, and none may be put on
-sys.path: scripts/evaluate.py would shadow the `evaluate` library)."""
+"""Load a script of scripts/ or scripts/bench/ as a module for a test (the scripts are not a package; only
+scripts/bench, for its `lab`, goes on sys.path, in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str) -> ModuleType:
-    """scripts/<name>.py, executed as a fresh module named `name`."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    """scripts/bench/<name>.py or scripts/<name>.py, executed as a fresh module named `name`."""
+    path = SCRIPTS / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path if path.exists() else SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

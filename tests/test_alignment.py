@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from retriever.alignment import alignment_metrics, knn_kl_divergence, mean_pairwise_cosine
+from rlm.retriever.alignment import alignment_metrics, knn_kl_divergence, mean_pairwise_cosine
 
 
 def gaussian(n, dim, mean=0.0, std=1.0, seed=0):
@@ -49,7 +49,7 @@ def test_mean_pairwise_cosine_detects_collapse():
 
 
 def test_alignment_metrics_of_the_packaged_minilm(minilm_path):
-    from retriever.encoder import DualEncoder
+    from rlm.retriever.encoder import DualEncoder
 
     questions = [f"Where was person number {i} born?" for i in range(20)] + [
         "What does the chemist study?",

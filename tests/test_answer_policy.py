@@ -164,7 +164,7 @@ def calibrated(tmp_path_factory, tiny_quickstart):
     fitted on its real answer signals (dev questions and dev_unanswerable). The tiny reader answers no dev
     question right, so the labels are stand-ins (every other answerable question counts as right): what these
     tests check is that each surface applies the saved policy, not how good the tiny reader is."""
-    from app.service import QAService
+    from rlm.app.service import QAService
     from rlm.commands.calibrate import fit_questions
 
     run = tiny_quickstart
@@ -181,8 +181,8 @@ def calibrated(tmp_path_factory, tiny_quickstart):
 
 
 def test_service_loads_the_policy_and_abstains_on_an_out_of_corpus_question(calibrated):
-    from app.demo import respond
-    from app.service import QAService
+    from rlm.app.demo import respond
+    from rlm.app.service import QAService
 
     final, _ = calibrated
     service = QAService.from_checkpoint(final)
@@ -255,8 +255,8 @@ def test_unanswerable_toy_questions_are_deterministic_and_ask_nothing_the_corpus
 def test_demo_api_outputs_have_names_and_an_out_of_corpus_question_abstains(calibrated):
     from gradio_client import Client
 
-    from app.demo import serve
-    from app.service import QAService
+    from rlm.app.demo import serve
+    from rlm.app.service import QAService
 
     final, _ = calibrated
     port = free_port()

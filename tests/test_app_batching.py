@@ -1,5 +1,5 @@
 """The demo's batching queue (`rlm.inference.batching.BatchingQueue` over `QAService.answer_requests`, built by
-`app.demo.answer_queue`) with the tiny quickstart's real reader and retriever: several users' questions answered
+`rlm.app.demo.answer_queue`) with the tiny quickstart's real reader and retriever: several users' questions answered
 in one pass, each caller handed its own answer, as asking alone would; batches capped; one question's error kept
 to itself; a clean close. And `rlm demo`'s settings for it.
 
@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from app.demo import answer_queue, respond
-from app.service import InvalidQuestion, QAService
+from rlm.app.demo import answer_queue, respond
+from rlm.app.service import InvalidQuestion, QAService
 from rlm.errors import UserError
 from rlm.inference.batching import BatchingQueue, QueueClosed
 
@@ -244,20 +244,22 @@ def torch_threads():
 def test_rlm_demo_keeps_torchs_threads_unless_told_and_batches_as_told(
     service, tiny_quickstart, monkeypatch, torch_threads
 ):
-    import app.demo
-    import app.service
+    import rlm.app.demo
+    import rlm.app.service
     from rlm.commands.demo import start_demo
 
     served = []
-    monkeypatch.setattr(app.service.QAService, "from_checkpoint", classmethod(lambda cls, *a, **kw: service))
-    monkeypatch.setattr(app.demo, "serve", lambda svc, *a, **kw: served.append(kw) or ("demo", "url"))
+    monkeypatch.setattr(
+        rlm.app.service.QAService, "from_checkpoint", classmethod(lambda cls, *a, **kw: service)
+    )
+    monkeypatch.setattr(rlm.app.demo, "serve", lambda svc, *a, **kw: served.append(kw) or ("demo", "url"))
     torch.set_num_threads(2)  # what torch chose for this machine; the demo used to force 1
     start_demo(tiny_quickstart / "final")
     assert torch.get_num_threads() == 2
     # The batch is left to the queue, which takes the device's default: one question a pass on a CPU.
-    assert served[-1]["max_batch"] is None and served[-1]["window_s"] == app.demo.BATCH_WINDOW_S
-    assert app.demo.answer_queue(service).max_batch == app.demo.default_max_batch("cpu") == 1
-    assert app.demo.default_max_batch("cuda:1") == 8
+    assert served[-1]["max_batch"] is None and served[-1]["window_s"] == rlm.app.demo.BATCH_WINDOW_S
+    assert rlm.app.demo.answer_queue(service).max_batch == rlm.app.demo.default_max_batch("cpu") == 1
+    assert rlm.app.demo.default_max_batch("cuda:1") == 8
     start_demo(tiny_quickstart / "final", threads=1, max_batch=3, batch_window_ms=5)
     assert torch.get_num_threads() == 1
     assert served[-1]["max_batch"] == 3 and served[-1]["window_s"] == pytest.approx(0.005)

@@ -50,8 +50,8 @@ def served(checkpoint):
     """(url, service): the demo with its production settings, in this process, on a free local port."""
     import torch
 
-    from app.demo import serve
-    from app.service import QAService
+    from rlm.app.demo import serve
+    from rlm.app.service import QAService
 
     torch.set_num_threads(1)  # as `rlm demo` does
     service = QAService.from_checkpoint(checkpoint)

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from app.demo import highlight, launch_kwargs, passages_html, render, respond
-from app.service import INDEX_CACHE, InvalidQuestion, QAService, ServiceOptions, corpus_from_config
+from rlm.app.demo import highlight, launch_kwargs, passages_html, render, respond
+from rlm.app.service import INDEX_CACHE, InvalidQuestion, QAService, ServiceOptions, corpus_from_config
 from rlm.errors import UserError
 
 pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
@@ -139,7 +139,7 @@ def test_service_survives_a_deleted_index_cache(service, tiny_quickstart, rlm_ca
 def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tiny_quickstart, tmp_path):
     import numpy as np
 
-    from retriever.index import PassageIndex
+    from rlm.retriever.index import PassageIndex
 
     final = tiny_quickstart / "final"
     prebuilt = tmp_path / "index"
@@ -215,7 +215,7 @@ def test_the_service_loads_through_the_checkpoint_module_and_never_imports_the_e
     final = tiny_quickstart / "final"
     script = (
         "import sys\n"
-        "from app.service import QAService\n"
+        "from rlm.app.service import QAService\n"
         f"service = QAService.from_checkpoint({str(final)!r})\n"
         "assert service.answer(service.examples[0], 2)['passages']\n"
         "print(sorted(m for m in sys.modules if m.startswith('rlm.inference')))\n"

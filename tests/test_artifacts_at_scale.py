@@ -21,7 +21,7 @@ from rlm.errors import UserError
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, minilm_path):
     """(toy world, its corpus, the retriever folder): MiniLM saved as a trained dual encoder."""
-    from retriever.encoder import DualEncoder
+    from rlm.retriever.encoder import DualEncoder
 
     root = tmp_path_factory.mktemp("artifacts")
     built = build_toy_world(root / "world", num_passages=120, seed=0, max_questions={"dev": 12})
@@ -94,9 +94,9 @@ def test_the_demo_refuses_to_embed_a_corpus_above_the_limit_unless_its_index_is_
 ):
     """The demo's own index: refused above the limit (naming the checkpoint's retriever), but one already cached
     (here, where an earlier version cached it: inside the checkpoint, read and never written) is served."""
-    from app.service import INDEX_CACHE, cached_index
-    from retriever.encoder import SentenceEncoder
+    from rlm.app.service import INDEX_CACHE, cached_index
     from rlm.inference import indexing
+    from rlm.retriever.encoder import SentenceEncoder
 
     _, corpus, retriever = world
     tower = SentenceEncoder.from_pretrained(retriever / "passage_tower")
@@ -137,7 +137,7 @@ def test_rlm_embed_and_rlm_evaluate_share_the_corpus_fingerprint_cache(
 
 
 def test_an_index_rlm_evaluate_builds_is_tuned_at_the_k_it_retrieves(world, tmp_path):
-    from retriever.index import PassageIndex
+    from rlm.retriever.index import PassageIndex
 
     argv = evaluate_args(world, "--factory", "IVF4,Flat", "--save-index", str(tmp_path / "ivf"))
     assert main([*argv, "--k", "30"]) == 0  # the last --k wins
@@ -147,10 +147,10 @@ def test_an_index_rlm_evaluate_builds_is_tuned_at_the_k_it_retrieves(world, tmp_
 def test_a_prebuilt_index_tuned_for_a_smaller_k_than_it_is_searched_at_is_warned_about(world):
     """Searched at k = 20, an index tuned for recall@5 may miss more of exact search's top 20 than its target
     allowed: the evaluation says so, and how to fix it; not when the user set the search parameter."""
-    from retriever.encoder import DualEncoder
-    from retriever.index import PassageIndex
     from rlm.data.qa import load_qa_dataset
     from rlm.inference.evaluation import run_evaluation
+    from rlm.retriever.encoder import DualEncoder
+    from rlm.retriever.index import PassageIndex
 
     built, corpus, retriever = world
     vectors = np.random.default_rng(0).standard_normal((len(corpus), 384)).astype(np.float32)
@@ -174,10 +174,15 @@ def option_help(command: str, dest: str) -> str:
 
 
 def test_help_texts_state_the_defaults_the_code_uses(monkeypatch):
-    import retriever.index as index_module
-    from retriever.index import QUESTION_FOUND_SHARE, QUESTION_FOUND_WITHIN, TRAIN_ROWS_PER_LIST, TRAIN_SAMPLE
+    import rlm.retriever.index as index_module
     from rlm.data.toy_world import ToyWorldConfig
     from rlm.inference.indexing import EMBED_LIMIT
+    from rlm.retriever.index import (
+        QUESTION_FOUND_SHARE,
+        QUESTION_FOUND_WITHIN,
+        TRAIN_ROWS_PER_LIST,
+        TRAIN_SAMPLE,
+    )
 
     monkeypatch.setattr(index_module, "DEFAULT_TARGET_RECALL", 0.9)
     monkeypatch.setattr(index_module, "TUNE_K", 7)
@@ -200,7 +205,7 @@ def test_help_texts_state_the_defaults_the_code_uses(monkeypatch):
 
 
 def test_rlm_demo_hands_its_cache_limit_and_rescore_buffer_to_the_service():
-    from app.service import ServiceOptions
+    from rlm.app.service import ServiceOptions
     from rlm.commands.demo import service_options
 
     parser, _ = build_parser("demo")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from atomicio import (
+from rlm.base.atomicio import (
     atomic_directory,
     atomic_file,
     atomic_open,

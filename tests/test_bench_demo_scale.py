@@ -29,9 +29,9 @@ LATENCIES = [
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, minilm_path):
-    from reader.fid import FiDConfig, FiDReader
-    from reader.tokenizer import train_tokenizer
-    from retriever.encoder import DualEncoder
+    from rlm.reader.fid import FiDConfig, FiDReader
+    from rlm.reader.tokenizer import train_tokenizer
+    from rlm.retriever.encoder import DualEncoder
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("demo_scale")

@@ -1,5 +1,5 @@
 """scripts/bench_paper_step.py (issue 40's paper-shape step benchmark) end to end at its small shapes, through its
-`main` as a user runs it, and the pieces of rlm.experiments.benchmarking it is built from."""
+`main` as a user runs it, and the pieces of lab.benchmarking it is built from."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from script_loader import load_script
 
 from rlm.config import load_config
-from rlm.experiments.benchmarking import (
+from lab.benchmarking import (
     T5_BASE,
     SyntheticCorpus,
     TimeLimitExceeded,

@@ -45,8 +45,8 @@ def test_eviction_leaves_no_page_of_the_rows_in_the_page_cache(tmp_path):
 
     import torch
 
-    from retriever.buffer import PassageBuffer
-    from rlm.experiments.benchmarking import clustered, write_buffer
+    from lab.benchmarking import clustered, write_buffer
+    from rlm.retriever.buffer import PassageBuffer
 
     script = load_script("bench_rescoring")
     shard, _ = clustered(4096, 64)

@@ -169,10 +169,10 @@ def test_a_valueerror_from_our_code_is_a_bug_and_user_errors_of_each_package_are
     """Only the packages' user-error types (`rlm.errors.user_errors()`) become one line; a plain ValueError, such
     as a helper called with mismatched lists by our own code, is a bug and keeps its traceback."""
     import rlm.commands.evaluate as evaluate_command
-    from reader.errors import InputError as ReaderInputError
-    from retriever.errors import InputError as RetrieverInputError
     from rlm.errors import UserError
     from rlm.inference.metrics import qa_scores
+    from rlm.reader.errors import InputError as ReaderInputError
+    from rlm.retriever.errors import InputError as RetrieverInputError
 
     def bug(args):
         return qa_scores(["a"], [["a"], ["b"]])

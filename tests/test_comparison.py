@@ -1,4 +1,4 @@
-"""rlm.experiments.comparison: a strategy comparison's table and plots from its JSON alone (no training)."""
+"""lab.comparison: a strategy comparison's table and plots from its JSON alone (no training)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlm.experiments.comparison import render, summarise, table_metrics
+from lab.comparison import render, summarise, table_metrics
 
 
 def run(strategy, seed, em, reembedded=0, **extra):

@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from retriever.buffer import PassageBuffer
-from retriever.corrector import CorrectorNetwork
-from retriever.search import corrected_topk
 from rlm.cli import main
 from rlm.data.corpus import load_corpus
 from rlm.inference.checkpoint import load_checkpoint
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.search import corrected_topk
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_a_buffer_of_another_corpus_or_a_run_without_corrector_is_refused(run, t
 
 
 def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys, rlm_cache):
-    from app.service import INDEX_CACHE, QAService, ServiceOptions
+    from rlm.app.service import INDEX_CACHE, QAService, ServiceOptions
 
     final = run / "final"
     out = run / "evaluate_corrected"

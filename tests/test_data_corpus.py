@@ -159,7 +159,7 @@ def test_fingerprint_is_the_file_sha256_from_the_scan(tmp_path):
 
 
 def test_ids_are_one_blob_not_a_list(tmp_path):
-    from retriever.ids import IdSequence
+    from rlm.retriever.ids import IdSequence
 
     corpus = load_corpus(_write(tmp_path / "a.tsv", _dpr_lines(5)))
     assert isinstance(corpus.ids, IdSequence) and corpus.ids.to_bytes() == b"0\n1\n2\n3\n4\n"

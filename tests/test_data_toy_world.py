@@ -160,7 +160,7 @@ def test_kin_facts_defeat_the_off_the_shelf_retriever(tmp_path):
     above the subject's own paraphrased fact, so its top-4 misses the answer far more often with kin facts."""
     import torch
 
-    from retriever.encoder import SentenceEncoder, default_retriever_path
+    from rlm.retriever.encoder import SentenceEncoder, default_retriever_path
 
     encoder = SentenceEncoder.from_pretrained(default_retriever_path(), max_length=48)
     recall = {}

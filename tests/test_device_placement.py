@@ -13,13 +13,13 @@ import pytest
 import torch
 from device_check import ACCELERATOR, on_accelerator, simulated_accelerator
 
-from reader.fid import FiDConfig, FiDReader
-from reader.scoring import score_passages
-from reader.small_t5 import SmallT5Config
-from reader.tokenizer import train_tokenizer
-from retriever.buffer import PassageBuffer
-from retriever.corrector import CorrectorNetwork, corrector_ce_loss, corrector_mse_loss
-from retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
+from rlm.reader.fid import FiDConfig, FiDReader
+from rlm.reader.scoring import score_passages
+from rlm.reader.small_t5 import SmallT5Config
+from rlm.reader.tokenizer import train_tokenizer
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.corrector import CorrectorNetwork, corrector_ce_loss, corrector_mse_loss
+from rlm.retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
 
 TINY = SmallT5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4)
 SENTENCES = [
@@ -46,7 +46,7 @@ def reader():
 @pytest.fixture(scope="module")
 def retriever(tiny_world):
     """The tiny retriever in MiniLM's layout (tests/tiny_run.py): placement does not depend on the weights."""
-    from retriever.encoder import DualEncoder
+    from rlm.retriever.encoder import DualEncoder
 
     return DualEncoder.from_pretrained(str(tiny_world / "tiny_retriever"), max_length=32).eval()
 
@@ -205,7 +205,7 @@ def test_score_rows_reads_host_rows_for_device_queries(corrector_dtype):
 @pytest.mark.parametrize("first_stage", ["index", "scan"])
 @pytest.mark.parametrize("corrector_dtype", [torch.float32, torch.bfloat16])
 def test_two_stage_corrected_topk_with_a_host_buffer(corrector_dtype, first_stage):
-    from retriever.index import PassageIndex
+    from rlm.retriever.index import PassageIndex
 
     buffer, queries, corrector = search_inputs()
     corrector.to(corrector_dtype)
@@ -304,7 +304,7 @@ def test_validate_from_the_strategys_selection_with_the_model_on_a_device(retrie
 
 
 def test_qa_service_answer_with_towers_and_reader_on_a_device(retriever, reader, corpus_and_dev):
-    from app.service import QAService
+    from rlm.app.service import QAService
     from rlm.inference.indexing import build_index, embed_corpus
 
     corpus, dev = corpus_and_dev
@@ -396,8 +396,8 @@ def test_algorithm_steps_with_the_model_on_a_device_and_the_buffer_on_the_host(
 def test_regression_refresh_with_the_passage_tower_on_a_device(training_parts, placement):
     """Approximate re-encoding as training runs it on a GPU: samples re-embedded on the device, the fit on
     the host, the map applied to host buffer rows, the mapped rows scanned from the host or the device."""
-    from retriever.distributed import Processes
     from rlm.config import load_config
+    from rlm.retriever.distributed import Processes
     from rlm.training.model import embed_rows
     from rlm.training.strategies import make_strategy
 
@@ -433,8 +433,8 @@ def test_corrector_selection_keeps_h_of_b_on_the_queries_device(placement):
     """The corrector strategy's kept h(B) (`strategy.cache_corrected_mb`) with h and the queries on the
     accelerator: built there from host rows (streamed) or from rows resident on the device, reused by the next
     selection, rebuilt after h's weights change in place, and always the top-k of a host run without it."""
-    from retriever.distributed import Processes
     from rlm.config import StrategyConfig
+    from rlm.retriever.distributed import Processes
     from rlm.training.strategies import make_strategy
 
     buffer, queries, corrector = search_inputs()

@@ -1,11 +1,11 @@
-"""evalmode.eval_mode: eval inside the block, the module's own mode after it, also when the block raises."""
+"""rlm.base.evalmode.eval_mode: eval inside the block, the module's own mode after it, also when the block raises."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from evalmode import eval_mode
+from rlm.base.evalmode import eval_mode
 
 
 def test_eval_inside_and_the_earlier_mode_after_even_on_error():
@@ -29,12 +29,12 @@ def test_encoding_building_answering_and_scoring_hand_the_module_back_in_train_m
     even when the work inside fails."""
     from tiny_run import tiny_retriever
 
-    from reader.fid import FiDReader
-    from reader.scoring import score_passages
-    from reader.small_t5 import SmallT5Config
-    from reader.tokenizer import train_tokenizer
-    from retriever.buffer import build_passage_buffer
-    from retriever.encoder import SentenceEncoder
+    from rlm.reader.fid import FiDReader
+    from rlm.reader.scoring import score_passages
+    from rlm.reader.small_t5 import SmallT5Config
+    from rlm.reader.tokenizer import train_tokenizer
+    from rlm.retriever.buffer import build_passage_buffer
+    from rlm.retriever.encoder import SentenceEncoder
 
     def fail(*args, **kwargs):
         raise RuntimeError("boom")

@@ -17,9 +17,9 @@ from rlm.inference.retrieval import Retrieved, retrieve
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, minilm_path):
-    from reader.fid import FiDConfig, FiDReader
-    from reader.tokenizer import train_tokenizer
-    from retriever.encoder import DualEncoder
+    from rlm.reader.fid import FiDConfig, FiDReader
+    from rlm.reader.tokenizer import train_tokenizer
+    from rlm.retriever.encoder import DualEncoder
 
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("eval")
@@ -158,7 +158,7 @@ def test_gold_passage_mode_reads_gold(setup, tmp_path, capsys):
 
 def _count_encoded_rows(monkeypatch) -> list[int]:
     """How many texts each call of `SentenceEncoder.encode` (the in-memory float32 path) was handed."""
-    from retriever.encoder import SentenceEncoder
+    from rlm.retriever.encoder import SentenceEncoder
 
     calls: list[int] = []
     encode = SentenceEncoder.encode
@@ -188,7 +188,7 @@ def test_rlm_evaluate_keeps_its_embeddings_in_a_buffer_folder_and_reuses_them(
     """`--embeddings DIR` holds the corpus embedded by the checkpoint's passage tower at its own max length, in
     float16, with the encoder's and corpus's fingerprints; a second evaluation reuses it and embeds nothing,
     and gives the same figures. A stale buffer (another encoder) in that folder is refused, not used."""
-    import retriever.buffer
+    import rlm.retriever.buffer
 
     world, corpus, dev, ckpt, retriever_model, reader = setup
     embeddings = tmp_path / "emb"
@@ -204,7 +204,7 @@ def test_rlm_evaluate_keeps_its_embeddings_in_a_buffer_folder_and_reuses_them(
     def no_embedding(*a, **k):
         raise AssertionError("the kept embeddings must be reused")
 
-    monkeypatch.setattr(retriever.buffer, "embed_shards", no_embedding)
+    monkeypatch.setattr(rlm.retriever.buffer, "embed_shards", no_embedding)
     assert main([*args, "--out", str(tmp_path / "two")]) == 0
     first, second = (json.loads((tmp_path / o / "metrics.json").read_text()) for o in ("one", "two"))
     timing = {"embed_seconds", "retrieve_seconds", "read_seconds"}
@@ -269,8 +269,8 @@ def test_rlm_evaluate_under_accelerate_launch_outlasts_its_index_build_maps_the_
 
     from local_port import launch_env, two_processes
 
-    from retriever.index import PassageIndex
     from rlm.inference import metrics
+    from rlm.retriever.index import PassageIndex
 
     world, corpus, dev, ckpt, retriever_model, reader = setup
     embeddings, reports = tmp_path / "emb", tmp_path / "reports"
@@ -316,8 +316,8 @@ def test_the_demos_own_index_is_built_from_float16_shards_and_records_its_tower(
     """The demo's index of a corpus it was given no index for is built through `index_corpus` (no float32
     array of every passage beside the index), records the tower and corpus it came from, and leaves only the
     index in its cache folder (the shards were temporary)."""
-    from app.service import INDEX_CACHE, cached_index
-    from retriever.index import INDEX_FILES
+    from rlm.app.service import INDEX_CACHE, cached_index
+    from rlm.retriever.index import INDEX_FILES
 
     world, corpus, dev, ckpt, retriever_model, reader = setup
     calls = _count_encoded_rows(monkeypatch)
@@ -333,7 +333,7 @@ def test_the_demos_own_index_is_built_from_float16_shards_and_records_its_tower(
 def test_rlm_evaluate_tunes_an_approximate_index_on_its_own_questions(setup, tmp_path):
     """`--factory IVF...` without `--index`: the index built from the float16 shards is tuned on the query
     tower's embeddings of the questions being evaluated (what it will be asked), not on passages as queries."""
-    from retriever.index import PassageIndex
+    from rlm.retriever.index import PassageIndex
 
     world, corpus, dev, ckpt, retriever_model, reader = setup
     args = ["evaluate", "--checkpoint", str(ckpt), "--dataset", "toy", "--data-path", str(world.root)]

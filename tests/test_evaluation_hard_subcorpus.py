@@ -26,7 +26,7 @@ def world_and_minilm(tmp_path_factory, minilm_path):
     session's tiny world (11 dev questions over 120 passages), so that H_5 stays a strict subset and a noisy
     query tower's drop in gold recall@1 shows over enough questions. The test that changes MiniLM's weights
     puts them back."""
-    from retriever.encoder import DualEncoder
+    from rlm.retriever.encoder import DualEncoder
 
     root = tmp_path_factory.mktemp("hard")
     paths = build_toy_world(root / "world", num_passages=200, seed=2, max_questions={"dev": 16})

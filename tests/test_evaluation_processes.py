@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from retriever.index import PassageIndex
 from rlm.cli import main
 from rlm.errors import UserError
 from rlm.inference.indexing import (
@@ -22,6 +21,7 @@ from rlm.inference.indexing import (
     await_index,
     handing_over_index,
 )
+from rlm.retriever.index import PassageIndex
 
 
 def _index(rows: int = 200, dim: int = 8) -> PassageIndex:

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from tiny_run import runs_beside, train_args, train_here
 
-from retriever.buffer import PassageBuffer, embed_passages
-from retriever.encoder import SentenceEncoder
 from rlm.cli import main
 from rlm.data.corpus import load_corpus
+from rlm.retriever.buffer import PassageBuffer, embed_passages
+from rlm.retriever.encoder import SentenceEncoder
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("rlm", "reader", "retriever", "app", "atomicio", "evalmode")
+PACKAGES = ("rlm", "reader", "retriever", "app")  # rlm/ links to the other three: each file counted once
 LIMIT = 60
 STEPS = ROOT / "rlm" / "training" / "steps.py"
 

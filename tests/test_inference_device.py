@@ -37,14 +37,14 @@ def run(tmp_path_factory):
 
     from tiny_run import tiny_retriever
 
-    from reader.fid import FiDConfig, FiDReader
-    from reader.small_t5 import SmallT5Config
-    from reader.tokenizer import train_tokenizer
-    from retriever.encoder import DualEncoder
-    from retriever.index import PassageIndex
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
     from rlm.data.toy_world import build_toy_world
+    from rlm.reader.fid import FiDConfig, FiDReader
+    from rlm.reader.small_t5 import SmallT5Config
+    from rlm.reader.tokenizer import train_tokenizer
+    from rlm.retriever.encoder import DualEncoder
+    from rlm.retriever.index import PassageIndex
 
     root = tmp_path_factory.mktemp("inference_device")
     world = build_toy_world(root / "world", num_passages=100, max_questions={"dev": 4})
@@ -91,7 +91,7 @@ def test_load_checkpoint_puts_the_towers_and_the_reader_on_the_requested_device(
 def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(run, monkeypatch):
     """Every tensor the towers and the reader get is on the device asked for: a CPU tensor there (the
     collator's, the tokenizer's) would fail on a GPU."""
-    from app.service import QAService, ServiceOptions
+    from rlm.app.service import QAService, ServiceOptions
 
     seen: dict[str, set] = {}
     load = checkpoint.load_checkpoint
@@ -129,9 +129,9 @@ def test_the_demo_service_hands_its_models_their_inputs_on_the_requested_device(
 
 
 def test_h_of_b_runs_on_the_correctors_device_and_lands_on_the_host():
-    from retriever.buffer import PassageBuffer
-    from retriever.corrector import CorrectorNetwork
     from rlm.inference.corrected_index import CorrectedRows
+    from rlm.retriever.buffer import PassageBuffer
+    from rlm.retriever.corrector import CorrectorNetwork
 
     g = torch.Generator().manual_seed(0)
     rows = torch.nn.functional.normalize(torch.randn(50, 8, generator=g), dim=-1).half()
@@ -161,7 +161,7 @@ def test_bf16_runs_on_an_accelerator_and_on_cpu_only_where_it_is_native():
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "emulated"])
 def test_the_demo_service_answers_under_bf16_autocast_only_where_it_pays(run, monkeypatch, native):
-    from app.service import QAService, ServiceOptions
+    from rlm.app.service import QAService, ServiceOptions
 
     monkeypatch.setattr("rlm.precision.cpu_bf16_support", lambda probe=True: NATIVE if native else EMULATED)
     autocast: dict[str, tuple] = {}
@@ -268,7 +268,7 @@ def test_rlm_evaluate_device_and_bf16_reach_the_models(run, monkeypatch, capture
 
 
 def test_rlm_demo_device_and_bf16_reach_the_service(monkeypatch, tmp_path):
-    from app.service import QAService
+    from rlm.app.service import QAService
 
     seen = {}
 
@@ -287,7 +287,7 @@ def test_rlm_demo_device_and_bf16_reach_the_service(monkeypatch, tmp_path):
 
 
 def test_a_device_torch_does_not_know_is_one_error_line_before_anything_loads(run, monkeypatch, capsys):
-    from app.service import QAService
+    from rlm.app.service import QAService
 
     def from_checkpoint(*args, **kwargs):
         raise AssertionError("the demo loaded a checkpoint for a device it cannot run on")

@@ -1,4 +1,4 @@
-"""Every float kernel family on one machine (rlm/experiments/kernel_families.py, scripts/kernel_families.py):
+"""Every float kernel family on one machine (scripts/bench/lab/kernel_families.py, scripts/kernel_families.py):
 the caps take, the learning tests run under each, and the quickstart's verdict is read per family and seed."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import sys
 import pytest
 from script_loader import load_script
 
-from rlm.experiments.kernel_families import (
+from lab.kernel_families import (
     TORCH_CAPABILITY,
     available_families,
     family_environment,
     parse_families,
 )
-from rlm.experiments.reporting import ROOT
+from lab.reporting import ROOT
 
 AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma"}
 AVX512 = AVX2_ONLY | {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"}

@@ -1,12 +1,11 @@
-"""The shape of the code that docs/architecture.md draws, held by tests: which package may import which, no
-import circles between modules, the experiments (code only scripts use) off the library's floor, every module
-named in the doc, and a test suite whose files share through tests/conftest.py and helper modules, never by
-importing one another.
+"""The shape of the code that docs/architecture.md draws, held by tests: which part may import which, no import
+circles between modules, no back arrows, every module named in the doc, and a test suite whose files share
+through tests/conftest.py and helper modules, never by importing one another.
 
-The packages: app -> rlm -> reader, retriever -> atomicio, evalmode. Inside `rlm`, each layer imports only the
-layers below it (`RLM_LAYERS`, lowest first). Two arrows point up, on purpose: the CLI's `rlm demo` and `rlm
-calibrate` (rlm/commands/demo.py and calibrate.py) use the app, which they serve and calibrate; and `python -m
-rlm.train` is `rlm train`, so rlm/train.py's `main` hands its arguments to the CLI.
+Everything installs under one name, `rlm`: the layout's folders reader/, retriever/ and app/ are the packages
+`rlm.reader`, `rlm.retriever` and `rlm.app` (rlm/reader etc. link to them), and `rlm.base` holds what all of them
+use. Each layer imports only the layers below it (`LAYERS`, lowest first); `rlm.reader` and `rlm.retriever`
+share a layer and import neither each other nor anything above `rlm.base`. No arrow points up.
 """
 
 from __future__ import annotations
@@ -17,44 +16,40 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = {"app", "rlm", "reader", "retriever", "atomicio", "evalmode"}
-MAY_IMPORT = {
-    "atomicio": set(),
-    "evalmode": set(),
-    "reader": {"atomicio", "evalmode"},
-    "retriever": {"atomicio", "evalmode"},
-    "rlm": {"reader", "retriever", "atomicio", "evalmode"},
-    "app": {"rlm", "reader", "retriever", "atomicio", "evalmode"},
-}
+# The folders whose modules are `rlm.<folder>` although they sit beside rlm/ (rlm/<folder> links to them).
+LINKED = ("reader", "retriever", "app")
 # Lowest first; a module of a layer may import its own layer and the ones before it.
-RLM_LAYERS = [
+LAYERS = [
+    {"rlm.base"},
+    {"rlm.reader", "rlm.retriever"},
     {"rlm", "rlm.errors", "rlm.precision", "rlm.cache"},  # rlm/__init__.py is empty
     {"rlm.config"},
     {"rlm.data"},
     {"rlm.components"},
     {"rlm.inference"},
     {"rlm.training"},
-    {"rlm.train"},
-    {"rlm.quickstart", "rlm.experiments"},
+    {"rlm.quickstart"},
+    {"rlm.app"},
     {"rlm.commands"},
-    {"rlm.cli", "rlm.__main__"},
+    {"rlm.cli", "rlm.__main__", "rlm.train"},
 ]
-BACK_ARROWS = {
-    (ROOT / "rlm" / "commands" / "demo.py", "app"),
-    (ROOT / "rlm" / "commands" / "calibrate.py", "app"),
-    (ROOT / "rlm" / "train.py", "rlm.cli"),
-}
+APART = {"rlm.reader": "rlm.retriever", "rlm.retriever": "rlm.reader"}  # one layer, no arrow between them
 
 
 def library_files() -> list[Path]:
-    return sorted(
-        p for package in OURS for p in (ROOT / package).rglob("*.py") if "metrics_module" not in p.parts
-    )
+    """Every module the wheel installs, each once: rlm/ without its links, and the linked folders."""
+    found = [p for p in (ROOT / "rlm").rglob("*.py") if "metrics_module" not in p.parts]
+    for folder in LINKED:
+        assert (ROOT / "rlm" / folder).resolve() == (ROOT / folder), f"rlm/{folder} must link to {folder}/"
+        found += (ROOT / folder).rglob("*.py")
+    return sorted(found)
 
 
 def module_name(path: Path) -> str:
-    name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    return name.removesuffix(".__init__")
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    if parts[0] in LINKED:
+        parts = ("rlm", *parts)
+    return ".".join(parts).removesuffix(".__init__")
 
 
 def imports(path: Path, at_run_time: bool = False) -> list[str]:
@@ -78,9 +73,9 @@ def imports(path: Path, at_run_time: bool = False) -> list[str]:
 
 
 def rlm_layer(name: str) -> str:
-    """The layer a module of `rlm` belongs to: its sub-package, or itself for a module directly in rlm/."""
+    """The layer a module belongs to: its sub-package of rlm, or itself for a module directly in rlm/."""
     parts = name.split(".")
-    if len(parts) > 1 and (ROOT / "rlm" / parts[1]).is_dir():
+    if len(parts) > 1 and ((ROOT / "rlm" / parts[1]).is_dir() or parts[1] in LINKED):
         return f"rlm.{parts[1]}"
     return ".".join(parts[:2])
 
@@ -101,48 +96,29 @@ def module_graph() -> dict[str, set[str]]:
     return graph
 
 
-@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
-def test_each_package_imports_only_what_the_architecture_allows(package):
-    wrong = {}
-    for path in sorted((ROOT / package).rglob("*.py")):
-        for target in imports(path):
-            top = target.split(".")[0]
-            if (
-                top in OURS
-                and top != package
-                and top not in MAY_IMPORT[package]
-                and (path, top) not in BACK_ARROWS
-            ):
-                wrong.setdefault(top, str(path.relative_to(ROOT)))
-    assert not wrong, wrong
-
-
-def test_each_layer_of_rlm_imports_only_the_layers_below_it():
-    rank = {layer: i for i, group in enumerate(RLM_LAYERS) for layer in group}
-    named = {layer for group in RLM_LAYERS for layer in group}
+def test_every_module_imports_only_its_own_layer_and_the_ones_below():
+    rank = {layer: i for i, group in enumerate(LAYERS) for layer in group}
     wrong = []
-    for path in sorted((ROOT / "rlm").rglob("*.py")):
-        if "metrics_module" in path.parts:
-            continue
+    for path in library_files():
         own = rlm_layer(module_name(path))
-        assert own in named, f"{own} is in no layer of RLM_LAYERS: add it where it belongs"
+        assert own in rank, f"{own} is in no layer of LAYERS: add it where it belongs"
         for target in imports(path):
+            if target.split(".")[0] in LINKED + ("atomicio", "evalmode"):
+                wrong.append(f"{path.relative_to(ROOT)} imports {target}: the installed name is rlm.{target}")
             if target.split(".")[0] != "rlm" or target == "rlm":
                 continue
             other = rlm_layer(target)
-            if rank.get(other, -1) > rank[own] and (path, other) not in BACK_ARROWS:
-                wrong.append(f"{path.relative_to(ROOT)} imports {target} ({own} sits below {other})")
+            if rank.get(other, -1) > rank[own] or APART.get(own) == other:
+                wrong.append(f"{path.relative_to(ROOT)} imports {target} ({own} may not import {other})")
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_library_module_imports_the_experiments():
-    users = [
-        str(p.relative_to(ROOT))
-        for p in library_files()
-        if not module_name(p).startswith("rlm.experiments")
-        and any(t.startswith("rlm.experiments") for t in imports(p))
-    ]
-    assert not users, users
+def test_the_layer_rule_sees_an_arrow_up_and_one_between_the_model_packages():
+    rank = {layer: i for i, group in enumerate(LAYERS) for layer in group}
+    assert rank[rlm_layer("rlm.retriever.index")] < rank[rlm_layer("rlm.inference.indexing")]
+    assert rank[rlm_layer("rlm.commands.demo")] > rank[rlm_layer("rlm.app.service")]
+    assert APART[rlm_layer("rlm.reader.fid")] == rlm_layer("rlm.retriever.search")
+    assert module_name(ROOT / "app" / "service.py") == "rlm.app.service"
 
 
 def test_the_import_graph_has_no_circles():

@@ -55,8 +55,8 @@ def corpus_passages(run: Path, count: int) -> list[tuple[str, str]]:
 def test_final_carries_a_model_card_with_the_hub_metadata_and_the_runs_figures(run):
     from huggingface_hub import ModelCard
 
-    from retriever.encoder import SentenceEncoder
     from rlm.config import load_config
+    from rlm.retriever.encoder import SentenceEncoder
 
     final = run / "final"
     card = ModelCard.load(final / "README.md")
@@ -99,7 +99,7 @@ def test_final_carries_a_model_card_with_the_hub_metadata_and_the_runs_figures(r
 def test_the_towers_open_in_sentence_transformers_with_the_projects_embeddings(run):
     from sentence_transformers import SentenceTransformer
 
-    from retriever.encoder import SentenceEncoder
+    from rlm.retriever.encoder import SentenceEncoder
 
     texts = [q["question"] for q in dev_questions(run)] + [f"{t}. {x}" for t, x in corpus_passages(run, 3)]
     for tower in ("query_tower", "passage_tower"):
@@ -115,7 +115,7 @@ def test_the_towers_open_in_sentence_transformers_with_the_projects_embeddings(r
 def test_the_reader_opens_in_transformers_and_reads_one_passage_as_the_fid_reader(run):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from reader.fid import FiDReader
+    from rlm.reader.fid import FiDReader
 
     folder = run / "final" / "reader"
     plain = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
@@ -142,9 +142,9 @@ def test_the_reader_opens_in_transformers_and_reads_one_passage_as_the_fid_reade
 def test_the_cards_code_retrieves_and_reads_k_passages_as_the_project_does(run, monkeypatch):
     """The card's Python blocks, run as written from the run folder, rank passages as the project's towers do
     and answer from K fused passages as FiDReader does (K > 1: Fusion-in-Decoder, not one passage)."""
-    from reader.fid import FiDReader
-    from retriever.encoder import DualEncoder
     from rlm.config import load_config
+    from rlm.reader.fid import FiDReader
+    from rlm.retriever.encoder import DualEncoder
 
     blocks = re.findall(r"```python\n(.*?)```", (run / "final" / "README.md").read_text(), flags=re.S)
     assert len(blocks) == 2

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from retriever.buffer import PassageBuffer
 from rlm.cli import main
+from rlm.retriever.buffer import PassageBuffer
 
 
 def one_error_line(capsys) -> str:

@@ -116,7 +116,7 @@ CORE_IMPORTS = {
     "scikit-learn": "sklearn",
     "tensorboard": None,  # imported by accelerate's tracker for `report_to: tensorboard`, the default
 }
-LIBRARY = ("rlm", "reader", "retriever", "app", "atomicio", "evalmode")
+LIBRARY = ("rlm", "reader", "retriever", "app")  # rlm/reader etc. link to the other three
 
 
 def library_imports() -> set[str]:
@@ -162,7 +162,11 @@ def test_quickstart_runs_from_a_wheel_install(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in SHIPPED_CONFIGS.rglob("*.yaml"):
         assert f"rlm/configs/{shipped.relative_to(SHIPPED_CONFIGS).as_posix()}" in names
-    assert "rlm/inference/metrics_module/metrics_module.py" in names and "atomicio/__init__.py" in names
+    assert "rlm/inference/metrics_module/metrics_module.py" in names and "rlm/base/atomicio.py" in names
+    assert "rlm/reader/fid.py" in names and "rlm/retriever/index.py" in names and "rlm/app/demo.py" in names
+    # One top-level name: no `reader`, `app` or `atomicio` beside other distributions' packages of that name.
+    assert {name.split("/")[0] for name in names if not name.startswith("rlm_corrector-")} == {"rlm"}
+    assert not [name for name in names if "/experiments/" in name or "/bench" in name]
 
     site = tmp_path / "site"
     install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)]
@@ -172,7 +176,7 @@ def test_quickstart_runs_from_a_wheel_install(wheel, tmp_path):
     away.mkdir()
     # PYTHONPATH comes before the checkout's editable finder: every rlm module is the installed copy.
     env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    check = "import rlm, atomicio, sys; print(rlm.__file__); print(atomicio.__file__)"
+    check = "import rlm.reader, rlm.base.atomicio as a; print(rlm.reader.__file__); print(a.__file__)"
     where = subprocess.run([sys.executable, "-c", check], cwd=away, env=env, capture_output=True, text=True)
     assert where.returncode == 0, where.stderr[-2000:]
     assert all(line.startswith(str(site)) for line in where.stdout.split()), where.stdout

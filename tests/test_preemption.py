@@ -117,7 +117,7 @@ def test_a_refresh_stops_at_the_same_part_on_every_process_and_never_for_a_survi
 
 
 def test_a_regression_refit_embeds_an_empty_share_so_every_process_refreshes_in_step():
-    from retriever.distributed import Processes
+    from rlm.retriever.distributed import Processes
     from rlm.training.strategies.refreshing import RegressionStrategy
 
     calls = []

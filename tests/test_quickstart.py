@@ -34,9 +34,9 @@ def test_quickstart_runs_the_recipe_with_the_corrector_over_a_fixed_buffer_and_p
     """What the README's `make demo` promises, at a size a test can run: the world with held-out dev entities,
     B embedded once by the packaged MiniLM, each phase of the recipe (Algorithm 2 with the corrector among
     them) with nothing re-embedded, and the printed table made from metrics.json."""
-    from retriever.buffer import PassageBuffer
-    from retriever.encoder import SentenceEncoder, default_retriever_path
     from rlm.data.qa import load_qa_dataset
+    from rlm.retriever.buffer import PassageBuffer
+    from rlm.retriever.encoder import SentenceEncoder, default_retriever_path
 
     metrics = json.loads((tiny_quickstart / "metrics.json").read_text())
     assert metrics["strategy"] == "corrector" and metrics["steps"] == 3 and metrics["dev_questions"] == 8

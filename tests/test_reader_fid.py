@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, BertConfig, EncoderDecoderConfig, EncoderDecoderModel
 
-from reader.fid import FiDConfig, FiDReader
-from reader.small_t5 import SmallT5Config
-from reader.tokenizer import load_tokenizer, train_tokenizer
+from rlm.reader.fid import FiDConfig, FiDReader
+from rlm.reader.small_t5 import SmallT5Config
+from rlm.reader.tokenizer import load_tokenizer, train_tokenizer
 
 TINY = SmallT5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4)
 CORPUS = [

@@ -2,8 +2,8 @@
 
 import pytest
 
-from reader.formatting import FiDCollator
-from reader.tokenizer import train_tokenizer
+from rlm.reader.formatting import FiDCollator
+from rlm.reader.tokenizer import train_tokenizer
 
 TEXTS = [
     "question: where was Alice born? title: Alice context: Alice Moreau was born in Lyon.",
@@ -86,8 +86,8 @@ def test_custom_template_and_errors(tok):
 
 
 def test_rank_template_gives_each_passage_its_place_and_bad_templates_are_refused(tok):
-    from reader.errors import InputError
-    from reader.formatting import RANKED_TEMPLATE
+    from rlm.reader.errors import InputError
+    from rlm.reader.formatting import RANKED_TEMPLATE
 
     coll = FiDCollator(tok, max_passage_length=64, template=RANKED_TEMPLATE)
     batch = coll(["who is Bob?"], [[("Alice", "Alice was born in Lyon."), ("Bob", "Bob is a chemist.")]])

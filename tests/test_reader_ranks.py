@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-from reader.fid import FiDConfig, FiDReader
-from reader.formatting import RANKED_TEMPLATE
-from reader.small_t5 import SmallT5Config
-from reader.tokenizer import train_tokenizer
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
 from rlm.data.toy_world import build_toy_world
 from rlm.inference.metrics import exact_match
+from rlm.reader.fid import FiDConfig, FiDReader
+from rlm.reader.formatting import RANKED_TEMPLATE
+from rlm.reader.small_t5 import SmallT5Config
+from rlm.reader.tokenizer import train_tokenizer
 from rlm.training.schedule import lr_lambda
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning]

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from reader.fid import FiDReader
-from reader.scoring import answer_token_log_probs, score_passages
-from reader.small_t5 import SmallT5Config
-from reader.tokenizer import train_tokenizer
+from rlm.reader.fid import FiDReader
+from rlm.reader.scoring import answer_token_log_probs, score_passages
+from rlm.reader.small_t5 import SmallT5Config
+from rlm.reader.tokenizer import train_tokenizer
 
 TINY = SmallT5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4)
 CORPUS = [
@@ -98,8 +98,8 @@ def test_a_ranked_template_scores_every_passage_as_rank_one():
     """Step 4's labels must not depend on the retriever's own order: with `{rank}` in the template, FiD reading
     sees each passage's place, but each passage scored alone reads as rank 1, so reordering the selection
     permutes its scores and changes none."""
-    from reader.fid import FiDConfig
-    from reader.formatting import RANKED_TEMPLATE
+    from rlm.reader.fid import FiDConfig
+    from rlm.reader.formatting import RANKED_TEMPLATE
 
     tok = train_tokenizer(CORPUS + ["rank: 1 2 3"] * 5, vocab_size=400, min_frequency=1)
     ranked = FiDReader.from_config(tok, TINY, FiDConfig(template=RANKED_TEMPLATE), seed=0)
@@ -116,7 +116,7 @@ def test_scoring_inputs_cut_from_the_fid_collation_are_the_pairs_tokenized_one_b
     """The training step tokenizes a micro-batch's passages once for the scoring pass and the FiD reader: with a
     template that does not name `{rank}` and a passage for every question, the pairs cut from the FiD collation
     are the very tensors the scoring pass would tokenize, so the scores are the same to the last bit."""
-    from reader.scoring import score_inputs, scoring_inputs, scoring_inputs_from_reader
+    from rlm.reader.scoring import score_inputs, scoring_inputs, scoring_inputs_from_reader
 
     questions, passages, answers = QUESTIONS[:2], PASSAGES[:2], ANSWERS[:2]
     cut = scoring_inputs_from_reader(reader.collator(questions, passages, answers), passages)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from reader.tokenizer import load_tokenizer, train_tokenizer
+from rlm.reader.tokenizer import load_tokenizer, train_tokenizer
 
 TEXTS = [
     "Alice Moreau was born in Lyon and works as a painter.",

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForSeq2SeqLM
 
-from reader.fid import FiDReader
-from reader.scoring import score_passages
-from reader.warm_start import WarmStartConfig, build_warm_started_encoder_decoder
+from rlm.reader.fid import FiDReader
+from rlm.reader.scoring import score_passages
+from rlm.reader.warm_start import WarmStartConfig, build_warm_started_encoder_decoder
 
 QUESTIONS = ["where was alice born?", "what is bob?"]
 PASSAGES = [

@@ -1,7 +1,7 @@
 """What the README (and docs/demo.md, where its demo details went) shows a new user exists in what they will have:
 every command in a code block parses with the CLI it names and every file, config, extra and make target it
 names is there; every question it quotes is a dev question of the world `make demo` generates (seed 0), so
-the demo answers it from a passage about that person; its results table is the one in docs/results."""
+the demo answers it from a passage about that person; its results table is the one in scripts/bench/reports."""
 
 from __future__ import annotations
 
@@ -90,11 +90,11 @@ def test_readme_stays_a_front_page():
 def test_readme_results_are_those_of_docs_results():
     text = README.read_text()
     source = (ROOT / "docs" / "results" / "quickstart" / "quickstart.md").read_text()
-    assert "docs/results/quickstart/quickstart.md" in text
+    assert "scripts/bench/reports/quickstart/quickstart.md" in text
     seeds = re.findall(r"\d+\.\d / \d+\.\d / \d+\.\d", text)
     assert len(seeds) >= 5, "the README's toy-world table lost its per-seed figures"
     for figures in seeds:
-        assert figures in source, f"README figures {figures} are not in docs/results/quickstart/quickstart.md"
+        assert figures in source, f"README figures {figures} are not in scripts/bench/reports/quickstart/quickstart.md"
 
 
 def test_questions_quoted_in_the_docs_are_in_the_quickstart_world(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retriever.reencode import NystromRegression, kernel_matrix, median_gamma
+from rlm.retriever.reencode import NystromRegression, kernel_matrix, median_gamma
 
 pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
 
@@ -79,7 +79,7 @@ def test_duplicate_landmarks_and_bad_input_are_handled():
 def test_validated_ridge_beats_a_too_small_fixed_one_where_samples_are_few():
     """A few hundred samples in many dimensions overfit a tiny ridge; the ridge chosen on held-out samples
     does not, and the chosen fit generalises to rows nobody sampled."""
-    from retriever.reencode import RIDGES, residual
+    from rlm.retriever.reencode import RIDGES, residual
 
     g = torch.Generator().manual_seed(4)
     dim, n = 64, 3000

@@ -1,11 +1,11 @@
-"""rlm.experiments.reporting's child processes: what the research scripts and the GPU smoke test launch."""
+"""lab.reporting's child processes: what the research scripts and the GPU smoke test launch."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-from rlm.experiments import reporting
+from lab import reporting
 
 
 def test_child_process_keeps_the_callers_pythonpath(tmp_path, monkeypatch):

@@ -38,10 +38,10 @@ def test_two_stage_sets_nprobe_through_the_index_on_cpu_and_on_a_gpu(monkeypatch
     faiss = pytest.importorskip("faiss")
     from faiss_gpu_fakes import FakeGpu
 
-    from retriever.buffer import PassageBuffer
-    from retriever.index import PassageIndex
-    from retriever.search import two_stage_corrected_topk
-    from rlm.experiments.benchmarking import clustered_buffer, corrector_moving
+    from lab.benchmarking import clustered_buffer, corrector_moving
+    from rlm.retriever.buffer import PassageBuffer
+    from rlm.retriever.index import PassageIndex
+    from rlm.retriever.search import two_stage_corrected_topk
 
     if gpus:
         FakeGpu(monkeypatch, ngpu=gpus)

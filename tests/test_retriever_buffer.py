@@ -17,7 +17,7 @@ from local_port import torchrun as launch_torchrun
 from torch import nn
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
-from retriever.buffer import (
+from rlm.retriever.buffer import (
     BuildStopped,
     PassageBuffer,
     build_passage_buffer,
@@ -29,8 +29,8 @@ from retriever.buffer import (
     resolve_precision,
     shards_for_rank,
 )
-from retriever.encoder import SentenceEncoder
-from retriever.errors import InputError
+from rlm.retriever.encoder import SentenceEncoder
+from rlm.retriever.errors import InputError
 
 WORDS = [
     "alpha",
@@ -210,8 +210,8 @@ def test_two_processes_under_torchrun_build_the_one_process_buffer_and_rlm_embed
     script.write_text(
         "import sys, torch\n"
         "from accelerate import PartialState\n"
-        "from retriever.buffer import build_passage_buffer\n"
-        "from retriever.encoder import SentenceEncoder\n"
+        "from rlm.retriever.buffer import build_passage_buffer\n"
+        "from rlm.retriever.encoder import SentenceEncoder\n"
         "from rlm.cli import main\n"
         "torch.set_num_threads(1)\n"
         "state = PartialState(cpu=True)\n"
@@ -274,7 +274,7 @@ def test_given_corpus_fingerprint_is_recorded_without_a_pass_over_the_texts(enco
 
 
 def test_loaded_ids_are_one_blob(encoder, tmp_path):
-    from retriever.ids import IdSequence
+    from rlm.retriever.ids import IdSequence
 
     build_passage_buffer(IDS, TEXTS, encoder, tmp_path / "b", shard_size=10, show_progress=False)
     buffer = PassageBuffer.load(tmp_path / "b")
@@ -323,7 +323,7 @@ def test_a_tower_that_gives_nan_is_refused_naming_the_passages(encoder, tmp_path
 def test_verification_refuses_a_shard_with_nonfinite_rows(encoder, tmp_path):
     """A shard with an intact receipt but an infinite row (written before the check, or by hand) is refused
     when the build is finalized, and no meta.json makes it a buffer."""
-    from retriever.buffer import write_shard
+    from rlm.retriever.buffer import write_shard
 
     out = tmp_path / "b"
     settings = build_settings(IDS, TEXTS, encoder, "float16", 10)
@@ -341,7 +341,7 @@ def test_each_batch_is_one_forward_of_the_shard_sorted_by_token_length(encoder, 
     """A shard is sorted by token length as a whole and each batch is one forward padded to its own longest
     row: not split into forwards of 16 (which left a GPU idle), and padded little. A CPU, fastest at forwards
     of 16 rows, splits a batch into those."""
-    import retriever.encoder
+    import rlm.retriever.encoder
 
     forward = encoder.forward
     calls = []
@@ -356,7 +356,9 @@ def test_each_batch_is_one_forward_of_the_shard_sorted_by_token_length(encoder, 
     )
     assert [len(lengths) for _, lengths in calls] == [16, 7]
     calls.clear()
-    monkeypatch.setattr(retriever.encoder, "CPU_BUCKET_SIZE", 10**6)  # as on an accelerator: whole batches
+    monkeypatch.setattr(
+        rlm.retriever.encoder, "CPU_BUCKET_SIZE", 10**6
+    )  # as on an accelerator: whole batches
     buffer = build_passage_buffer(
         IDS, TEXTS, encoder, tmp_path / "b", batch_size=20, shard_size=23, show_progress=False
     )

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from retriever.buffer import PassageBuffer
-from retriever.encoder import SentenceEncoder, default_retriever_path
-from retriever.index import PassageIndex
 from rlm.cli import main
 from rlm.config import RetrieverConfig
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.encoder import SentenceEncoder, default_retriever_path
+from rlm.retriever.index import PassageIndex
 
 PASSAGES = [
     ("capital-fr", "France", "Paris is the capital and largest city of France."),
@@ -110,10 +110,10 @@ def test_rlm_index_tunes_an_ivf_search_for_the_target_recall_or_takes_the_users(
 def test_a_trained_tower_is_embedded_at_its_own_length_and_its_index_refuses_another_encoder(
     tmp_path, capsys
 ):
-    from retriever.encoder import DualEncoder
     from rlm.data.corpus import load_corpus
     from rlm.errors import UserError
     from rlm.inference.indexing import load_index_for
+    from rlm.retriever.encoder import DualEncoder
 
     corpus_file = write_corpus(tmp_path / "corpus.jsonl")
     trained = DualEncoder.from_pretrained(default_retriever_path(), max_length=24)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retriever.corrector import CorrectorNetwork, corrector_ce_loss, corrector_mse_loss
+from rlm.retriever.corrector import CorrectorNetwork, corrector_ce_loss, corrector_mse_loss
 
 
 @pytest.mark.learning

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
-from retriever.encoder import DualEncoder, SentenceEncoder, default_retriever_path
+from rlm.retriever.encoder import DualEncoder, SentenceEncoder, default_retriever_path
 
 TEXTS = [
     "Paris is the capital of France.",

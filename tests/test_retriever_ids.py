@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from retriever.ids import IdSequence, first_mismatch, id_lines
+from rlm.retriever.ids import IdSequence, first_mismatch, id_lines
 
 
 @pytest.mark.parametrize("text", ["a\nb\nc", "a\nb\nc\n", "", "\n", "é\n\nx", "only"])

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from retriever.buffer import PassageBuffer
-from retriever.index import PassageIndex
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.index import PassageIndex
 
 
 def unit_vectors(n, d, seed):
@@ -69,7 +69,7 @@ def test_errors_name_the_problem(tmp_path):
 def test_two_stage_auto_index_is_ivf_with_fp16_storage_and_ranks_like_flat():
     """`strategy.index_factory: auto` above 100k rows is IVF with fp16 storage (of each row's offset from its list
     centre): searched over every list it scores an fp16 buffer within ~1e-4 of Flat, with the same top rows."""
-    from retriever.row_search import auto_index_factory
+    from rlm.retriever.row_search import auto_index_factory
 
     assert auto_index_factory(99_999) == "Flat"
     assert auto_index_factory(1_000_000) == "IVF4000,SQfp16"
@@ -127,7 +127,7 @@ def test_hnsw_tunes_ef_search_and_exact_indexes_have_nothing_to_tune():
 def test_tuning_a_compressed_index_stops_where_probing_more_gains_nothing():
     """PQ codes cap recall below the target: `tune` stops where doubling nprobe gains less than
     `RECALL_PLATEAU` (with a warning) instead of probing every list, which at 21M costs seconds a query."""
-    from retriever.index import RECALL_PLATEAU
+    from rlm.retriever.index import RECALL_PLATEAU
 
     emb = unit_vectors(4000, 32, 8)
     index = PassageIndex.build(emb, [str(i) for i in range(4000)], factory="IVF64,PQ4x4")
@@ -144,7 +144,7 @@ def test_tuning_a_compressed_index_stops_where_probing_more_gains_nothing():
 def test_an_ivf_index_is_trained_on_enough_rows_for_its_lists():
     """faiss's k-means wants about 40 rows a list: IVF16384 (the 21M recommendation's scale) is trained on
     655,360 rows, not the 262,144 that suit up to 6,553 lists."""
-    from retriever.index import TRAIN_SAMPLE, training_rows
+    from rlm.retriever.index import TRAIN_SAMPLE, training_rows
 
     assert training_rows("Flat") == training_rows("HNSW32,SQ8") == TRAIN_SAMPLE == 262_144
     assert training_rows("IVF1024,PQ64") == TRAIN_SAMPLE
@@ -191,7 +191,7 @@ def test_an_index_tuned_by_default_loses_at_most_a_point_of_the_answers_exact_se
     at a target of 0.99, 0.1-1.3, mean 0.8)."""
     from script_loader import load_script
 
-    from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K
+    from rlm.retriever.index import DEFAULT_TARGET_RECALL, TUNE_K
 
     passages, questions, gold = load_script("bench_index").synthetic(32_000, 1_000, seed=0)
     index = PassageIndex.build(passages, [str(i) for i in range(len(passages))], factory="IVF32,Flat")
@@ -215,7 +215,7 @@ def test_tune_goes_on_while_the_answers_kept_grow_though_the_neighbours_found_do
     stops only where a doubling gains less than `RECALL_PLATEAU` in both."""
     from script_loader import load_script
 
-    from retriever.index import RECALL_PLATEAU
+    from rlm.retriever.index import RECALL_PLATEAU
 
     study = load_script("bench_index")  # a fresh module: its width is this test's
     study.D = 128
@@ -235,7 +235,7 @@ def test_made_questions_whose_sources_exact_search_never_finds_are_tuned_on_the_
     """Where no made question's source row is in its exact top k (a corpus of near-duplicates, where ties rank
     other copies first), there are no answers to keep: `tune` counts exact search's top k found instead, and
     says so, rather than dividing by zero."""
-    import retriever.index as index_module
+    import rlm.retriever.index as index_module
 
     emb = unit_vectors(2000, 16, 4)
     made = torch.from_numpy(unit_vectors(200, 16, 5))
@@ -251,7 +251,7 @@ def test_question_like_rows_are_found_by_exact_search_as_often_as_a_retriever_fi
     """Each made question is its row plus noise of the corpus's spread, scaled so that exact search ranks the
     row in its top 20 for 80% of them (DPR's top-20 on NQ: 79%): on rows of 40 tight documents the noise
     takes a row out of its document's cluster, and none of the rows asks like itself."""
-    from retriever.index import question_like_rows
+    from rlm.retriever.index import question_like_rows
 
     rng = np.random.default_rng(3)
     centers = unit_vectors(40, 32, 12)
@@ -270,7 +270,7 @@ def test_question_like_rows_are_found_by_exact_search_as_often_as_a_retriever_fi
 
 def buffer_folder(folder, rows, shard_size, encoder="encoder-a"):
     """A buffer folder as `rlm embed` writes one (float16 shards, receipts, ids, meta.json) over `rows`."""
-    from retriever.buffer import FORMAT_VERSION, finalize_buffer, write_shard
+    from rlm.retriever.buffer import FORMAT_VERSION, finalize_buffer, write_shard
 
     count, dim = rows.shape
     settings = {
@@ -453,7 +453,7 @@ def test_an_index_built_and_tuned_from_a_float16_npy_never_holds_a_float32_copy_
 _LOAD_AND_MEASURE = """
 import json, sys
 import numpy as np
-from retriever.index import PassageIndex
+from rlm.retriever.index import PassageIndex
 
 def private_bytes():  # Linux's RssAnon: what this process holds that no other shares (a mapped file: not here)
     for line in open("/proc/self/status"):
@@ -511,7 +511,7 @@ def test_an_index_loaded_memory_mapped_answers_alike_without_a_private_copy_of_i
 def test_the_index_types_faiss_cannot_map_are_read_whole(tmp_path):
     """Fast-scan codes (`x4fs`) have no mapped form in faiss: `load(mmap=True)` reads them, and says so; IVF
     types map their inverted lists, the others their codes (and an HNSW graph)."""
-    from retriever.index import mmap_flag
+    from rlm.retriever.index import mmap_flag
 
     emb = unit_vectors(1000, 16, 5)
     PassageIndex.build(emb, range(1000), "PQ4x4fs", use_gpu=False).save(tmp_path / "fs")

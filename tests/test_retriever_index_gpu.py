@@ -16,7 +16,7 @@ import pytest
 import torch
 from faiss_gpu_fakes import FakeGpu, FakeGpuIndex, FakeIndexShards
 
-from retriever.index import PassageIndex
+from rlm.retriever.index import PassageIndex
 
 
 def unit_vectors(n, d, seed):
@@ -162,7 +162,7 @@ def test_several_gpus_get_one_clone_of_the_complete_index_its_rows_sharded_in_fl
     """Filling an index already on the GPUs grows each GPU's array a chunk at a time, the old and the new one
     alive at each step: a Flat index of 768-d rows ran out of memory near 12-13M rows on an 80 GB GPU (issue
     39). The index is built on the host and the GPUs get one clone of it, each a share of its rows in float16."""
-    from retriever.buffer import PassageBuffer
+    from rlm.retriever.buffer import PassageBuffer
 
     def built(use_gpu):
         if source == "buffer":

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retriever import search
-from retriever.buffer import PassageBuffer
-from retriever.corrector import CorrectorNetwork
-from retriever.index import PassageIndex
-from retriever.search import correct_buffer, corrected_topk, score_rows, two_stage_corrected_topk
+from rlm.retriever import search
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.index import PassageIndex
+from rlm.retriever.search import correct_buffer, corrected_topk, score_rows, two_stage_corrected_topk
 
 
 def brute_force(queries, embeddings, corrector, k):

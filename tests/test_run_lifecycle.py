@@ -410,7 +410,7 @@ def test_a_hung_process_ends_the_run_after_dist_timeout_s_and_is_named_before(tm
 
 @pytest.mark.slow
 def test_final_is_replaced_whole_or_not_at_all(root, reference, monkeypatch):
-    from retriever.corrector import CorrectorNetwork
+    from rlm.retriever.corrector import CorrectorNetwork
 
     out = root / "final_whole"
     shutil.copytree(root / "reference", out)
@@ -456,7 +456,7 @@ def test_the_checkpoint_of_a_non_finite_stop_pushes_no_good_one_out(root, monkey
 def test_a_signal_during_the_buffer_build_stops_it_between_batches_and_a_rerun_resumes(
     root, reference, monkeypatch
 ):
-    from retriever.encoder import SentenceEncoder
+    from rlm.retriever.encoder import SentenceEncoder
 
     forward, calls = SentenceEncoder.forward, []
 

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import rlm.training.steps
-from retriever.buffer import PassageBuffer
-from retriever.corrector import CorrectorNetwork
-from retriever.distributed import Processes
-from retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
 from rlm.config import StrategyConfig, TrainConfig
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.distributed import Processes
+from rlm.retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
 from rlm.training.model import QueryEmbeddingCache
 from rlm.training.steps import Batch, algorithm1_step, algorithm2_step
 from rlm.training.strategies import make_strategy
@@ -90,7 +90,7 @@ def test_the_top_32_of_20000_rows_under_bf16_autocast_is_the_float32_top_32(corp
 
 @pytest.mark.parametrize("first_stage", ["index", "scan"])
 def test_two_stage_selection_under_bf16_autocast(corpus, first_stage):
-    from retriever.index import PassageIndex
+    from rlm.retriever.index import PassageIndex
 
     buffer, queries = corpus
     index = PassageIndex.from_buffer(buffer, "Flat", use_gpu=False) if first_stage == "index" else None

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlm.experiments.benchmarking import corrector_moving, overlap
+from lab.benchmarking import corrector_moving, overlap
 
 ROOT = Path(__file__).resolve().parents[1]
 

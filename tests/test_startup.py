@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
-from retriever.encoder import SentenceEncoder
-from retriever.ids import IdSequence
 from rlm.data import corpus as corpus_module
 from rlm.data.corpus import load_corpus
+from rlm.retriever.encoder import SentenceEncoder
+from rlm.retriever.ids import IdSequence
 
 N = 30
 
@@ -80,7 +80,7 @@ def test_training_start_reads_no_passage_for_the_fingerprint(tower, corpus_file,
 
 
 def test_demo_index_key_uses_the_file_fingerprint(tower, corpus_file, tmp_path, monkeypatch):
-    from app.service import INDEX_CACHE, _index_key, cached_index
+    from rlm.app.service import INDEX_CACHE, _index_key, cached_index
     from rlm.inference import indexing
 
     corpus = load_corpus(corpus_file)

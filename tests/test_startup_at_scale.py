@@ -13,8 +13,8 @@ import pytest
 import torch
 from local_port import free_port
 
-from retriever.distributed import Processes
 from rlm.errors import UserError
+from rlm.retriever.distributed import Processes
 
 
 def tsv_corpus(folder, n: int = 30):
@@ -206,7 +206,7 @@ class FakeCorpus:
 
 
 def hard_subcorpus_world(qa_example):
-    from retriever.buffer import PassageBuffer
+    from rlm.retriever.buffer import PassageBuffer
 
     n = 50
     rows = torch.randn(n, FakeQueryTower.dim, generator=torch.Generator().manual_seed(0))

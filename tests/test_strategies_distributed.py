@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from device_check import ACCELERATOR, on_accelerator, simulated_accelerator
 
-from retriever.buffer import PassageBuffer
-from retriever.corrector import CorrectorNetwork
-from retriever.distributed import Processes
 from rlm.config import RegressionConfig, StrategyConfig
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.distributed import Processes
 from rlm.training.strategies import STRATEGY_CLASSES, make_strategy
 
 WORLD = 2

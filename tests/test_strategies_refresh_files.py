@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from retriever.buffer import PassageBuffer
-from retriever.distributed import Processes
 from rlm.config import RegressionConfig, StrategyConfig
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.distributed import Processes
 from rlm.training.strategies import make_strategy
 
 N, DIM, MAX_STEPS, REFRESH_EVERY, KEEP_LAST = 60, 8, 12, 2, 2

@@ -8,8 +8,8 @@ import pytest
 import torch
 from script_loader import load_script
 
-from rlm.experiments.reporting import FINDINGS_END, FINDINGS_START
-from rlm.experiments.synthetic import (
+from lab.reporting import FINDINGS_END, FINDINGS_START
+from lab.synthetic import (
     CorrectorSpec,
     DriftSpec,
     SyntheticWorld,

@@ -18,9 +18,9 @@ import torch
 from local_port import accelerate_launch
 from tiny_run import as_set_args, tiny_overrides, tiny_retriever
 
-from retriever.encoder import CPU_BUCKET_SIZE, DualEncoder, SentenceEncoder, bucket_size_for
 from rlm.components import build_components
 from rlm.config import load_config
+from rlm.retriever.encoder import CPU_BUCKET_SIZE, DualEncoder, SentenceEncoder, bucket_size_for
 from rlm.training.accelerator import (
     configure_deepspeed,
     find_unused_parameters,
@@ -40,7 +40,7 @@ def tiny_t5_retriever(folder: Path) -> Path:
     """GTR's layout at a test's size: a T5 encoder (2 layers of 32) + Dense, random weights; no pooler."""
     from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
-    from retriever.encoder import default_retriever_path
+    from rlm.retriever.encoder import default_retriever_path
 
     if (folder / "modules.json").is_file():
         return folder

@@ -309,9 +309,9 @@ def test_the_config_names_what_the_strategy_registry_kernels_and_dtypes_name():
     its class reads them from rlm.config (next test)."""
     import typing
 
-    from retriever.buffer import DTYPES
-    from retriever.reencode import KERNELS
     from rlm.config import STRATEGY_FACTS, StrategyName
+    from rlm.retriever.buffer import DTYPES
+    from rlm.retriever.reencode import KERNELS
     from rlm.training.strategies import STRATEGY_CLASSES
 
     assert list(typing.get_args(StrategyName)) == list(STRATEGY_FACTS) == list(STRATEGY_CLASSES)
@@ -355,10 +355,12 @@ def test_loading_a_config_imports_no_training_code_and_of_the_retriever_only_its
     code = (
         "import sys; from rlm.config import load_config; "
         "load_config('nq', ['strategy.search=two_stage', 'strategy.regression.kernel=linear']); "
-        "print(sorted(m for m in sys.modules if m.startswith(('rlm.training', 'retriever'))))"
+        "print(sorted(m for m in sys.modules if m.startswith(('rlm.training', 'rlm.retriever'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['retriever', 'retriever.errors']"  # rlm.errors names the retriever's InputError
+    assert (
+        out.strip() == "['rlm.retriever', 'rlm.retriever.errors']"
+    )  # rlm.errors names the retriever's InputError
 
 
 @pytest.mark.parametrize("entry", ["-m rlm.train", "-m rlm train"])

@@ -138,7 +138,7 @@ class _Fixed:
         self.inner, self.rows = run.strategy, rows
 
     def select(self, queries, corrector=None, include=None, num_random=0):
-        from retriever.search import TopK
+        from rlm.retriever.search import TopK
 
         return TopK(torch.zeros(self.rows.shape), self.rows)
 
@@ -296,7 +296,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
     checkpoint with the light tower."""
     import json
 
-    from app.service import QAService
+    from rlm.app.service import QAService
     from rlm.cli import main
     from rlm.train import train
 
@@ -497,7 +497,7 @@ def test_outside_log_steps_the_loop_reads_the_device_at_most_once_a_micro_step(
     the calls are the same; transformers' own look at each attention mask (whether it masks anything: one per
     attention stack, six a micro-step here) is its code's, and left out."""
     import rlm.train
-    from retriever import search
+    from rlm.retriever import search
 
     monkeypatch.setattr(search, "HOST_TIE_WIDTH_DEVICES", ())  # the top-k as on an accelerator
     # h(B) not kept, as at the paper's scale (kept, for a buffer that fits `cache_corrected_mb`, the check that

@@ -139,7 +139,7 @@ def test_each_loss_falls_on_a_repeated_batch(step_world):
 def schedule_of(root, *overrides, max_steps, **kw):
     """A strategy over the module's buffer and nothing else: re-embedding schedules are arithmetic on rows, so
     they need no towers and no reader (see `random_rows`)."""
-    from retriever.buffer import PassageBuffer
+    from rlm.retriever.buffer import PassageBuffer
 
     cfg = load_config(None, tiny_overrides(root, "run", *overrides))
     return make_strategy(cfg.strategy, PassageBuffer.load(cfg.buffer.dir), max_steps=max_steps, seed=0, **kw)
@@ -382,8 +382,8 @@ def test_retriever_dropout_setting_reaches_both_towers(step_world):
 
 def test_a_questions_other_gold_passages_are_not_its_negatives(step_world):
     """Multi-hop (HotpotQA): the label is the first gold passage; the second is left out of the softmax."""
-    from retriever.search import TopK
     from rlm.data.qa import QAExample
+    from rlm.retriever.search import TopK
     from rlm.training.steps import algorithm1_step
 
     cfg, parts, model, _ = make_parts(step_world, "algorithm=1")
@@ -571,7 +571,7 @@ def test_a_slow_tokenizer_runs_on_the_background_thread_while_the_window_compute
     import threading
     import time
 
-    from reader.formatting import FiDCollator
+    from rlm.reader.formatting import FiDCollator
 
     slow_s = 0.4
     cfg, parts, model, strategy = make_parts(step_world)

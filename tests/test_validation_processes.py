@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from retriever import distributed
-from retriever.buffer import PassageBuffer
-from retriever.corrector import CorrectorNetwork
-from retriever.distributed import Processes, merge_topk
 from rlm.config import BufferConfig, ReaderConfig, StrategyConfig, TrainConfig
+from rlm.retriever import distributed
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.distributed import Processes, merge_topk
 from rlm.training.strategies import base as strategies_base
 from rlm.training.strategies import make_strategy
 from rlm.training.validation import validate
@@ -84,13 +84,13 @@ def parts(tmp_path_factory):
     """The tiny retriever and reader over a 100-passage toy world with 7 dev questions (an uneven split)."""
     from tiny_run import tiny_retriever
 
-    from reader.fid import FiDConfig, FiDReader
-    from reader.small_t5 import SmallT5Config
-    from reader.tokenizer import train_tokenizer
-    from retriever.encoder import DualEncoder
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
     from rlm.data.toy_world import build_toy_world
+    from rlm.reader.fid import FiDConfig, FiDReader
+    from rlm.reader.small_t5 import SmallT5Config
+    from rlm.reader.tokenizer import train_tokenizer
+    from rlm.retriever.encoder import DualEncoder
 
     root = tmp_path_factory.mktemp("validation_processes")
     paths = build_toy_world(root / "world", num_passages=100, max_questions={"dev": 7})

@@ -42,7 +42,7 @@ def tiny_retriever(folder: Path, tokenizer: Path | None = None) -> Path:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from retriever.encoder import SentenceEncoder, default_retriever_path
+    from rlm.retriever.encoder import SentenceEncoder, default_retriever_path
 
     folder = Path(folder)
     if (folder / "modules.json").is_file():

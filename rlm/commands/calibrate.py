@@ -49,7 +49,7 @@ def calibrate_checkpoint(
 ):
     """Answer `examples` (answerable) and `unanswerable` with the checkpoint's QAService, fit the policy,
     save it into the checkpoint and return it."""
-    from app.service import QAService, ServiceOptions
+    from rlm.app.service import QAService, ServiceOptions
     from rlm.inference.answer_policy import fit_answer_policy
     from rlm.inference.metrics import exact_match
 
@@ -113,7 +113,7 @@ def fit_questions(checkpoint: Path, dataset: str, split: str, data_path, unanswe
         world = ((config or {}).get("data") or {}).get("toy_world", {}).get("dir")
         if not world:
             raise UserError(f"{checkpoint}/config.yaml names no toy world; pass --data-path")
-        from app.service import corpus_from_config
+        from rlm.app.service import corpus_from_config
 
         data_path = str(corpus_from_config(config, checkpoint).parent)
     examples = load_qa_dataset(dataset, split, data_path)[:limit]

@@ -11,12 +11,12 @@ from rlm.commands.index import add_search_arguments, search_params
 from rlm.errors import UserError
 
 if TYPE_CHECKING:
-    from app.service import ServiceOptions
+    from rlm.app.service import ServiceOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `rlm demo`."""
-    from app.demo import BATCH_WINDOW_S, MAX_BATCH  # the defaults, read where they are set
+    from rlm.app.demo import BATCH_WINDOW_S, MAX_BATCH  # the defaults, read where they are set
 
     parser.add_argument(
         "--checkpoint", required=True, help="the final/ folder of a run (e.g. runs/quickstart/final)"
@@ -76,7 +76,7 @@ def serve_checkpoint(checkpoint, host: str = "127.0.0.1", port: int = 7860, **op
 
 def service_options(args: argparse.Namespace) -> ServiceOptions:
     """The `QAService` options `rlm demo`'s command line names (refused there when they cannot run)."""
-    from app.service import ServiceOptions
+    from rlm.app.service import ServiceOptions
 
     return ServiceOptions(
         device=args.device,
@@ -106,15 +106,15 @@ def start_demo(
     """Load the checkpoint as `options` say (None: the defaults, with progress bars) and serve its page
     without blocking (warmed up); returns the Gradio app, whose `block_thread()` waits until interrupted.
 
-    Questions are answered in passes of up to `max_batch` (None: `app.demo.default_max_batch` of the reader's
+    Questions are answered in passes of up to `max_batch` (None: `rlm.app.demo.default_max_batch` of the reader's
     device), on `threads` torch threads (None: torch's own count, all physical cores), one pass at a time
-    (`app.demo.answer_queue`)."""
+    (`rlm.app.demo.answer_queue`)."""
     from pathlib import Path
 
     import torch
 
-    from app.demo import BATCH_WINDOW_S
-    from app.service import QAService, ServiceOptions
+    from rlm.app.demo import BATCH_WINDOW_S
+    from rlm.app.service import QAService, ServiceOptions
 
     window_ms = BATCH_WINDOW_S * 1000 if batch_window_ms is None else batch_window_ms
     if threads is not None and threads < 1:
@@ -128,7 +128,7 @@ def start_demo(
     if threads is not None:
         torch.set_num_threads(threads)
     service = QAService.from_checkpoint(checkpoint, corpus, options or ServiceOptions(show_progress=True))
-    from app.demo import serve  # gradio takes seconds to import: only once loading worked
+    from rlm.app.demo import serve  # gradio takes seconds to import: only once loading worked
 
     blocked = [checkpoint, Path(service.corpus.path).parent]
     demo, _ = serve(service, host, port, blocked=blocked, max_batch=max_batch, window_s=window_ms / 1000)

@@ -87,10 +87,10 @@ def add_cache_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME, build_passage_buffer
-    from retriever.encoder import SentenceEncoder, default_retriever_path
     from rlm.cache import corpus_fingerprint_cache
     from rlm.data.corpus import load_corpus
+    from rlm.retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME, build_passage_buffer
+    from rlm.retriever.encoder import SentenceEncoder, default_retriever_path
 
     # The buffer's files (retriever/buffer.py): an unfinished build holds some of them and is resumed.
     own = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json")

@@ -122,7 +122,7 @@ def add_embed_limit_argument(parser: argparse.ArgumentParser, command: str) -> N
 
 def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
     """How `rlm evaluate` embeds and indexes a corpus it is given no index for."""
-    from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K
+    from rlm.retriever.index import DEFAULT_TARGET_RECALL, TUNE_K
 
     add_embed_limit_argument(parser, "rlm evaluate")
     parser.add_argument(
@@ -172,7 +172,7 @@ def _default_corpus(args) -> str | None:
 def _check_arguments(args: argparse.Namespace) -> None:
     """The options' combinations, before anything loads: --out would overwrite a run's own metrics.json,
     --save-index replaces its folder."""
-    from retriever.index import INDEX_FILES
+    from rlm.retriever.index import INDEX_FILES
 
     if args.out:
         check_output_folder(args.out, ("predictions.jsonl", "metrics.json"), "rlm evaluate")
@@ -192,8 +192,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise UserError("--factory builds an index: it goes without --index, or with --index corrected")
     check_dist_timeout(args.dist_timeout)
     if args.embeddings:
-        from retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME
         from rlm.inference.indexing import HANDOFF_NAMES
+        from rlm.retriever.buffer import BUILD_NAME, IDS_NAME, META_NAME
 
         own = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json", *HANDOFF_NAMES)
         check_output_folder(args.embeddings, own, "rlm evaluate", option="--embeddings")
@@ -297,7 +297,7 @@ def _index(args, corpus, retriever, device, progress: bool, options):
 
         if not args.checkpoint:
             raise UserError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
-        from retriever.index import TUNE_K
+        from rlm.retriever.index import TUNE_K
 
         built = corrected_index(
             args.checkpoint,

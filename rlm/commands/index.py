@@ -6,7 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
-from retriever.index import (
+from rlm.errors import UserError, check_output_folder
+from rlm.retriever.index import (
     DEFAULT_TARGET_RECALL,
     QUESTION_FOUND_SHARE,
     QUESTION_FOUND_WITHIN,
@@ -16,7 +17,6 @@ from retriever.index import (
     TUNE_QUERIES,
     describe_tuning,
 )
-from rlm.errors import UserError, check_output_folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,8 +113,8 @@ def search_params(args: argparse.Namespace) -> dict[str, int]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from retriever.buffer import PassageBuffer
-    from retriever.index import INDEX_FILES, PassageIndex
+    from rlm.retriever.buffer import PassageBuffer
+    from rlm.retriever.index import INDEX_FILES, PassageIndex
 
     check_output_folder(args.out, INDEX_FILES, "rlm index")  # saving replaces the folder whole
     if not 0.0 <= args.target_recall <= 1.0:
@@ -176,7 +176,7 @@ def id_file(path: str, rows: int, embeddings: str):
     of 21M strings; refused unless there is one per row of `embeddings`."""
     import codecs
 
-    from retriever.ids import IdSequence
+    from rlm.retriever.ids import IdSequence
 
     data = Path(path).read_bytes()
     if b"\r" in data:
@@ -205,7 +205,7 @@ def question_vectors(args: argparse.Namespace, dim: int):
         raise UserError("--tune-questions needs --query-encoder (the query tower that embeds them)")
     import json
 
-    from retriever.encoder import DualEncoder, SentenceEncoder
+    from rlm.retriever.encoder import DualEncoder, SentenceEncoder
 
     lines = [
         line for line in Path(args.tune_questions).read_text(encoding="utf-8").splitlines() if line.strip()

@@ -39,7 +39,7 @@ def example_line(example) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from atomicio import atomic_directory
+    from rlm.base.atomicio import atomic_directory
     from rlm.data.qa import load_qa_split
 
     check_output_folder(args.out, OWN_FILES, "rlm splits")

@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from atomicio import atomic_file, atomic_write_json
-from retriever.ids import IdSequence
+from rlm.base.atomicio import atomic_file, atomic_write_json
 from rlm.errors import UnknownPassageError, UserError, not_utf8
+from rlm.retriever.ids import IdSequence
 
 if TYPE_CHECKING:  # torch: a corpus is read without it
-    from retriever.distributed import Processes
+    from rlm.retriever.distributed import Processes
 
 FORMATS = ("jsonl", "dpr_tsv", "pyserini")
 _DPR_HEADER = b"id\ttext\ttitle"
@@ -373,7 +373,7 @@ def load_corpus(
     change to the stamp is a miss: the file is scanned and hashed again and the entry replaced.
     `rlm.cache.corpus_fingerprint_cache()` is the one `rlm embed`, `rlm evaluate` and the demo share.
 
-    `procs`: the data-parallel processes that all open this corpus (`retriever.distributed.Processes`; every
+    `procs`: the data-parallel processes that all open this corpus (`rlm.retriever.distributed.Processes`; every
     one must call). Each scans the file for the offsets it reads passages by, all at once, but only the first
     hashes it (or finds it in the cache): the others take its fingerprint, one sha256 of the 13 GB DPR file
     per run instead of one per process.

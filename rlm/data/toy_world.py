@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from atomicio import atomic_open
+from rlm.base.atomicio import atomic_open
 from rlm.errors import UserError
 
 SPLITS = ("train", "dev", "test")

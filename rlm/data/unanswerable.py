@@ -19,7 +19,7 @@ import os
 import random
 from pathlib import Path
 
-from atomicio import atomic_open
+from rlm.base.atomicio import atomic_open
 from rlm.errors import UserError
 
 KINDS = ("unstated_fact", "unknown_entity")

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from rlm.inference.device import inference_device
 
 if TYPE_CHECKING:
-    from reader.fid import FiDReader
-    from retriever.encoder import DualEncoder
+    from rlm.reader.fid import FiDReader
+    from rlm.retriever.encoder import DualEncoder
 
 
 def load_checkpoint(
@@ -36,8 +36,8 @@ def load_checkpoint(
     """
     import yaml
 
-    from reader.fid import FiDReader
-    from retriever.encoder import DualEncoder
+    from rlm.reader.fid import FiDReader
+    from rlm.retriever.encoder import DualEncoder
 
     root = Path(ckpt) if ckpt is not None else None
     if root is not None and not root.is_dir():

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from retriever.buffer import PassageBuffer
 from rlm.errors import UserError
+from rlm.retriever.buffer import PassageBuffer
 
 CORRECTED_INDEX_CACHE = "corrected_index"
 
@@ -30,7 +30,7 @@ CORRECTED_INDEX_CACHE = "corrected_index"
 class CorrectedIndex:
     """The index over h(B) and what it took: rows corrected, seconds for h and for the index."""
 
-    index: object  # retriever.index.PassageIndex
+    index: object  # rlm.retriever.index.PassageIndex
     buffer_dir: Path
     rows: int
     correct_s: float
@@ -109,11 +109,11 @@ def corrected_index(
     the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.device.index_on_gpu`).
     `factory`: any faiss factory, built from h(B) a chunk at a time (`CorrectedRows`); IVF and HNSW types get their
     search parameter tuned for `target_recall` (None: the index's default) against the exact top-k over h(B), at
-    k = `tune_k` (None: `retriever.index.TUNE_K`; give the k the index will be searched at).
+    k = `tune_k` (None: `rlm.retriever.index.TUNE_K`; give the k the index will be searched at).
     """
-    from retriever.corrector import CorrectorNetwork
-    from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
     from rlm.inference.device import index_on_gpu, inference_device
+    from rlm.retriever.corrector import CorrectorNetwork
+    from rlm.retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
 
     root = Path(checkpoint)
     if not (root / "corrector").is_dir():

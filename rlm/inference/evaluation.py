@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from atomicio import atomic_write_text
+from rlm.base.atomicio import atomic_write_text
 from rlm.data.qa import QAExample
 from rlm.inference.metrics import first_answer_hit, first_gold_hit, qa_scores, recall_from_first_hits
 from rlm.inference.reading import decide_all, read, with_gold_passages
@@ -178,8 +178,8 @@ def _retrieve_for_evaluation(
 
 def tuning_k(k: int) -> int:
     """The recall@k an index built for an evaluation that retrieves `k` passages is tuned for: `k` itself, so
-    the recall@k reported is what exact search would give, and never below `retriever.index.TUNE_K`."""
-    from retriever.index import TUNE_K
+    the recall@k reported is what exact search would give, and never below `rlm.retriever.index.TUNE_K`."""
+    from rlm.retriever.index import TUNE_K
 
     return max(k, TUNE_K)
 
@@ -223,8 +223,8 @@ class IndexOptions:
     save_dir: str | os.PathLike | None = None  # where the main process saves the index built (None: nowhere)
 
     def processes(self):
-        """`accelerator`'s processes (`retriever.distributed.Processes`), or one process alone."""
-        from retriever.distributed import Processes
+        """`accelerator`'s processes (`rlm.retriever.distributed.Processes`), or one process alone."""
+        from rlm.retriever.distributed import Processes
 
         return Processes.of(self.accelerator)
 

@@ -1,7 +1,7 @@
 """A corpus embedded and indexed for answering, or a prebuilt index checked against the checkpoint.
 
 `index_corpus` is how `rlm evaluate` and the demo embed a corpus they are given no index for: the buffer's one
-embedding path (`retriever.buffer.build_passage_buffer`: sorted full batches, bf16 on an accelerator, float16
+embedding path (`rlm.retriever.buffer.build_passage_buffer`: sorted full batches, bf16 on an accelerator, float16
 shards streamed to disk, each process of an `accelerate launch` its share, resumable in a kept folder), then a
 faiss index built from those shards a chunk at a time (`PassageIndex.from_buffer`: no whole-corpus float32
 array besides what the index type itself stores) with its search parameters tuned for a target recall.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from atomicio import atomic_write_text
+from rlm.base.atomicio import atomic_write_text
 from rlm.errors import UserError
 
 INDEX_SUBFOLDER = "index"  # where the main process saves the index the other processes load
@@ -60,11 +60,11 @@ def check_embed_limit(corpus, limit: int, encoder: str, command: str) -> None:
 def embed_corpus(
     passage_tower, texts: Sequence[str], batch_size: int = 64, show_progress: bool = False
 ) -> np.ndarray:
-    """Passage embeddings [N, D] float32 in memory (`retriever.buffer.embed_passages`), under bf16 when the
+    """Passage embeddings [N, D] float32 in memory (`rlm.retriever.buffer.embed_passages`), under bf16 when the
     caller's autocast is on: for corpora small enough to hold; `index_corpus` streams any size to disk."""
     import torch
 
-    from retriever.buffer import embed_passages
+    from rlm.retriever.buffer import embed_passages
 
     precision = "bf16" if torch.is_autocast_enabled(passage_tower.device.type) else "float32"
     return embed_passages(
@@ -84,9 +84,9 @@ def build_index(
     use_gpu: bool | None = None,
     show_progress: bool = False,
 ):
-    """A `retriever.index.PassageIndex` over the embeddings (inner product); `use_gpu`:
+    """A `rlm.retriever.index.PassageIndex` over the embeddings (inner product); `use_gpu`:
     `rlm.inference.device.index_on_gpu`."""
-    from retriever.index import PassageIndex
+    from rlm.retriever.index import PassageIndex
 
     # The ids as they are (a corpus's IdSequence stays one blob): no list of every id string.
     return PassageIndex.build(embeddings, ids, factory=factory, use_gpu=use_gpu, show_progress=show_progress)
@@ -111,8 +111,8 @@ def load_index_for(
     beside the index as it was built nor where it was (`PassageIndex.load`); `mmap`: map the index file where
     faiss can instead of reading it (the processes of a launch then share one copy).
     """
-    from retriever.ids import first_mismatch
-    from retriever.index import PassageIndex
+    from rlm.retriever.ids import first_mismatch
+    from rlm.retriever.index import PassageIndex
 
     index = PassageIndex.load(
         index_dir, use_gpu=use_gpu, search_params=search_params, rescore_rows=rescore_rows, mmap=mmap
@@ -198,20 +198,20 @@ def index_corpus(
     show_progress: bool = False,
     tune_k: int | None = None,
 ):
-    """A `retriever.index.PassageIndex` of `corpus` under `passage_tower`: the corpus embedded into float16
+    """A `rlm.retriever.index.PassageIndex` of `corpus` under `passage_tower`: the corpus embedded into float16
     shards in `embeddings_dir` (a temporary folder when None; a kept one is resumed, or reused when complete),
     then indexed with `factory` from the shards, its search parameter tuned for `target_recall` (None: the
     index's default) against exact search, on `tune_queries` (query-tower embeddings of questions: what the
     index will be asked) when given, else on indexed rows made question-like, at recall@`tune_k` (None:
-    `retriever.index.TUNE_K`; give the k the index will be searched at). The index records the tower's and
+    `rlm.retriever.index.TUNE_K`; give the k the index will be searched at). The index records the tower's and
     corpus's fingerprints.
 
     `precision`: "float32", "bf16" or "auto" (bf16 on a CUDA GPU). `accelerator` (an accelerate
     `PartialState`/`Accelerator`): each process embeds its share of the shards, the main process builds, tunes
     and saves the index under `<embeddings_dir>/index` (`handing_over_index`), and the others wait for it there
     without a collective and map it (`await_index`); every process returns it."""
-    from retriever.buffer import build_passage_buffer
-    from retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
+    from rlm.retriever.buffer import build_passage_buffer
+    from rlm.retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
 
     is_main = accelerator is None or accelerator.is_main_process
     several = accelerator is not None and accelerator.num_processes > 1
@@ -284,9 +284,9 @@ def await_index(
     folder: Path, use_gpu: bool | None, silent_after_s: float = SILENT_AFTER_S, poll_s: float = POLL_S
 ):
     """The index the main process saves into `folder / INDEX_SUBFOLDER` (`handing_over_index`), waited for
-    without a collective and loaded memory-mapped where faiss can (`retriever.index.mmap_flag`). Refused with
+    without a collective and loaded memory-mapped where faiss can (`rlm.retriever.index.mmap_flag`). Refused with
     the main process's error when its build failed, or when it shows no sign of life for `silent_after_s`."""
-    from retriever.index import PassageIndex
+    from rlm.retriever.index import PassageIndex
 
     saved, failed, beat = folder / INDEX_SUBFOLDER, folder / INDEX_FAILED, folder / INDEX_HEARTBEAT
     last, heard = None, time.monotonic()

@@ -1,5 +1,5 @@
 """Retrieval for a trained checkpoint: questions embedded by the query tower, the top-k searched in a
-`retriever.index.PassageIndex` (built by `rlm.inference.indexing`), the result as `Retrieved`."""
+`rlm.retriever.index.PassageIndex` (built by `rlm.inference.indexing`), the result as `Retrieved`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,6 @@ def encode_questions(
 
 
 def search_index(index, queries, k: int) -> Retrieved:
-    """Top-k passages per query embedding ([Q, D] float32) from a `retriever.index.PassageIndex`."""
+    """Top-k passages per query embedding ([Q, D] float32) from a `rlm.retriever.index.PassageIndex`."""
     scores, ids = index.search(queries, k)
     return Retrieved(ids=ids, scores=[row[: len(i)].tolist() for row, i in zip(scores, ids)])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from atomicio import atomic_write_text
+from rlm.base.atomicio import atomic_write_text
 from rlm.config import SHIPPED_CONFIGS, TrainConfig, load_config
 from rlm.errors import UserError, read_json_file
 

@@ -23,11 +23,11 @@ from accelerate.utils import (
     gather_object,
 )
 
-from evalmode import eval_mode
-from retriever.distributed import Processes
+from rlm.base.evalmode import eval_mode
 from rlm.config import TrainConfig, dump_config
 from rlm.errors import UserError
 from rlm.precision import CpuBf16Warning, cpu_bf16_support, cpu_mixed_precision
+from rlm.retriever.distributed import Processes
 from rlm.training import checkpointing
 from rlm.training.schedule import retriever_start, retriever_stop
 from rlm.training.strategies.base import SelectionStrategy

@@ -9,7 +9,7 @@ The stage is measured by the kNN KL between the towers every `retriever.align_ev
 
 from __future__ import annotations
 
-from retriever.alignment import alignment_metrics
+from rlm.retriever.alignment import alignment_metrics
 
 
 class RepresentationCollapseError(RuntimeError):

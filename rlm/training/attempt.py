@@ -29,7 +29,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from atomicio import atomic_write_text
+from rlm.base.atomicio import atomic_write_text
 
 ATTEMPT_DIR_ENV = "RLM_ATTEMPT_DIR"
 STOPPED = "stopped.json"

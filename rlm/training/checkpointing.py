@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import yaml
 
-from atomicio import atomic_write_json, atomic_write_text
+from rlm.base.atomicio import atomic_write_json, atomic_write_text
 from rlm.errors import UserError
 
 CHECKPOINT_PREFIX = "step_"
@@ -228,7 +228,7 @@ def save_checkpoint(
             + (f"the last complete one, {kept[-1]}, is intact" if kept else "no earlier checkpoint exists")
         ) from None
     if main:
-        # Not `atomicio.atomic_directory`: every process wrote into the one temporary folder.
+        # Not `rlm.base.atomicio.atomic_directory`: every process wrote into the one temporary folder.
         old = final.with_name(f".old-{final.name}")
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)

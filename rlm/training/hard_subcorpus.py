@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from atomicio import atomic_write_text
+from rlm.base.atomicio import atomic_write_text
 from rlm.data.corpus import CorpusSubset
 from rlm.data.qa import QAExample
 from rlm.errors import UserError
@@ -59,14 +59,14 @@ def hard_subcorpus_from_buffer(
     """H_k from the fixed buffer B, which already holds the initial passage tower's embeddings: the dev
     questions' gold passages + their top-k rows of B by <f_0(x), B_y>, with no corpus pass of its own.
 
-    With several processes (`retriever.distributed.Processes`) each embeds its share of the questions and scans
+    With several processes (`rlm.retriever.distributed.Processes`) each embeds its share of the questions and scans
     its share of B; a question's top-k is merged on the process that asked it, which then shares only the rows
     found. Every question is embedded once and gathered once (when every process asked every question, each
     was embedded W times and every process received W x W top-k lists of it). All return the same ids.
     """
     import torch
 
-    from retriever.distributed import Processes, ShardedRows, slice_rows
+    from rlm.retriever.distributed import Processes, ShardedRows, slice_rows
 
     procs = procs or Processes()
     rows = gold_rows(corpus, examples)

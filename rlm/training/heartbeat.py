@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from atomicio import atomic_write_json
+from rlm.base.atomicio import atomic_write_json
 from rlm.training.attempt import write_stalled
 
 HEARTBEAT_S = 10.0  # the longest interval between two writes of a heartbeat (shorter under a short timeout)

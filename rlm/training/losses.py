@@ -1,4 +1,4 @@
-"""Task losses of the two algorithms (the corrector's own losses live in retriever.corrector).
+"""Task losses of the two algorithms (the corrector's own losses live in rlm.retriever.corrector).
 
 All take scores over the selected subset S_x as [B, K] tensors with an optional boolean `mask` [B, K] (False for
 padding slots, which then carry no probability mass).

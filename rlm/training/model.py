@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from reader.fid import FiDReader
-from reader.formatting import FiDCollator
-from retriever.corrector import CorrectorNetwork
-from retriever.encoder import DualEncoder
+from rlm.reader.fid import FiDReader
+from rlm.reader.formatting import FiDCollator
+from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.encoder import DualEncoder
 from rlm.training.step_inputs import StepInputs
 from rlm.training.steps import Batch, StepOutput, algorithm1_step, algorithm2_step
 from rlm.training.throughput import NO_TIMER

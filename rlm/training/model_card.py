@@ -15,13 +15,13 @@ from pathlib import Path
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from atomicio import atomic_write_text
-from retriever.buffer import PassageBuffer
-from retriever.encoder import DualEncoder
+from rlm.base.atomicio import atomic_write_text
 from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
 from rlm.data.qa import dataset_name as registry_name
 from rlm.errors import UserError
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.encoder import DualEncoder
 from rlm.training.checkpointing import flat_config
 from rlm.training.strategies import strategy_class
 
@@ -431,7 +431,7 @@ trained on the top {k} passages.
 {READ_CODE}```
 
 For example `answer(question, retrieve(question, passages, k={k}))`. With rlm-corrector installed,
-`reader.fid.FiDReader.from_pretrained("final/reader").answer([question], [passages])` does the same, batched;
+`rlm.reader.fid.FiDReader.from_pretrained("final/reader").answer([question], [passages])` does the same, batched;
 `rlm evaluate --checkpoint final` and `rlm demo --checkpoint final` run the whole system over the corpus."""
         )
     if "corrector" in parts:
@@ -440,6 +440,6 @@ For example `answer(question, retrieve(question, passages, k={k}))`. With rlm-co
 h, a residual MLP from the stale buffer embeddings B (of the initial passage tower) towards the current
 passage tower's. It serves training: answering with the trained towers does not use it. rlm-corrector's `rlm
 evaluate --index corrected` can answer through h(B) instead, without re-embedding the corpus, with the buffer
-B it was trained over (`retriever.corrector.CorrectorNetwork.from_pretrained`)."""
+B it was trained over (`rlm.retriever.corrector.CorrectorNetwork.from_pretrained`)."""
         )
     return "\n\n".join(sections)

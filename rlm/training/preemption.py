@@ -5,7 +5,7 @@ A handler only records the signal; the training loop asks after each optimizer s
 one (`requested_anywhere`: one tiny all-gather, so every process stops at the same step), writes one
 checkpoint of that step and exits with `EXIT_PREEMPTED`. Long work inside a step (a refresh of re-embedded
 rows) asks the same between its parts (`stop_together`), and the buffer build between batches, with its
-processes meeting at its end (`retriever.buffer.BuildStopped`): finishing either could outlast the
+processes meeting at its end (`rlm.retriever.buffer.BuildStopped`): finishing either could outlast the
 scheduler's grace, and it is redone on resume.
 
 Every stop is agreed by every process, at one collective, before anything is written: torchrun sends SIGTERM

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from atomicio import atomic_directory, atomic_write_text
+from rlm.base.atomicio import atomic_directory, atomic_write_text
 from rlm.config import TrainConfig, dump_config
 from rlm.errors import UserError
 

@@ -18,13 +18,13 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
-from atomicio import atomic_write_text
-from retriever.buffer import BuildStopped
-from retriever.distributed import Processes
+from rlm.base.atomicio import atomic_write_text
 from rlm.components import build_components
 from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
 from rlm.errors import UserError
+from rlm.retriever.buffer import BuildStopped
+from rlm.retriever.distributed import Processes
 from rlm.training import attempt, checkpointing
 from rlm.training.accelerator import (
     CollectiveTimeout,
@@ -336,7 +336,7 @@ def claim_run_folder(
 
 def check_shared_folder(folder: Path, procs, key: str) -> None:
     """Refuse, on every process, a folder that not every process sees: the main process writes a file there and
-    the others look for it (`procs`: `retriever.distributed.Processes`; every one must call).
+    the others look for it (`procs`: `rlm.retriever.distributed.Processes`; every one must call).
 
     Every process writes its part of the buffer, its checkpoint files and its refreshed rows there, which the
     main one reads: on a machine's own disk (a relative path is taken from each machine's working directory)

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reader.scoring import ScoringInputs, scoring_inputs, scoring_inputs_from_reader
-from retriever.encoder import TokenizedTexts
 from rlm.data.corpus import retrieval_text
+from rlm.reader.scoring import ScoringInputs, scoring_inputs, scoring_inputs_from_reader
+from rlm.retriever.encoder import TokenizedTexts
 
 if TYPE_CHECKING:
     from rlm.data.corpus import Corpus

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reader.scoring import score_inputs
-from retriever.corrector import corrector_ce_loss, corrector_mse_loss
-from retriever.search import TopK, full_precision
+from rlm.reader.scoring import score_inputs
+from rlm.retriever.corrector import corrector_ce_loss, corrector_mse_loss
+from rlm.retriever.search import TopK, full_precision
 from rlm.training.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
 
 if TYPE_CHECKING:
-    from retriever.corrector import CorrectorNetwork
     from rlm.config import TrainConfig
     from rlm.data.corpus import Corpus
+    from rlm.retriever.corrector import CorrectorNetwork
     from rlm.training.model import RetrievalAugmentedModel
     from rlm.training.step_inputs import PreparedPassages
     from rlm.training.strategies.base import SelectionStrategy

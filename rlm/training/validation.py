@@ -21,8 +21,12 @@ from pathlib import Path
 
 import torch
 
-from retriever.alignment import alignment_metrics
-from retriever.buffer import (
+from rlm.errors import check_output_folder
+from rlm.inference.evaluation import RECALL_KS, evaluate_reader, retrieval_metrics
+from rlm.inference.reading import read
+from rlm.inference.retrieval import Retrieved
+from rlm.retriever.alignment import alignment_metrics
+from rlm.retriever.buffer import (
     BUFFER_FILES,
     build_settings,
     embed_passages,
@@ -30,12 +34,8 @@ from retriever.buffer import (
     resolve_precision,
     write_shard,
 )
-from retriever.distributed import Processes, ShardedRows
-from retriever.search import TopK
-from rlm.errors import check_output_folder
-from rlm.inference.evaluation import RECALL_KS, evaluate_reader, retrieval_metrics
-from rlm.inference.reading import read
-from rlm.inference.retrieval import Retrieved
+from rlm.retriever.distributed import Processes, ShardedRows
+from rlm.retriever.search import TopK
 from rlm.training.strategies import strategy_class
 
 SUBCORPUS_FILE = "dev_subcorpus.txt"

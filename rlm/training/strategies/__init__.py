@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from retriever.buffer import PassageBuffer
-from retriever.search import TopK, full_precision
 from rlm.errors import UserError
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.search import TopK, full_precision
 from rlm.training.strategies.base import EmbedRows, SelectionStrategy
 from rlm.training.strategies.refreshing import (
     ExhaustiveStrategy,

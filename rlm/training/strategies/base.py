@@ -2,7 +2,7 @@
 through h and whether the retriever trains; `select` is the top-k over those rows.
 
 The rows themselves (sharding, device placement, the two-stage index, the h(B) cache) are held by
-`retriever.row_search.RowSearch`. `rlm.training.strategies` lists the strategies.
+`rlm.retriever.row_search.RowSearch`. `rlm.training.strategies` lists the strategies.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from retriever.buffer import PassageBuffer
-from retriever.distributed import Processes, merge_topk, no_rows
-from retriever.row_search import RowSearch, TwoStage
-from retriever.search import TopK, complete_selection, corrected_topk, two_stage_corrected_topk
 from rlm.config import StrategyFact
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.distributed import Processes, merge_topk, no_rows
+from rlm.retriever.row_search import RowSearch, TwoStage
+from rlm.retriever.search import TopK, complete_selection, corrected_topk, two_stage_corrected_topk
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
 EmbedRows = Callable[[Sequence[int]], torch.Tensor]

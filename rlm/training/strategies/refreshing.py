@@ -2,7 +2,7 @@
 two-round and SNM. What each re-embeds counts on the paper's cost axis (`reembedded`).
 
 With `refresh_dir` set (training runs), a refresh re-embeds this process's share of the rows (N/W when
-sharded), writes it as fp16 under `refresh_dir/step_<s>/` (`retriever.distributed.RefreshedRows`), and
+sharded), writes it as fp16 under `refresh_dir/step_<s>/` (`rlm.retriever.distributed.RefreshedRows`), and
 checkpoints reference that folder instead of pickling N x D floats. Without it (tests, scripts) the refreshed
 rows stay in memory.
 """
@@ -14,9 +14,9 @@ import abc
 import torch
 from torch import Tensor
 
-from retriever.buffer import PassageBuffer
-from retriever.distributed import Processes, RefreshedRows, slice_rows
-from retriever.reencode import NystromRegression, residual
+from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.distributed import Processes, RefreshedRows, slice_rows
+from rlm.retriever.reencode import NystromRegression, residual
 from rlm.training.strategies.base import EmbedRows, SelectionStrategy
 
 
