@@ -140,7 +140,7 @@ class QAService:
         Nothing is written into the checkpoint.
         The index is on the GPU when the models are and faiss sees one (`rlm.inference.device.index_on_gpu`).
         """
-        import rlm.inference.checkpoint  # by module: the loading can be watched (scripts/bench_demo_scale.py)
+        import rlm.inference.checkpoint  # by module: the loading can be watched (scripts/bench/bench_demo_scale.py)
         from rlm.cache import cache_dir
         from rlm.inference import indexing
         from rlm.inference.device import index_on_gpu, inference_bf16, inference_device

@@ -242,7 +242,7 @@ class PassageBuffer:
         """Ask the kernel to read the rows `indices` (any shape; -1 ignored) of memory-mapped shards into the page
         cache, all at once (`posix_fadvise(WILLNEED)` on each row's bytes), so that `rows` then finds them there:
         touching rows that are on disk one at a time waits for one read after another (100 evicted rows: 330 ms
-        read fault by fault, 2.0 ms prefetched; scripts/bench/reports/rescoring). Does nothing for a buffer in memory or
+        read fault by fault, 2.0 ms prefetched; benchmark scripts/bench/bench_rescoring.py). Does nothing for a buffer in memory or
         where the OS has no `posix_fadvise`."""
         if not self._files or not hasattr(os, "posix_fadvise"):
             return

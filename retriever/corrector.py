@@ -3,7 +3,7 @@
 h(x) = x + W_out relu(... relu(W_1 x)), a residual MLP whose output layer starts at zero, so at step 0 it is
 exactly the identity and corrected retrieval equals the stale baseline. `linear=True` adds a zero-initialised
 linear term, h(x) = x + A x + W_out relu(...): a ReLU MLP can only approximate a general linear drift, which
-this term expresses exactly (the synthetic study, scripts/bench/reports/synthetic_corrector/synthetic_corrector.md, finding 3).
+this term expresses exactly (the synthetic study, scripts/bench/synthetic_corrector.py, finding 3).
 """
 
 from __future__ import annotations

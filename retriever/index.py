@@ -212,7 +212,7 @@ def question_like_rows(
     a trained dense retriever's top-20 holds the answering passage for about 80% of NQ's questions (DPR: 79%).
 
     On MiniLM embeddings of real passages and questions these asked a little more of an IVF64 index than the
-    questions did, on the synthetic vectors of scripts/bench/reports/bench_index at 1M less than its held-out queries,
+    questions did, on the synthetic vectors of scripts/bench/bench_index.py at 1M less than its held-out queries,
     far more than bare rows on both (docs/retriever.md). Costs `QUESTION_SCALE_STEPS` exact searches of
     `QUESTION_CALIBRATION` made questions over the rows."""
     import torch

@@ -2,8 +2,8 @@
 # One GPU session's prepared checks (issues 40 and 48) on a node with torch, transformers and accelerate and
 # no network, 9 minutes at most on one GPU: the wheels of a bundle installed (`--bundle DIR`: deepspeed,
 # faiss-cpu and their needs, built beforehand on a connected machine by `python scripts/gpu_bundle.py DIR`),
-# the smoke test of the paper-scale paths (scripts/gpu_smoke.sh), then the paper-shape step benchmark
-# (scripts/bench_paper_step.py: T5-base reader, GTR-base towers, 4 x 32 x 256 per micro-step, 2.63M rows).
+# the smoke test of the paper-scale paths (scripts/bench/gpu_smoke.sh), then the paper-shape step benchmark
+# (scripts/bench/bench_paper_step.py: T5-base reader, GTR-base towers, 4 x 32 x 256 per micro-step, 2.63M rows).
 # Each step has a time limit: install 60 s + smoke 180 s + benchmark 290 s = 530 s. Reports are written as they
 # go: the smoke's after each of its stages (the first once the install and the imports are done, within 2
 # minutes), the benchmark's after each strategy, and a line in gpu_bench.log as each step ends; a session cut
@@ -63,14 +63,14 @@ fi
 # The smoke test took 60-90 s on an H200 (scripts/bench/reports/gpu_smoke/gpu_smoke.md); --budget leaves its last
 # report to the script, `timeout` is the backstop for a native call that never returns to Python.
 SECONDS=0
-timeout 180 bash scripts/gpu_smoke.sh --out "$out/gpu_smoke" --budget 150 ${smoke_args[@]+"${smoke_args[@]}"}
+timeout 180 bash scripts/bench/gpu_smoke.sh --out "$out/gpu_smoke" --budget 150 ${smoke_args[@]+"${smoke_args[@]}"}
 smoke=$?
 note "gpu_smoke: exit $smoke in ${SECONDS} s, report in $out/gpu_smoke/gpu_smoke.md"
 # Five strategies of ~50 s at most each (the script stops one at its limit and goes on), the buffer and the
 # imports first.
 SECONDS=0
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
-timeout 290 "$PY" scripts/bench_paper_step.py --timeout-per-strategy 50 --out "$out/bench_paper_step" \
+timeout 290 "$PY" scripts/bench/bench_paper_step.py --timeout-per-strategy 50 --out "$out/bench_paper_step" \
   ${BENCH_ARGS:-}
 bench=$?
 note "bench_paper_step: exit $bench in ${SECONDS} s, report in $out/bench_paper_step.md"

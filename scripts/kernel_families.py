@@ -8,7 +8,7 @@ machine, what every CPU kind it can stand in for computes:
     python scripts/kernel_families.py tests
     # the quickstart's table for seeds 0, 1 and 2 under each family, with its verdict per run
     python scripts/kernel_families.py quickstart --seeds 0,1,2 --runs-dir runs/kernel_families \
-        --out scripts/bench/reports/kernel_families/kernel_families
+        --out scripts/bench/reports/quickstart/kernel_families
 
 `tests` prints one line per family and exits 1 when a family fails. `quickstart` trains the corrector run and its
 baselines once per (family, seed) (`rlm quickstart --no-serve`, about 8 minutes each on 2 cores), keeps each
@@ -27,7 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))  # the lab's shared code, as benchmarks see it
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent / "bench")
+)  # the lab's shared code, as benchmarks see it
 from lab.kernel_families import FAMILIES, TORCH_CAPABILITY, family_environment, parse_families
 from lab.reporting import (
     ROOT,

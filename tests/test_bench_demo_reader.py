@@ -1,4 +1,4 @@
-"""scripts/bench_demo_reader.py (issue 47's paper-size reader in the demo) at tiny settings, through its `main` as a
+"""scripts/bench/bench_demo_reader.py (issue 47's paper-size reader in the demo) at tiny settings, through its `main` as a
 user runs it: every precision and k measured through the demo's batching queue with the bound beside it, the
 bf16 check on the tiny quickstart's dev set, the report written; and its FLOP count checked against torch's."""
 

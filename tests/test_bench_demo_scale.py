@@ -1,4 +1,4 @@
-"""scripts/bench_demo_scale.py (issue 39's demo at scale) end to end in its quick mode, through its `main` as a user
+"""scripts/bench/bench_demo_scale.py (issue 39's demo at scale) end to end in its quick mode, through its `main` as a user
 runs it, over a tiny checkpoint (the packaged MiniLM retriever and a tiny random-init FiD reader): a corpus and
 a tuned index re-scored from its rows on disk are built, the service is started twice in fresh processes as `rlm demo --index` starts it, and
 the report holds every measurement and the projection to 21M passages."""

@@ -1,4 +1,4 @@
-"""The index study (scripts/bench_index.py) runs its quick mode end to end through its main and reports figures
+"""The index study (scripts/bench/bench_index.py) runs its quick mode end to end through its main and reports figures
 that make sense: exact search agrees with itself, every compressed index is smaller than Flat, `tune` reaches
 its target or says why not, and each factory is projected to 21M passages."""
 

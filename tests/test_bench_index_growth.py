@@ -1,4 +1,4 @@
-"""The index growth study (scripts/bench_index_growth.py) runs its quick mode through its main: each size's
+"""The index growth study (scripts/bench/bench_index_growth.py) runs its quick mode through its main: each size's
 tuned setting is recorded as a share of its lists, the runs of two invocations add up in one report, and the
 21M projection is made from the fitted trend, with the figures it was fitted on."""
 

@@ -1,4 +1,4 @@
-"""scripts/bench_paper_step.py (issue 40's paper-shape step benchmark) end to end at its small shapes, through its
+"""scripts/bench/bench_paper_step.py (issue 40's paper-shape step benchmark) end to end at its small shapes, through its
 `main` as a user runs it, and the pieces of lab.benchmarking it is built from."""
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_loader import load_script
-
-from rlm.config import load_config
 from lab.benchmarking import (
     T5_BASE,
     SyntheticCorpus,
@@ -21,6 +18,9 @@ from lab.benchmarking import (
     synthetic_words,
     time_limit,
 )
+from script_loader import load_script
+
+from rlm.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ["corrector_h2048", "corrector_h4096", "corrector_h8192", "stale", "exhaustive"]

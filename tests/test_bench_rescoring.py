@@ -1,4 +1,4 @@
-"""scripts/bench_rescoring.py (re-scoring from disk, issue 39) in its quick mode, through its main as a user runs
+"""scripts/bench/bench_rescoring.py (re-scoring from disk, issue 39) in its quick mode, through its main as a user runs
 it: every way to search is measured at every k, over a buffer written as `rlm embed` writes one, and the rows
 are really evicted between searches (the eviction itself is checked against the page cache)."""
 
@@ -44,8 +44,8 @@ def test_eviction_leaves_no_page_of_the_rows_in_the_page_cache(tmp_path):
     import mmap
 
     import torch
-
     from lab.benchmarking import clustered, write_buffer
+
     from rlm.retriever.buffer import PassageBuffer
 
     script = load_script("bench_rescoring")

@@ -54,12 +54,10 @@ def test_train_help_says_where_its_defaults_come_from(capsys):
     assert "default" in capsys.readouterr().out
 
 
-def test_bench_help_names_every_benchmark(capsys):
-    from rlm.commands.bench import BENCHMARKS
-
+def test_the_command_line_is_the_product_alone(capsys):
+    """Benchmarks and experiments live in scripts/bench (a checkout's lab, not installed): no `rlm bench`."""
     main(["--help"])
-    listed = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("bench "))
-    parser, _ = build_parser("bench")
-    positional = next(a for a in parser._actions if a.dest == "benchmark")
-    for benchmark in BENCHMARKS:
-        assert benchmark in listed and f"{benchmark} (" in positional.help
+    out = capsys.readouterr().out
+    assert "bench" not in COMMANDS and not [
+        line for line in out.splitlines() if line.strip().startswith("bench")
+    ]

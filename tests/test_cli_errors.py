@@ -26,7 +26,7 @@ def write_jsonl(path, rows) -> str:
 def test_help_lists_the_product_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("quickstart", "embed", "index", "train", "evaluate", "demo", "bench"):
+    for name in ("quickstart", "embed", "index", "train", "evaluate", "demo", "calibrate"):
         assert name in COMMANDS
         line = next(line for line in out.splitlines() if line.strip().startswith(name + " "))
         assert len(line.split(None, 1)[1]) > 10  # a one-line help, not just the name
@@ -125,16 +125,6 @@ def test_quickstart_without_dev_set_is_refused_before_training(tmp_path, capsys)
     assert main(argv) == 2
     assert "data.dev" in one_error_line(capsys)
     assert not (tmp_path / "qs" / "final").exists()
-
-
-def test_bench_runs_the_named_script(capfd):
-    with pytest.raises(SystemExit):
-        main(["bench", "no-such-benchmark"])
-    assert "invalid choice" in capfd.readouterr().err
-    assert main(["bench", "training", "--help"]) == 0  # the script's own options, from a child process
-    assert "usage: bench_training.py" in capfd.readouterr().out
-    assert main(["bench", "strategies", "--help"]) == 0
-    assert "usage: compare_strategies.py" in capfd.readouterr().out
 
 
 def test_a_bug_keeps_its_traceback_and_an_unknown_passage_id_is_one_line(tmp_path, capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""scripts/compare_strategies.py end to end on a tiny toy world: table, JSON, plots, and reuse of finished runs."""
+"""scripts/bench/compare_strategies.py end to end on a tiny toy world: table, JSON, plots, and reuse of finished runs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def script_args(tmp_path: Path, seeds: str, *extra: str) -> list[str]:
 def run_script(tmp_path: Path, seeds: str, *extra: str) -> subprocess.CompletedProcess:
     args = [
         sys.executable,
-        str(ROOT / "scripts" / "compare_strategies.py"),
+        str(ROOT / "scripts" / "bench" / "compare_strategies.py"),
         *script_args(tmp_path, seeds, *extra),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -81,7 +81,12 @@ def test_compare_writes_table_json_plots_and_reuses_finished_runs(tmp_path, caps
 
 
 def test_multihop200_without_the_shared_data_names_the_option(tmp_path):
-    args = [sys.executable, str(ROOT / "scripts" / "compare_strategies.py"), "--data", "multihop200"]
+    args = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench" / "compare_strategies.py"),
+        "--data",
+        "multihop200",
+    ]
     args += ["--data-dir", str(tmp_path / "nowhere"), "--work", str(tmp_path / "work")]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--data-dir" in done.stderr and "nowhere" in done.stderr

@@ -1,4 +1,4 @@
-"""`scripts/gpu_smoke.sh --device cpu`: the GPU smoke test's stages, run the way a user runs the script, judged
+"""`scripts/bench/gpu_smoke.sh --device cpu`: the GPU smoke test's stages, run the way a user runs the script, judged
 by the JSON it writes, with every package of the project installed and with those an air-gapped GPU node lacks
 (the packaged MiniLM, deepspeed, faiss) hidden; and the run's bookkeeping (time limits, the budget, the report
 after each stage), in-process."""
@@ -76,9 +76,9 @@ def hiding_env(folder: Path) -> dict[str, str]:
 
 
 def run_smoke_on_cpu(work: Path, env: dict[str, str]) -> dict:
-    """`scripts/gpu_smoke.sh --device cpu` into `work`; its report, after checking that every stage that ran
+    """`scripts/bench/gpu_smoke.sh --device cpu` into `work`; its report, after checking that every stage that ran
     passed."""
-    cmd = ["bash", str(REPO / "scripts" / "gpu_smoke.sh"), "--device", "cpu", "--work", str(work)]
+    cmd = ["bash", str(REPO / "scripts" / "bench" / "gpu_smoke.sh"), "--device", "cpu", "--work", str(work)]
     # A few thousand rows keep the paper-width corrector's selections to seconds on a shared 2-core CPU.
     cmd += ["--selection-rows", "2048", "--overlap-rows", "512"]
     # One thread: two threads on two cores that other jobs share made each tiny step wait for the scheduler

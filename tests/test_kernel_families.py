@@ -9,8 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from script_loader import load_script
-
 from lab.kernel_families import (
     TORCH_CAPABILITY,
     available_families,
@@ -18,6 +16,7 @@ from lab.kernel_families import (
     parse_families,
 )
 from lab.reporting import ROOT
+from script_loader import load_script
 
 AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma"}
 AVX512 = AVX2_ONLY | {"avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_bf16"}

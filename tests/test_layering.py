@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 # The folders whose modules are `rlm.<folder>` although they sit beside rlm/ (rlm/<folder> links to them).
 LINKED = ("reader", "retriever", "app")

@@ -87,14 +87,28 @@ def test_readme_stays_a_front_page():
     assert len(README.read_text().splitlines()) <= 160
 
 
-def test_readme_results_are_those_of_docs_results():
+def test_docs_are_prose_a_newcomer_reads():
+    """Issue 49: docs/ holds pages to read, at most 6,000 lines of text; reports and raw results live with their
+    benchmarks in scripts/bench/reports/, which the pages link to."""
+    texts = [p for p in (ROOT / "docs").rglob("*") if p.is_file() and p.suffix != ".png"]
+    assert all(p.suffix == ".md" for p in texts), [str(p) for p in texts if p.suffix != ".md"]
+    assert sum(len(p.read_text().splitlines()) for p in texts) <= 6000
+    for page in texts:
+        for target in re.findall(r"\]\(([^)#]+)\)", page.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+
+
+def test_readme_results_are_those_of_the_quickstart_report():
     text = README.read_text()
-    source = (ROOT / "docs" / "results" / "quickstart" / "quickstart.md").read_text()
+    source = (ROOT / "scripts" / "bench" / "reports" / "quickstart" / "quickstart.md").read_text()
     assert "scripts/bench/reports/quickstart/quickstart.md" in text
     seeds = re.findall(r"\d+\.\d / \d+\.\d / \d+\.\d", text)
     assert len(seeds) >= 5, "the README's toy-world table lost its per-seed figures"
     for figures in seeds:
-        assert figures in source, f"README figures {figures} are not in scripts/bench/reports/quickstart/quickstart.md"
+        assert figures in source, (
+            f"README figures {figures} are not in scripts/bench/reports/quickstart/quickstart.md"
+        )
 
 
 def test_questions_quoted_in_the_docs_are_in_the_quickstart_world(tmp_path):

@@ -17,7 +17,7 @@ def test_bench_retrieval_tiny(tmp_path):
     out = tmp_path / "bench"
     args = ["--sizes", "3000", "--threads", "1", "--out", str(out)]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_retrieval.py"), *args],
+        [sys.executable, str(ROOT / "scripts" / "bench" / "bench_retrieval.py"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -37,8 +37,8 @@ def test_two_stage_sets_nprobe_through_the_index_on_cpu_and_on_a_gpu(monkeypatch
     GPU case runs on the fakes of faiss-gpu (tests/faiss_gpu_fakes.py)."""
     faiss = pytest.importorskip("faiss")
     from faiss_gpu_fakes import FakeGpu
-
     from lab.benchmarking import clustered_buffer, corrector_moving
+
     from rlm.retriever.buffer import PassageBuffer
     from rlm.retriever.index import PassageIndex
     from rlm.retriever.search import two_stage_corrected_topk

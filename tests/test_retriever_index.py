@@ -183,7 +183,7 @@ def test_an_index_tuned_without_questions_probes_as_far_as_questions_need():
 
 def test_an_index_tuned_by_default_loses_at_most_a_point_of_the_answers_exact_search_finds():
     """The issue's goal is the gold passage's recall@20 within 1 point of exact search. On the index study's
-    model of passages and questions (scripts/bench_index.py: topics, documents, questions drawn around one
+    model of passages and questions (scripts/bench/bench_index.py: topics, documents, questions drawn around one
     passage each) at 32k passages, the old default (recall@100 >= 0.95 of exact search's neighbours, on made
     questions) stopped at nprobe 4 of 32 and held-out questions lost 3.8 points of gold recall@20; the default
     now counts the made questions' own source rows (the answers a reader would lose) and keeps 99.5% of those

@@ -1,4 +1,5 @@
-"""The scripts in scripts/ as a library user meets them: importable side by side without shadowing anything."""
+"""The scripts in scripts/ and scripts/bench/ as a user of a checkout meets them: importable side by side without
+shadowing anything, and each benchmark in scripts/bench/README.md with its command."""
 
 import subprocess
 import sys
@@ -7,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-
 from lab.benchmarking import corrector_moving, overlap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,14 +17,15 @@ import importlib.util, sys
 from pathlib import Path
 
 scripts = Path(sys.argv[1])
+sys.path.append(str(scripts / "bench"))  # the lab, as a benchmark run from the checkout sees it
 before = list(sys.path)
-for path in sorted(scripts.glob("*.py")):
+for path in sorted([*scripts.glob("*.py"), *scripts.glob("bench/*.py")]):
     spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
 added = [p for p in sys.path if p not in before]
 assert str(scripts) not in sys.path, f"a script put {scripts} on sys.path"
 
-import evaluate  # the library, not scripts/evaluate.py
+import evaluate  # the library, not a script of that name
 
 assert hasattr(evaluate, "load"), f"`import evaluate` found {evaluate.__file__}"
 print("ok", added)
@@ -32,9 +33,9 @@ print("ok", added)
 
 
 def test_loading_every_script_leaves_installed_packages_importable():
-    # scripts/evaluate.py shares its name with the `evaluate` library: a script that puts scripts/ on sys.path
-    # breaks `evaluate.load` for the rest of the process (CI failed this way with the metrics test after a
-    # benchmark test had loaded bench_training in-process).
+    # A script named like a library (there was a scripts/evaluate.py) on sys.path breaks `evaluate.load` for the
+    # rest of the process (CI failed this way with the metrics test after a benchmark test had loaded
+    # bench_training in-process).
     out = subprocess.run(
         [sys.executable, "-c", LOAD_ALL_SCRIPTS, str(ROOT / "scripts")],
         capture_output=True,
@@ -60,3 +61,13 @@ def test_overlap_is_the_fraction_of_the_reference_found_per_query():
     reference = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     found = torch.tensor([[4, 3, 9, 9], [5, 6, 7, 8]])
     assert overlap(found, reference) == pytest.approx((0.5 + 1.0) / 2)
+
+
+def test_the_entry_points_beside_the_lab_stay_thin_and_every_benchmark_has_its_readme_entry():
+    thin = sorted(p for p in (ROOT / "scripts").iterdir() if p.is_file())
+    assert sum(len(p.read_text().splitlines()) for p in thin) <= 1500, [p.name for p in thin]
+    readme = (ROOT / "scripts" / "bench" / "README.md").read_text()
+    for script in sorted((ROOT / "scripts" / "bench").glob("*.py")):
+        assert f"python scripts/bench/{script.name}" in readme, (
+            f"scripts/bench/README.md: no command of {script.name}"
+        )

@@ -6,8 +6,6 @@ import json
 
 import pytest
 import torch
-from script_loader import load_script
-
 from lab.reporting import FINDINGS_END, FINDINGS_START
 from lab.synthetic import (
     CorrectorSpec,
@@ -20,6 +18,7 @@ from lab.synthetic import (
     softmax_kl,
     train_corrector,
 )
+from script_loader import load_script
 
 pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
 

@@ -3,7 +3,7 @@
 DeepSpeed picks its CPU accelerator when no GPU is visible, so `configs/accelerate/deepspeed_zero2.yaml` with
 `--num_processes 2` runs here: the batch sizes filled from the run config, parameters in bf16 (the config's
 mixed precision), ZeRO-2 optimizer shards per rank, and a resumed run that gives the same losses. What stays
-untested here: NCCL, CUDA kernels and GPU memory (docs/training.md, scripts/gpu_smoke.sh).
+untested here: NCCL, CUDA kernels and GPU memory (docs/training.md, scripts/bench/gpu_smoke.sh).
 """
 
 from __future__ import annotations

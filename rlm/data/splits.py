@@ -28,12 +28,9 @@ import string
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from rlm.errors import UserError
-
-if TYPE_CHECKING:
-    from rlm.data.qa import QAExample
 
 LITERATURE_SPLITS = ("train", "dev", "test")
 DEV_SEED = 0  # the carve-out's seed: changing it changes every published dev figure
@@ -66,12 +63,22 @@ def normalize_question(text: str) -> str:
     return " ".join(bare.lower().translate(_DROP).split())
 
 
+class Asked(Protocol):
+    """What the checks read of an example (`rlm.data.qa.QAExample` is one): its id and its question."""
+
+    id: str
+    question: str
+
+
+Example = TypeVar("Example", bound=Asked)
+
+
 @dataclass
-class CarvedSplits:
+class CarvedSplits(Generic[Example]):
     """`carve_dev`'s result: train and dev, and what was dropped from train because test asks it too."""
 
-    train: list[QAExample]
-    dev: list[QAExample]
+    train: list[Example]
+    dev: list[Example]
     dropped_as_test: int
 
 
@@ -85,8 +92,8 @@ def dev_count(protocol: SplitProtocol, published_train: int) -> int:
 
 
 def carve_dev(
-    train: Sequence[QAExample], test: Sequence[QAExample], size: int, seed: int = DEV_SEED
-) -> CarvedSplits:
+    train: Sequence[Example], test: Sequence[Asked], size: int, seed: int = DEV_SEED
+) -> CarvedSplits[Example]:
     """Drop from `train` every question `test` asks (normalised), then carve out as dev the `size` distinct
     questions whose sha256 of `"<seed>\\n<normalised question>"` is smallest, with all their rows; the rest,
     in its order, is train."""
@@ -105,12 +112,12 @@ def carve_dev(
     return CarvedSplits(rest, dev, len(train) - len(kept))
 
 
-def first_overlap(named: dict[str, Sequence[QAExample]]) -> tuple[str, QAExample, str, QAExample] | None:
+def first_overlap(named: dict[str, Sequence[Example]]) -> tuple[str, Example, str, Example] | None:
     """The first question two of the `named` splits share (normalised), as (split, its example, other split,
     its example), or None: train, dev and test ask disjoint questions."""
-    seen: dict[str, tuple[str, QAExample]] = {}
+    seen: dict[str, tuple[str, Example]] = {}
     for split, examples in named.items():
-        mine: dict[str, QAExample] = {}
+        mine: dict[str, Example] = {}
         for ex in examples:
             key = normalize_question(ex.question)
             if key in seen:
@@ -120,7 +127,7 @@ def first_overlap(named: dict[str, Sequence[QAExample]]) -> tuple[str, QAExample
     return None
 
 
-def ids_digest(examples: Sequence[QAExample]) -> str:
+def ids_digest(examples: Sequence[Asked]) -> str:
     """sha256 of the examples' ids, sorted, one a line: names a split's membership in a report."""
     lines = "".join(f"{i}\n" for i in sorted(ex.id for ex in examples))
     return "sha256:" + hashlib.sha256(lines.encode("utf-8")).hexdigest()

@@ -14,7 +14,7 @@ questions the corpus does not answer), never on the split it reports on:
   their rarity among the fit questions (a passage about the person asked names them; the hard unanswerable
   case, a fact the corpus never states about a person it knows, is answered from another person's passage of
   the same relation). On the quickstart's seed 2 it raised the test AUROC of correct vs wrong from 0.967 to
-  0.996 (`scripts/bench/reports/answer_quality/answer_quality.md`);
+  0.996 (benchmark `scripts/bench/answer_quality.py`);
 * `kind_match`: the probability that the answer is of the kind the question asks for (a year, a number, a
   person, a place: `rlm.inference.answer_kinds`). Asked in what year a person was born, a reader that only
   knows birthplaces answers one, from the person's own passage, and nothing above looks wrong.

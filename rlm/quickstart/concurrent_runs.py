@@ -2,7 +2,7 @@
 
 Why: the quickstart's runs are small (a 6-layer MiniLM, a 2-layer T5 on batches of 16), too small for a
 second torch thread to double a run's speed, so two runs side by side on one thread each get more done than
-one after the other on two (scripts/bench/reports/quickstart/quickstart.md has the measurement). A
+one after the other on two (measured by `scripts/kernel_families.py quickstart`). A
 run's digits depend on its thread count (the order of floating-point sums), so every run trains on one
 thread, also when only one is trained (then in this process, no worker is started).
 

@@ -8,8 +8,8 @@ indexes for the same trained query tower and reader, side by side.
 Prints a table (EM/F1 when the checkpoint has a reader, answer and gold recall@k, seconds to build the index),
 writes `<out>.json` and `<out>.md`.
 
-    python scripts/answer_from_hb.py --checkpoint runs/quickstart/final --data-path runs/quickstart/toy_world
-    python scripts/answer_from_hb.py --checkpoint RUN/final --dataset jsonl --data-path dev.jsonl \
+    python scripts/bench/answer_from_hb.py --checkpoint runs/quickstart/final --data-path runs/quickstart/toy_world
+    python scripts/bench/answer_from_hb.py --checkpoint RUN/final --dataset jsonl --data-path dev.jsonl \
         --corpus ../shared/data/multihop200/corpus.jsonl --retrieval-only
 """
 
@@ -19,9 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from lab import reporting
+
 from rlm.data.corpus import load_corpus
 from rlm.data.qa import load_qa_dataset
-from lab import reporting
 from rlm.inference import evaluation, indexing
 from rlm.inference.checkpoint import load_checkpoint, reader_passages_from_config
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir

@@ -1,6 +1,6 @@
 """How far a checkpoint's answers can be trusted: the reader's ceilings, coverage, calibration, abstention.
 
-    python scripts/answer_quality.py --checkpoint runs/quickstart/final \
+    python scripts/bench/answer_quality.py --checkpoint runs/quickstart/final \
         --out-of-corpus ../shared/data/nq_open/NQ-open.dev.jsonl --out scripts/bench/reports/answer_quality/answer_quality
 
 Prints (and writes as markdown, JSON and a reliability diagram):
@@ -19,7 +19,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-
 from lab.reporting import arguments, cpu_name, figure, table, write_report
 
 

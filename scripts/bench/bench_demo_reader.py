@@ -20,9 +20,9 @@ answer anywhere, so every answer is made exactly `--answer-tokens` tokens long.
 With `--checkpoint` (a quickstart's final/), also: do bf16 answers match float32's on its dev set (the share of
 identical answers, and each precision's exact match)? Without one the report says it was not checked.
 
-    python scripts/bench_demo_reader.py --checkpoint runs/quickstart/final     # the full table
-    python scripts/bench_demo_reader.py --layers 1 --k 2 --length 32 --repeats 1 --users 2   # a smoke run
-    python scripts/bench_demo_reader.py --render scripts/bench/reports/demo_reader/demo_reader.json
+    python scripts/bench/bench_demo_reader.py --checkpoint runs/quickstart/final     # the full table
+    python scripts/bench/bench_demo_reader.py --layers 1 --k 2 --length 32 --repeats 1 --users 2   # a smoke run
+    python scripts/bench/bench_demo_reader.py --render scripts/bench/reports/demo_reader/demo_reader.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-
 from lab import reporting
 from lab.benchmarking import T5_BASE, latency_ms
 
@@ -103,8 +102,6 @@ def reader_service(args):
     """A `QAService` over a random-init FiD reader of T5-base's shapes (`--layers` each side) and the stubbed
     retrieval, and the questions it is asked."""
     import torch
-
-    from rlm.app.service import QAService
     from lab.benchmarking import (
         SyntheticCorpus,
         synthetic_examples,
@@ -112,6 +109,8 @@ def reader_service(args):
         synthetic_words,
         t5_reader,
     )
+
+    from rlm.app.service import QAService
     from rlm.reader.fid import FiDConfig
 
     torch.manual_seed(0)

@@ -21,9 +21,9 @@ passage reads) and `answer`: alone, from 20 threads at once, and for 20 users se
 them (its batching queue, `rlm.app.demo.answer_queue`: one pass at a time, up to 8 questions in it). Then the search
 parameter is swept (nprobe or efSearch), and each figure is projected to 21M passages.
 
-    python scripts/bench_demo_scale.py --sentences ../shared/data/wiki_sample/passages.jsonl  # N = 1M
-    python scripts/bench_demo_scale.py --quick                  # N = 5,000 and a few questions (a minute)
-    python scripts/bench_demo_scale.py --render scripts/bench/reports/demo_scale_rescore/demo_scale.json
+    python scripts/bench/bench_demo_scale.py --sentences ../shared/data/wiki_sample/passages.jsonl  # N = 1M
+    python scripts/bench/bench_demo_scale.py --quick                  # N = 5,000 and a few questions (a minute)
+    python scripts/bench/bench_demo_scale.py --render scripts/bench/reports/demo_scale_rescore/demo_scale.json
 
 `--checkpoint` is the `final/` folder of a run (`rlm quickstart --no-serve` makes runs/quickstart/final).
 """
@@ -46,7 +46,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-
 from lab import reporting
 from lab.benchmarking import latency_ms
 
@@ -54,7 +53,7 @@ TARGET_N = 21_015_324  # DPR's psgs_w100.tsv
 GOAL_P50_MS = 100.0
 WORDS = 100  # DPR's passages are 100 words
 CONCURRENT = 20
-# IVF lists for `{nlist}`: N / 1,000 rounded to a power of two, as scripts/bench_index.py.
+# IVF lists for `{nlist}`: N / 1,000 rounded to a power of two, as scripts/bench/bench_index.py.
 ROWS_PER_LIST = 1_000
 CLUSTER = 200  # synthetic rows per cluster: more than tune's k=100, so a row's top-100 are its cluster's
 DEFAULT_CHECKPOINT = "runs/quickstart/final"  # what `rlm quickstart` / `make demo` leaves
@@ -74,7 +73,7 @@ COUNTS = {
 
 
 def nlist_for(n: int) -> int:
-    """IVF lists for n rows: n / 1,000 rounded to a power of two (at least 4), as scripts/bench_index.py."""
+    """IVF lists for n rows: n / 1,000 rounded to a power of two (at least 4), as scripts/bench/bench_index.py."""
     return max(4, 2 ** round(math.log2(max(1, n / ROWS_PER_LIST))))
 
 
@@ -157,8 +156,9 @@ def build_index(work: Path, corpus: dict, factory: str, checkpoint: Path, rescor
     build_file = folder.with_suffix(".build.json")
     if (folder / "index.faiss").is_file() and build_file.is_file():
         return {**json.loads(build_file.read_text()), "reused": True}
-    from rlm.base.atomicio import atomic_write_json
     from lab.benchmarking import clustered, write_buffer
+
+    from rlm.base.atomicio import atomic_write_json
     from rlm.retriever.buffer import PassageBuffer
     from rlm.retriever.index import PassageIndex
 
@@ -410,11 +410,11 @@ def memory_parts(service) -> dict:
 def serve_and_measure(args: argparse.Namespace) -> dict:
     """In the fresh process: start the service as `rlm demo` does, then measure it (with `--latency`)."""
     import torch
+    from lab.benchmarking import PeakRSS
 
     from rlm.app.demo import BATCH_WINDOW_S, default_max_batch
     from rlm.app.service import QAService, ServiceOptions
     from rlm.data.qa import read_qa_jsonl
-    from lab.benchmarking import PeakRSS
 
     # One thread, as `rlm demo` ran before issue 47 (this study's reports were measured so); it now runs on
     # all cores, one pass at a time (rlm.commands.demo.start_demo).

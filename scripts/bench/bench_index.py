@@ -25,10 +25,10 @@ IVF types get N/1,000 lists rounded to a power of two ({nlist} in a factory; 1,0
 ~1,000 rows at any N; at 21M the same list size is IVF16384. The exact top-100 of the tuning queries is the
 same for every factory (same rows, same seed): it is computed once and reused, its time reported apart.
 
-    OMP_NUM_THREADS=1 python scripts/bench_index.py                # N = 1M, every factory (hours on 1 core)
-    OMP_NUM_THREADS=1 python scripts/bench_index.py --n 500000 --factories 'Flat;IVF{nlist},PQ64'
-    python scripts/bench_index.py --quick                          # N = 20k, four factories (under a minute)
-    python scripts/bench_index.py --render scripts/bench/reports/bench_index/bench_index.json
+    OMP_NUM_THREADS=1 python scripts/bench/bench_index.py                # N = 1M, every factory (hours on 1 core)
+    OMP_NUM_THREADS=1 python scripts/bench/bench_index.py --n 500000 --factories 'Flat;IVF{nlist},PQ64'
+    python scripts/bench/bench_index.py --quick                          # N = 20k, four factories (under a minute)
+    python scripts/bench/bench_index.py --render scripts/bench/reports/bench_index/bench_index.json
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from lab import reporting
 from lab.benchmarking import latency_ms, timings
 
@@ -521,7 +520,7 @@ def markdown(results: dict) -> str:
         f"# Index study: bytes, recall and latency per faiss factory\n\n"
         f"Command: `{results['command']}`; {reporting.machine_line(results['machine'])}; "
         f"OMP_NUM_THREADS={s['omp_threads']}.\n\n"
-        f"N = {s['n']:,} synthetic passages x {D} (the model in `scripts/bench_index.py`'s docstring), "
+        f"N = {s['n']:,} synthetic passages x {D} (the model in `scripts/bench/bench_index.py`'s docstring), "
         f"{s['queries']:,} held-out queries; IVF lists = {s['nlist']:,}, trained on {s['train_per_list']} rows "
         f"per list; tuned by `PassageIndex.tune` ({tuning_rule(rows, s['target_recall'])}, on "
         f"{s['tune_queries']} {tuned_on(rows)}); exact search of the tuning rows (once, shared) "

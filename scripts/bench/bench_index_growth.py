@@ -10,7 +10,7 @@ search, p50 of one question on one core and on every core (faiss `parallel_mode`
 split over the cores), RAM and build time.
 
 Corpora:
-  synthetic  the index study's model (scripts/bench_index.py's docstring), 768-d, its held-out queries
+  synthetic  the index study's model (scripts/bench/bench_index.py's docstring), 768-d, its held-out queries
   toy        the toy world's passages (rlm.data.toy_world: generated sentences) embedded by the packaged
              all-MiniLM-L6-v2 (384-d; a real encoder on text with real structure, not Wikipedia); its dev
              questions are the held-out ones (gold passage known), its test questions a second tuning run
@@ -22,10 +22,10 @@ scanned (its spread over the sizes printed: the projection holds it constant) x 
 the coarse quantizer's search at 16,384 lists. The assumption is written in the report: the share's fit over
 the measured sizes holds to 21M.
 
-    OMP_NUM_THREADS=2 python scripts/bench_index_growth.py --corpus synthetic --sizes 250000,1000000,4000000
-    OMP_NUM_THREADS=2 python scripts/bench_index_growth.py --corpus toy --sizes 62500,250000,1000000
-    python scripts/bench_index_growth.py --quick                   # 4k and 16k synthetic rows, a minute
-    python scripts/bench_index_growth.py --render scripts/bench/reports/bench_index_growth/bench_index_growth.json
+    OMP_NUM_THREADS=2 python scripts/bench/bench_index_growth.py --corpus synthetic --sizes 250000,1000000,4000000
+    OMP_NUM_THREADS=2 python scripts/bench/bench_index_growth.py --corpus toy --sizes 62500,250000,1000000
+    python scripts/bench/bench_index_growth.py --quick                   # 4k and 16k synthetic rows, a minute
+    python scripts/bench/bench_index_growth.py --render scripts/bench/reports/bench_index_growth/bench_index_growth.json
 
 Each size's rows are added to `--out`'s JSON as they finish (a long run stopped part way keeps them; a size run
 again replaces its rows), and the report is rendered from all of them.
@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from lab import reporting
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -57,7 +56,7 @@ TOY_QUESTIONS = 1000  # dev (held out) and test (a second tuning) questions of e
 
 
 def bench_index():
-    """scripts/bench_index.py as a module (its model, list rule, latency and cost helpers): loaded from its
+    """scripts/bench/bench_index.py as a module (its model, list rule, latency and cost helpers): loaded from its
     file, since scripts/ is not a package and must not shadow the libraries on sys.path."""
     spec = importlib.util.spec_from_file_location("bench_index", SCRIPTS / "bench_index.py")
     module = importlib.util.module_from_spec(spec)

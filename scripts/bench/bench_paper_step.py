@@ -22,9 +22,9 @@ bandwidth, against the issue's goal (corrector h8192 at >= 1 step/s and >= 2x ex
 Each strategy has a time limit (`--timeout-per-strategy`), and the report is rewritten after each one, so a
 run cut short still reports what it measured.
 
-    python scripts/bench_paper_step.py             # the paper's shapes, on a GPU (bash scripts/gpu_bench.sh)
-    python scripts/bench_paper_step.py --small     # tiny shapes: ~30 s on a 2-core CPU (the test runs them)
-    python scripts/bench_paper_step.py --render scripts/bench/reports/bench_paper_step/bench_paper_step.json
+    python scripts/bench/bench_paper_step.py             # the paper's shapes, on a GPU (bash scripts/gpu_bench.sh)
+    python scripts/bench/bench_paper_step.py --small     # tiny shapes: ~30 s on a 2-core CPU (the test runs them)
+    python scripts/bench/bench_paper_step.py --render scripts/bench/reports/bench_paper_step/bench_paper_step.json
 """
 
 from __future__ import annotations

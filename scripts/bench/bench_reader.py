@@ -1,7 +1,7 @@
 """Benchmark the offline FiD reader on CPU: tokens/s of a train step and of score_passages, plus peak memory.
 
-    .venv/bin/python scripts/bench_reader.py                 # B=4, K=32, L=192, default SmallT5Config
-    .venv/bin/python scripts/bench_reader.py --threads 2 --steps 5
+    .venv/bin/python scripts/bench/bench_reader.py                 # B=4, K=32, L=192, default SmallT5Config
+    .venv/bin/python scripts/bench/bench_reader.py --threads 2 --steps 5
 
 Each variant (fp32, fp32 + gradient checkpointing, bf16 autocast) runs in its own process, so its peak RSS
 is its own. bf16 autocast is in the default variants only on a CPU with native bf16 (AVX512-BF16 or AMX,
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 import psutil
-
 from lab import reporting
 from lab.benchmarking import best_of, median_of
+
 from rlm.precision import cpu_bf16_support
 
 VARIANTS = {"fp32": {}, "fp32+checkpointing": {"gradient_checkpointing": True}}

@@ -18,9 +18,9 @@ query per search, k in `--k`; per search p50/p95 of:
 The eviction needs Linux (libc's `madvise`, `os.posix_fadvise`). What it measures is this machine's disk: a
 local NVMe drive, a network volume and a virtual disk differ by orders of magnitude.
 
-    python scripts/bench_rescoring.py                  # N = 1M x 768 (1.5 GB of rows in --work), ~2 minutes
-    python scripts/bench_rescoring.py --quick          # N = 20k x 64, a few seconds
-    python scripts/bench_rescoring.py --render scripts/bench/reports/rescoring/rescoring.json
+    python scripts/bench/bench_rescoring.py                  # N = 1M x 768 (1.5 GB of rows in --work), ~2 minutes
+    python scripts/bench/bench_rescoring.py --quick          # N = 20k x 64, a few seconds
+    python scripts/bench/bench_rescoring.py --render scripts/bench/reports/rescoring/rescoring.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-
 from lab import reporting
 from lab.benchmarking import clustered, latency_ms, write_buffer
 

@@ -1,4 +1,4 @@
-"""Retriever benchmark (`make bench`, `rlm bench retrieval`): the streamed corrected top-k against bare matmuls.
+"""Retriever benchmark (`make bench`): the streamed corrected top-k against bare matmuls.
 
 Corrected top-k over N in {10k, 100k, 1M} x D=384, corrector hidden 4D, 64 queries, k=32: passages/s and GFLOP/s
 of `corrected_topk` next to plain torch matmuls of exactly the same shapes (+ topk) in the same process, and the
@@ -7,8 +7,8 @@ memory figures do not leak between sizes. The data are clustered unit vectors (q
 passages per cluster) so that top-32 is meaningful; the corrector moves vectors by ~0.2, as a trained one does.
 Two-stage search at scale: `bench_two_stage.py`.
 
-    python scripts/bench_retrieval.py            # N = 10k, 100k, 1M (a few minutes)
-    python scripts/bench_retrieval.py --quick    # N = 10k, 50k
+    python scripts/bench/bench_retrieval.py            # N = 10k, 100k, 1M (a few minutes)
+    python scripts/bench/bench_retrieval.py --quick    # N = 10k, 50k
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from lab import reporting
 from lab.benchmarking import PeakRSS, best_of, clustered_buffer, corrector_moving, overlap
 

@@ -11,8 +11,8 @@ stale top-k), and exhaustive re-embedding every R steps costs N / (measured pass
 seconds every R steps. The rest of the step is part 1's stale step without its selection. The re-embedding
 cost is extrapolated from the measured throughput, not run N times; the table says so.
 
-    python scripts/bench_training.py                 # ~5 minutes on a 2-core CPU
-    python scripts/bench_training.py --quick         # ~1 minute
+    python scripts/bench/bench_training.py                 # ~5 minutes on a 2-core CPU
+    python scripts/bench/bench_training.py --quick         # ~1 minute
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import statistics
 import time
 from collections.abc import Iterator
 
-from rlm.config import load_config
 from lab.benchmarking import median_of
 from lab.reporting import ROOT, arguments, int_list, results_path, table, write_report
+
+from rlm.config import load_config
 
 # torch and the training code are imported where they run: `--help` needs neither (~8 CPU-s).
 
@@ -99,8 +100,8 @@ def selection_costs(args, n: int, dim: int, precision: str) -> dict:
     steps' precision: stale exact, corrected exact (hidden 1D-8D), and two-stage (the auto faiss index, then
     `candidates` rows re-scored with h) with its top-k overlap with exact."""
     import torch
-
     from lab.benchmarking import clustered_buffer, corrector_moving, overlap
+
     from rlm.retriever.buffer import PassageBuffer
     from rlm.retriever.index import PassageIndex
     from rlm.retriever.row_search import auto_index_factory

@@ -1,4 +1,4 @@
-"""Two-stage selection at scale (`rlm bench two-stage`): Appendix B.2's search against the exact corrected
+"""Two-stage selection at scale (`python scripts/bench/bench_two_stage.py`): Appendix B.2's search against the exact corrected
 top-k over millions of memory-mapped rows.
 
 For each N (default 1M and 4M rows x 768) a buffer of clustered unit vectors (N / --cluster centres, noise
@@ -11,12 +11,12 @@ stale top-k, and `two_stage_corrected_topk` for every (first stage, nprobe, cand
 --reps), speed-up over exact, top-k overlap with exact.
 
 Until issue 30 this script also projected the cost at 21M x 768 on 8 GPUs from bench_scale.py's JSON (both
-removed; see git history); `bash scripts/gpu_smoke.sh` now measures that selection on a GPU
+removed; see git history); `bash scripts/bench/gpu_smoke.sh` now measures that selection on a GPU
 (scripts/bench/reports/gpu_smoke/gpu_smoke.md).
 
-    python scripts/bench_two_stage.py                  # N = 1M, 4M (~15 min on 2 cores)
-    python scripts/bench_two_stage.py --quick          # N = 100k (about a minute)
-    python scripts/bench_two_stage.py --render scripts/bench/reports/bench_two_stage/bench_two_stage.json
+    python scripts/bench/bench_two_stage.py                  # N = 1M, 4M (~15 min on 2 cores)
+    python scripts/bench/bench_two_stage.py --quick          # N = 100k (about a minute)
+    python scripts/bench/bench_two_stage.py --render scripts/bench/reports/bench_two_stage/bench_two_stage.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-
 from lab import reporting
 from lab.benchmarking import best_of, clustered, corrector_moving, overlap, write_buffer
 

@@ -4,19 +4,19 @@ The paper's Table 1 (Algorithm 1, supervised retrieval) and Table 3 (Algorithm 2
 CPU scale, with the Fig. 2 plot (quality against passages re-embedded during training).
 
     # Algorithm 1 on the toy world, from the packaged MiniLM (small drift) and from a tiny random GTR (large drift)
-    python scripts/compare_strategies.py --algorithm 1 --data toy --start minilm
-    python scripts/compare_strategies.py --algorithm 1 --data toy --start random_gtr --lr 1e-3
+    python scripts/bench/compare_strategies.py --algorithm 1 --data toy --start minilm
+    python scripts/bench/compare_strategies.py --algorithm 1 --data toy --start random_gtr --lr 1e-3
     # Algorithm 1 on multihop200 (150 train / 50 held-out questions; in ../shared/data beside the checkout, or
     # --data-dir / $RLM_SHARED_DATA): 27 min on 2 CPU cores with native bf16 (AVX512-BF16/AMX). Elsewhere bf16
     # is emulated (~18x slower) and training falls back to float32 with a warning (`--set force_cpu_bf16=true`
     # keeps bf16): bf16 made a step 2.1x faster here, so expect about twice the time
-    python scripts/compare_strategies.py --algorithm 1 --data multihop200 --start minilm --steps 50 \
+    python scripts/bench/compare_strategies.py --algorithm 1 --data multihop200 --start minilm --steps 50 \
         --batch-size 8 --k 4 --num-random 8 --refresh-every 17 --snm-size 300 --set mixed_precision=bf16 \
         --jobs 2 --out scripts/bench/reports/compare_strategies/compare_alg1_multihop200_minilm_bf16
     # Algorithm 2 on the toy world (the quickstart recipe), Table 3's strategies
-    python scripts/compare_strategies.py --algorithm 2 --data toy
+    python scripts/bench/compare_strategies.py --algorithm 2 --data toy
     # ... from the tiny random GTR (the paper's T5-init rows): 7 min with --jobs 2
-    python scripts/compare_strategies.py --algorithm 2 --data toy --start random_gtr --steps 750 \
+    python scripts/bench/compare_strategies.py --algorithm 2 --data toy --start random_gtr --steps 750 \
         --num-passages 4000 --set optim.lr_retriever=1e-4 --set schedule.final_reader_only_steps=150 \
         --set eval_selection=true --jobs 2
 
@@ -38,9 +38,10 @@ import statistics
 import time
 from pathlib import Path
 
-from rlm.base.atomicio import atomic_write_json, atomic_write_text
 from lab.comparison import DRIFT_KEYS, drift_log, render, summarise, table_metrics
 from lab.reporting import ROOT, arguments, int_list, results_path
+
+from rlm.base.atomicio import atomic_write_json, atomic_write_text
 
 # The real third-party data (multihop200) sits beside a checkout in ../shared/data; elsewhere say where.
 DEFAULT_DATA_DIR = os.environ.get("RLM_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
@@ -259,7 +260,11 @@ def main(argv: list[str] | None = None) -> None:
     add("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     add("--jobs", type=int, default=1, help="runs at once, each on cpu_count/jobs threads (default 1)")
     add("--work", default=None, help="run folder (default runs/compare/<name>)")
-    add("--out", default=None, help="output stem (default scripts/bench/reports/compare_strategies/compare_<name>)")
+    add(
+        "--out",
+        default=None,
+        help="output stem (default scripts/bench/reports/compare_strategies/compare_<name>)",
+    )
     add("--render", nargs="+", help="re-render the table and plots of saved JSONs (no training)")
     args = parser.parse_args(argv)
     for path in args.render or []:  # a JSON written before the runs carried drift logs keeps its drift plot

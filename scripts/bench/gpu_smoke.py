@@ -1,4 +1,4 @@
-"""Smoke test of the paper-scale code paths on the device at hand (`bash scripts/gpu_smoke.sh`): one run on one
+"""Smoke test of the paper-scale code paths on the device at hand (`bash scripts/bench/gpu_smoke.sh`): one run on one
 GPU, each stage asserted and reported PASS, FAIL or SKIP with its reason; exit 1 when any fails.
 
 Stages, the paper-scale measurements first: a timed top-32 of 32 queries over 2.63M fp16 rows (one rank's
@@ -17,8 +17,8 @@ stopped by a time limit keeps what ran. Each stage has a time limit (`STAGE_LIMI
 and `--budget` bounds the whole run: the stages left when it is spent SKIP.
 `scripts/bench/reports/gpu_smoke/gpu_smoke.md` says what a GPU run must show.
 
-    bash scripts/gpu_smoke.sh                 # on a CUDA machine (a few minutes on one GPU)
-    bash scripts/gpu_smoke.sh --device cpu    # the same stages on CPU (tests/test_gpu_smoke.py runs this)
+    bash scripts/bench/gpu_smoke.sh                 # on a CUDA machine (a few minutes on one GPU)
+    bash scripts/bench/gpu_smoke.sh --device cpu    # the same stages on CPU (tests/test_gpu_smoke.py runs this)
 """
 
 import argparse
@@ -46,13 +46,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate.state import AcceleratorState
+from lab import reporting
+from lab.benchmarking import TimeLimitExceeded, corrector_moving, overlap, time_limit
 
 import rlm.inference.checkpoint
 from rlm import cli, train
 from rlm.app.service import QAService, ServiceOptions
 from rlm.config import BufferConfig, load_config
-from lab import reporting
-from lab.benchmarking import TimeLimitExceeded, corrector_moving, overlap, time_limit
 from rlm.precision import cpu_bf16_support
 from rlm.retriever.buffer import resolve_precision
 from rlm.retriever.index import PassageIndex
@@ -227,8 +227,7 @@ class Smoke:
         scale = args.limit_scale if args.limit_scale is not None else (1.0 if self.cuda else 0.0)
         self.limits = {name: seconds * scale for name, seconds in STAGE_LIMITS_S.items()} if scale else {}
         self.deadline = time.monotonic() + args.budget if args.budget else None
-        # Loaded by path: tests/ is no package, and no folder of scripts or tests may go on sys.path
-        # (scripts/evaluate.py would shadow the `evaluate` library).
+        # Loaded by path: tests/ is no package, and tests/ on sys.path would put its modules beside the libraries.
         spec = importlib.util.spec_from_file_location("tiny_run", ROOT / "tests" / "tiny_run.py")
         self.tiny = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(self.tiny)
@@ -674,7 +673,7 @@ def claim_work_folder(work: Path) -> None:
             raise SystemExit(f"error: {work} holds files this script did not write; pass another --work")
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / MARKER).write_text("scripts/gpu_smoke.py empties this folder on every run\n")
+    (work / MARKER).write_text("scripts/bench/gpu_smoke.py empties this folder on every run\n")
 
 
 def write_stage_report(smoke: Smoke, finished: bool = True) -> dict:
@@ -689,7 +688,7 @@ def write_stage_report(smoke: Smoke, finished: bool = True) -> dict:
     settings |= {"retriever": "minilm" if smoke.minilm else "tiny", "training_precision": smoke.precision}
     settings |= {"stage_limits_s": smoke.limits or None, "budget_s": smoke.args.budget}
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = " ".join(["bash scripts/gpu_smoke.sh", *smoke.argv])
+    command = " ".join(["bash scripts/bench/gpu_smoke.sh", *smoke.argv])
     report = {"date": date, "command": command, "device": smoke.args.device}
     report["machine"] = device["measured"] if device["status"] == "PASS" else "(the device stage failed)"
     result = f"{len(failed)} stage(s) failed: {', '.join(failed)}" if failed else "all stages passed"

@@ -1,7 +1,7 @@
 """The paper's Section 5.3 synthetic study (Figures 3 and 4) at its own sizes, on one CPU thread.
 
-    python scripts/synthetic_corrector.py            # full study, ~15 min on one thread
-    python scripts/synthetic_corrector.py --quick    # smaller grid and sizes, well under a minute
+    python scripts/bench/synthetic_corrector.py            # full study, ~15 min on one thread
+    python scripts/bench/synthetic_corrector.py --quick    # smaller grid and sizes, well under a minute
 
 4,096 stale targets g' in D = 8 from a mixture of 20 Gaussians; fresh targets g = m(g') for a range of random
 residual MLPs m (0-2 hidden layers of width D..8D, several init scales); correctors h of the same family trained
@@ -25,10 +25,9 @@ from pathlib import Path
 from statistics import fmean, stdev
 
 import torch
-from tqdm.auto import tqdm
-
 from lab import reporting
 from lab.synthetic import CorrectorSpec, DriftSpec, SyntheticWorld, fit_corrector, fit_regression
+from tqdm.auto import tqdm
 
 DEPTH_MARKERS = {0: "s", 1: "o", 2: "^"}  # corrector hidden layers -> marker, in both plots
 REGRESSION = {"rbf": ("X", "black"), "linear": ("P", "grey")}  # Dynnibal's regression beside the correctors

@@ -2,8 +2,8 @@
 for the backward pass, with and without activation checkpointing (`retriever.gradient_checkpointing`), in fp32
 and under bf16 autocast.
 
-    .venv/bin/python scripts/tower_memory.py                  # K = 1 and 2 (a few minutes on 2 cores)
-    .venv/bin/python scripts/tower_memory.py --render scripts/bench/reports/tower_memory/tower_memory.json
+    .venv/bin/python scripts/bench/tower_memory.py                  # K = 1 and 2 (a few minutes on 2 cores)
+    .venv/bin/python scripts/bench/tower_memory.py --render scripts/bench/reports/tower_memory/tower_memory.json
 
 The tower is sentence-transformers/gtr-t5-base's shape built from its config with random weights (a T5-base
 encoder, 12 layers of 768, d_ff 3072, 12 heads, + a 768 x 768 Dense; nothing is downloaded), in train mode
@@ -21,7 +21,6 @@ import sys
 import time
 
 import torch
-
 from lab import reporting
 
 GTR_BASE = {"vocab_size": 32128, "d_model": 768, "d_ff": 3072, "num_layers": 12, "num_heads": 12, "d_kv": 64}

@@ -1,6 +1,6 @@
 """Validate on a hard subcorpus H_k and check that it tracks full-corpus metrics across checkpoints.
 
-    python scripts/track_hard_subcorpus.py --data-path runs/toy_world --checkpoints runs/a/final runs/b/final \
+    python scripts/bench/track_hard_subcorpus.py --data-path runs/toy_world --checkpoints runs/a/final runs/b/final \
         --hard-k 20 --out runs/hard_subcorpus
 
 Builds H_k (dev gold passages + the initial retriever's top-k; saved as `<out>/hard_subcorpus.txt`, or reused
@@ -15,8 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from rlm.base.atomicio import atomic_write_json
 from lab.reporting import table
+
+from rlm.base.atomicio import atomic_write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,12 +1,11 @@
-"""What the benchmark scripts (`rlm bench ...`, `scripts/bench_*.py`) share: best-of timing, latency percentiles, a training step's
+"""What the benchmark scripts (`scripts/bench/*.py`) share: best-of timing, latency percentiles, a training step's
 phase timer, a time limit per case, peak RSS, top-k overlap, a corrector that moves vectors by a stated amount,
 synthetic buffers (in memory, or written the way `rlm embed` writes them), the ring all-reduce's time, and for
 steps at the paper's shapes a synthetic corpus and questions of fixed token lengths and random-init models of
 T5-base's and GTR-base's shapes (no download).
 
-The scripts import these from the installed package instead of from each other: a script folder put on
-`sys.path` would shadow installed packages by its file names (`scripts/evaluate.py` hides the `evaluate`
-library from every later import in that process).
+The scripts import these as `lab` (a script run from scripts/bench/ has that folder on `sys.path`), never from
+each other; none of it is installed.
 """
 
 from __future__ import annotations
@@ -220,7 +219,7 @@ def ring_allreduce_seconds(nbytes: float, devices: int, bus_bandwidth: float) ->
     return 0.0 if devices <= 1 else nbytes * 2 * (devices - 1) / devices / bus_bandwidth
 
 
-# ---- synthetic text and models of the paper's shapes (scripts/bench_paper_step.py) -------------------------
+# ---- synthetic text and models of the paper's shapes (scripts/bench/bench_paper_step.py) -------------------------
 
 _CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 

@@ -1,4 +1,4 @@
-"""A strategy comparison's table and plots (`scripts/compare_strategies.py` describes them), made from its JSON
+"""A strategy comparison's table and plots (`scripts/bench/compare_strategies.py` describes them), made from its JSON
 alone, so that `--render <out>.json` redoes them without training.
 """
 
