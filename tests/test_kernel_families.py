@@ -58,7 +58,7 @@ def test_the_learning_tests_run_under_a_family_as_make_test_kernels_runs_them(ca
 
 def test_the_quickstart_verdict_is_read_per_family_and_seed_and_a_failing_run_is_named(tmp_path):
     script = load_script("kernel_families")
-    measured = ROOT / "docs" / "results" / "quickstart" / "quickstart_metrics.json"
+    measured = ROOT / "scripts" / "bench" / "reports" / "quickstart" / "quickstart_metrics.json"
     for name in ("avx2-seed0", "default-seed0"):
         (tmp_path / name).mkdir()
         shutil.copy(measured, tmp_path / name / "metrics.json")

