@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from rlm.config import add_override_argument, load_config
-from rlm.train import host_record, train_step
+from rlm.training.loop import host_record, train_step
 from rlm.training.run import build_run
 
 

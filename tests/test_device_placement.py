@@ -477,6 +477,7 @@ def test_an_accumulation_window_of_algorithm_2_reads_nothing_back_from_the_devic
     from rlm.config import load_config
     from rlm.training.model import RetrievalAugmentedModel
     from rlm.training.schedule import make_batch
+    from rlm.training.selection import select_window
     from rlm.training.strategies import make_strategy
 
     root, overrides, build_components = training_parts
@@ -501,8 +502,9 @@ def test_an_accumulation_window_of_algorithm_2_reads_nothing_back_from_the_devic
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     with simulated_accelerator(model):
-        for micro, batch in enumerate(batches):
-            out = model(batch, strategy, parts.corpus, later=batches[micro + 1 :])
+        selections = select_window(model, batches, strategy, parts.corpus, cfg)  # as the loop selects
+        for batch, selection in zip(batches, selections):
+            out = model(batch, strategy, parts.corpus, selection=selection)
             out.loss.backward()
         assert on_accelerator(out.loss) and all(on_accelerator(v) for v in out.metrics.values())
     assert any("transformers/masking_utils.py" in where for _, where in reads)  # the count sees device reads

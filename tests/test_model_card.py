@@ -27,7 +27,7 @@ def run(tmp_path_factory) -> Path:
     from accelerate.state import AcceleratorState
 
     from rlm.config import load_config
-    from rlm.train import train
+    from rlm.training.loop import train
 
     root = tmp_path_factory.mktemp("model_card")
     extra = ["cpu=true", "save_every=0", "optim.max_steps=3", "data.dev=toy", "data.max_dev_examples=6"]

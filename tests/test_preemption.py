@@ -172,12 +172,12 @@ def test_the_stop_record_names_the_attempt_and_is_on_disk_before_any_process_mov
 
 
 def test_a_failing_rank_leaves_its_error_in_one_line_where_the_launcher_asked(tmp_path, monkeypatch):
-    import rlm.train
+    from rlm.training import loop
 
     def broken(*args, **kwargs):
         raise KeyError("reader_passages")
 
-    monkeypatch.setattr(rlm.train, "train", broken)
+    monkeypatch.setattr(loop, "train", broken)
     monkeypatch.setenv("RLM_ATTEMPT_DIR", str(tmp_path / "attempt"))
     monkeypatch.setenv("RANK", "3")
     with pytest.raises(KeyError):
@@ -188,13 +188,13 @@ def test_a_failing_rank_leaves_its_error_in_one_line_where_the_launcher_asked(tm
 
 
 def test_a_refused_run_leaves_no_failure_record_in_its_output_dir(tmp_path, monkeypatch, capsys):
-    import rlm.train
     from rlm.errors import UserError
+    from rlm.training import loop
 
     def refused(*args, **kwargs):
         raise UserError("runs/x already holds a run")
 
-    monkeypatch.setattr(rlm.train, "train", refused)
+    monkeypatch.setattr(loop, "train", refused)
     monkeypatch.delenv("RLM_ATTEMPT_DIR", raising=False)
     (tmp_path / "run").mkdir()
     assert main(["train", "--set", f"output_dir={tmp_path / 'run'}"]) == 2

@@ -13,7 +13,7 @@ from rlm.components import build_components, build_reader
 from rlm.config import load_config
 from rlm.data.qa import QAExample
 from rlm.reader.fid import FiDReader
-from rlm.train import train
+from rlm.training.loop import train
 from rlm.training.model import RetrievalAugmentedModel
 from rlm.training.schedule import check_gold_passages, make_batch, reader_only_step
 from rlm.training.strategies import make_strategy

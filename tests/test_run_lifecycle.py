@@ -83,17 +83,17 @@ def wait_for_step(log: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 def stopped_here(argv: list[str], signum: signal.Signals, monkeypatch, capsys) -> tuple[int, str]:
     """`train_here(argv)` with `signum` sent to this process once step 2 is done: (exit code, stderr)."""
-    import rlm.train
+    from rlm.training import loop
 
-    train_step = rlm.train.train_step
+    train_step = loop.train_step
 
-    def step_then_signal(run):
-        record = train_step(run)
+    def step_then_signal(run, *timer):
+        record = train_step(run, *timer)
         if record is not None and record["step"] == 2:
             os.kill(os.getpid(), signum)
         return record
 
-    monkeypatch.setattr(rlm.train, "train_step", step_then_signal)
+    monkeypatch.setattr(loop, "train_step", step_then_signal)
     capsys.readouterr()
     code = train_here(argv)
     monkeypatch.undo()
@@ -432,11 +432,11 @@ def test_final_is_replaced_whole_or_not_at_all(root, reference, monkeypatch):
 
 @pytest.mark.slow
 def test_the_checkpoint_of_a_non_finite_stop_pushes_no_good_one_out(root, monkeypatch):
-    import rlm.train
+    from rlm.training import loop
 
-    finite = rlm.train.finite_on_every_process
+    finite = loop.finite_on_every_process
     state = {}
-    build_run = rlm.train.build_run
+    build_run = loop.build_run
 
     def remember_run(*a, **k):
         state["run"] = build_run(*a, **k)
@@ -445,8 +445,8 @@ def test_the_checkpoint_of_a_non_finite_stop_pushes_no_good_one_out(root, monkey
     def nan_from_step_5(accelerator, loss):
         return finite(accelerator, loss) and state["run"].state.step < 5
 
-    monkeypatch.setattr(rlm.train, "build_run", remember_run)
-    monkeypatch.setattr(rlm.train, "finite_on_every_process", nan_from_step_5)
+    monkeypatch.setattr(loop, "build_run", remember_run)
+    monkeypatch.setattr(loop, "finite_on_every_process", nan_from_step_5)
     out = root / "nonfinite_stop"
     assert train_here(train_args(root, out.name, "max_nonfinite_in_a_row=2", steps=8)) == 1
     assert steps_of(out) == [2, 4, 5]  # keep_last=2 would have dropped step 2 for the stop's own

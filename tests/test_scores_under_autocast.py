@@ -25,10 +25,10 @@ from rlm.retriever.buffer import PassageBuffer
 from rlm.retriever.corrector import CorrectorNetwork
 from rlm.retriever.distributed import Processes
 from rlm.retriever.search import corrected_topk, score_rows, two_stage_corrected_topk
-from rlm.training.model import QueryEmbeddingCache
-from rlm.training.steps import Batch, algorithm1_step, algorithm2_step
+from rlm.training.batch import Batch
+from rlm.training.selection import QueryEmbeddingCache, select_window
+from rlm.training.steps import algorithm1_step, algorithm2_step
 from rlm.training.strategies import make_strategy
-from rlm.training.throughput import NO_TIMER
 
 BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
 
@@ -167,6 +167,11 @@ class LookupTowers(nn.Module):
         return self.passages[[int(t[1:]) for t in texts]]
 
     @property
+    def query_tower(self):
+        # The window's selection keeps the random state the query tower's dropout draws from, on its device.
+        return SimpleNamespace(device=self.queries.device)
+
+    @property
     def passage_tower(self):
         # Algorithm 2's step embeds the passage tower's tokens (`GivenInputs.tower`: here, the texts).
         return SimpleNamespace(embed_tokenized=self.encode_passages)
@@ -176,7 +181,9 @@ class GivenInputs:
     """What the background thread makes of a micro-batch's S_x (`rlm.training.step_inputs`), made here at once:
     the texts themselves for the lookup tower, the (questions, passages, answers) the stand-in scores read."""
 
-    def prepare_passages(self, model, corpus, buffer, batch, rows, reader_passages, scored):
+    def prepare_passages(
+        self, retriever, reader, collator, corpus, buffer, batch, rows, reader_passages, scored
+    ):
         questions, answers = batch.questions, batch.answers
         texts = [corpus.texts[r] for r in rows.clamp_min(0).reshape(-1).tolist()]
         passages = [[("", corpus.texts[r]) for r in row if r >= 0] for row in rows.tolist()]
@@ -225,7 +232,6 @@ def step_parts(algorithm: int, corrector_loss: str):
         corrector=CorrectorNetwork(32, 64),
         query_cache=QueryEmbeddingCache(),
         inputs=GivenInputs(),
-        timer=NO_TIMER,
     )
     strategy = partial(make_strategy, cfg.strategy, buffer, max_steps=10)  # uniform rows drawn alike
     batch = Batch(
@@ -249,11 +255,16 @@ def test_the_losses_under_bf16_autocast_are_the_float32_losses(algorithm, correc
     monkeypatch.setattr(
         rlm.training.steps, "score_inputs", lambda reader, parts, reduction: scores(*parts[0])
     )
-    step = algorithm1_step if algorithm == 1 else algorithm2_step
 
-    ref = step(model, batch, strategy(), corpus, cfg)
+    def step(strategy):
+        if algorithm == 1:
+            return algorithm1_step(model, batch, strategy, corpus, cfg)
+        (selection,) = select_window(model, [batch], strategy, corpus, cfg)  # as the loop selects
+        return algorithm2_step(model, batch, selection, strategy, cfg)
+
+    ref = step(strategy())
     with torch.autocast(**BF16):
-        got = step(model, batch, strategy(), corpus, cfg)
+        got = step(strategy())
     assert set(got.terms) == {"retriever", "corrector"} | ({"reader"} if algorithm == 2 else set())
     for name, term in got.terms.items():
         assert term.dtype == torch.float32, name

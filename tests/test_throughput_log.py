@@ -45,7 +45,7 @@ def tiny_run(tmp_path_factory):
 
     import rlm.train
     from rlm.quickstart.concurrent_runs import one_thread
-    from rlm.training import throughput
+    from rlm.training import loop, throughput
 
     root = tmp_path_factory.mktemp("throughput")
     schedule = [
@@ -70,7 +70,7 @@ def tiny_run(tmp_path_factory):
         tracked.append(dict(values))
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rlm.train, "tqdm", RecordingBar)
+        patch.setattr(loop, "tqdm", RecordingBar)
         patch.setattr(throughput, "peak_flops", lambda device, mixed_precision: STAND_IN_PEAK)
         patch.setattr(Accelerator, "log", log)
         AcceleratorState._reset_state(reset_partial_state=True)

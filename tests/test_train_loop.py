@@ -1,4 +1,4 @@
-"""The training loop's parts in one process: `build_run` + `train_step` as `rlm.train` runs them.
+"""The training loop's parts in one process: `build_run` + `train_step` as `rlm.training.loop` runs them.
 
 (The two-process behaviour of the same step is in tests/test_train_multiprocess.py.)
 """
@@ -14,7 +14,7 @@ from accelerate.state import AcceleratorState
 from tiny_run import runs_beside, tiny_overrides
 
 from rlm.config import load_config
-from rlm.train import host_record, train_step
+from rlm.training.loop import host_record, train_step
 from rlm.training.run import build_run
 from rlm.training.schedule import lr_lambda
 
@@ -161,7 +161,7 @@ def test_refreshes_live_in_the_run_folder_and_resume_exactly(world, tmp_path, na
     import json
     import shutil
 
-    from rlm.train import train
+    from rlm.training.loop import train
 
     def config(out, *extra):
         return load_config(
@@ -261,7 +261,7 @@ def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(
     follows it with no step between (reused)."""
     import json
 
-    from rlm.train import train
+    from rlm.training.loop import train
 
     AcceleratorState._reset_state(reset_partial_state=True)
     cfg = load_config(
@@ -298,7 +298,7 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
 
     from rlm.app.service import QAService
     from rlm.cli import main
-    from rlm.train import train
+    from rlm.training.loop import train
 
     cfg = load_config(
         None,
@@ -334,8 +334,8 @@ def test_a_light_query_tower_trains_and_its_checkpoint_evaluates_and_answers(wor
 def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_path):
     """retriever.collapse_cosine: validation logs the dev questions' mean pairwise query cosine, and a run
     whose value passes the limit stops (here the limit is set below what any tower gives, to force it)."""
-    from rlm.train import train
     from rlm.training.alignment_stage import RepresentationCollapseError
+    from rlm.training.loop import train
 
     cfg = load_config(
         None,
@@ -375,18 +375,30 @@ def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
 
     towers = {"query": raw.retriever.query_tower, "passage": raw.retriever.passage_tower}
     start = {name: snapshot(m) for name, m in {**towers, "corrector": raw.corrector}.items()}
-    run.model.train()
-    records = []
-    for _ in range(5):
-        records.append(trained(run))
-        if run.state.step == 3:
-            assert not same(start["query"], towers["query"])
-            assert same(start["passage"], towers["passage"]) and same(start["corrector"], raw.corrector)
+    aligned(run, until=2)  # the loop calls the stage around its steps
+    assert not any(p.requires_grad for p in towers["passage"].parameters())  # frozen by the stage
+    aligned(run, until=3)
+    assert not same(start["query"], towers["query"])
+    assert same(start["passage"], towers["passage"]) and same(start["corrector"], raw.corrector)
+    records = aligned(run, until=5)
     assert [r.get("aligning", 0) for r in records] == [1, 1, 1, 0, 0]
     assert [("align_knn_kl" in r) for r in records] == [True, True, True, False, False]
     assert records[2]["align_end"] == 3 and run.alignment.end == 3 and run.strategy.start_step == 3
     assert not same(start["passage"], towers["passage"]) and not same(start["corrector"], raw.corrector)
+    assert all(p.requires_grad for p in towers["passage"].parameters())  # trained again since
     assert run.alignment.state_dict()["end"] == 3  # saved with checkpoints (`TrainRun.save`)
+
+
+def aligned(run, until: int) -> list[dict]:
+    """The run's loop (`train_loop`, which calls DAFT's alignment stage around each step) to step `until`;
+    every record of its log so far."""
+    from tiny_run import read_log
+
+    from rlm.training.loop import train_loop
+
+    train_loop(run, until=until)  # at the last step, the final validation and final/ too
+    logged = read_log(Path(run.cfg.output_dir) / "log.jsonl")
+    return [logged[step] for step in sorted(logged)]
 
 
 def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(world):
@@ -403,8 +415,7 @@ def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(
         "optim.max_steps=4",
     )
     assert run.strategy.start_step == 10  # until the stage ends, at most align_steps
-    run.model.train()
-    records = [trained(run) for _ in range(4)]
+    records = aligned(run, until=4)
     assert [r.get("aligning", 0) for r in records] == [1, 1, 0, 0]
     assert records[1]["align_end"] == 2 and run.strategy.start_step == 2
     assert run.strategy.reembedded == 120
@@ -496,27 +507,27 @@ def test_outside_log_steps_the_loop_reads_the_device_at_most_once_a_micro_step(
     the top-k finds its ties on the device. Counted on the step's own thread, where a CPU waits for nothing but
     the calls are the same; transformers' own look at each attention mask (whether it masks anything: one per
     attention stack, six a micro-step here) is its code's, and left out."""
-    import rlm.train
     from rlm.retriever import search
+    from rlm.training import loop
 
     monkeypatch.setattr(search, "HOST_TIE_WIDTH_DEVICES", ())  # the top-k as on an accelerator
     # h(B) not kept, as at the paper's scale (kept, for a buffer that fits `cache_corrected_mb`, the check that
     # h has not changed since adds one read a window).
     paper_path = ("strategy.cache_corrected_mb=0", "log_every=100", "report_to=none")
     run = make_run(world, "optim.gradient_accumulation_steps=2", "optim.max_steps=20", *paper_path)
-    train_step, close = rlm.train.train_step, rlm.train.RunLog.close
+    train_step, close = loop.train_step, loop.RunLog.close
 
-    def counted_from_step_2(run):  # the first steps read the epoch's order and fill caches
+    def counted_from_step_2(run, *timer):  # the first steps read the epoch's order and fill caches
         host_reads.active = run.state.step >= 2
-        return train_step(run)
+        return train_step(run, *timer)
 
     def close_uncounted(log):  # the log's last write reads the steps' records
         host_reads.active = False
         close(log)
 
-    monkeypatch.setattr(rlm.train, "train_step", counted_from_step_2)
-    monkeypatch.setattr(rlm.train.RunLog, "close", close_uncounted)
-    assert rlm.train.train_loop(run, until=6) == {"steps": 6}
+    monkeypatch.setattr(loop, "train_step", counted_from_step_2)
+    monkeypatch.setattr(loop.RunLog, "close", close_uncounted)
+    assert loop.train_loop(run, until=6) == {"steps": 6}
     micro_steps = 4 * 2  # steps 2-5, two micro-batches each
     reads = host_reads.total(excluding=("transformers/masking_utils.py",))
     assert reads <= micro_steps, host_reads.sites

@@ -144,7 +144,7 @@ def test_a_skipped_bad_batch_stays_skipped_after_a_crash_and_resume_with_the_sam
     """A batch whose loss is non-finite (here: any batch holding a question of step 3's batch) is skipped, and
     the skip is part of the saved state: a run that crashed after it resumes from the step-4 checkpoint on the
     windows the uninterrupted run trained, with the same losses."""
-    import rlm.train
+    from rlm.training import loop
     from rlm.training.model import RetrievalAugmentedModel
 
     forward, poisoned, calls = RetrievalAugmentedModel.forward, set(), []
@@ -165,18 +165,18 @@ def test_a_skipped_bad_batch_stays_skipped_after_a_crash_and_resume_with_the_sam
     assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS]["nonfinite_skipped"] == 1
     shutil.rmtree(tmp_path / "full")
 
-    train_step = rlm.train.train_step
+    train_step = loop.train_step
 
-    def crash_after_step_5(run):
-        record = train_step(run)
+    def crash_after_step_5(run, *timer):
+        record = train_step(run, *timer)
         if run.state.step == 5:
             raise RuntimeError("crashed")
         return record
 
-    monkeypatch.setattr(rlm.train, "train_step", crash_after_step_5)
+    monkeypatch.setattr(loop, "train_step", crash_after_step_5)
     with pytest.raises(RuntimeError, match="crashed"):
         train_here(root, tmp_path / "crashed", one_thread=True)
-    monkeypatch.setattr(rlm.train, "train_step", train_step)
+    monkeypatch.setattr(loop, "train_step", train_step)
     assert train_here(root, tmp_path / "crashed", one_thread=True, resume=True) == 0
     assert "at step 4" in capsys.readouterr().out  # after the skip: the state it resumes holds it
     got = read_log(tmp_path / "crashed" / "log.jsonl")

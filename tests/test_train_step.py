@@ -442,11 +442,12 @@ def test_steps_that_leave_the_retriever_as_it_is_select_with_eval_mode_queries_e
     if name == "frozen":  # a frozen retriever never moves: every step selects from the kept queries
         assert forwards == [4] and len(selected) == 3
         return
-    assert forwards == [4, 4] and model.query_cache.vectors == {}  # f moves at this step
+    # f moves at this step: the selection embeds in train mode, step 1 again with gradient from its random state
+    assert forwards == [4, 4, 4] and model.query_cache.vectors == {}
     noisy = selected[-1].float().cpu()
-    assert (noisy - expected).norm(dim=-1).max() > 0.05  # with gradient, under the tower's dropout
+    assert (noisy - expected).norm(dim=-1).max() > 0.05  # under the tower's dropout
     model(batch, strategy, parts.corpus, reader_only=True)
-    assert forwards == [4, 4, 4]  # embedded again after the retriever's step
+    assert forwards == [4, 4, 4, 4]  # embedded again after the retriever's step
 
 
 def test_validation_answers_from_the_strategys_own_selection(step_world):
@@ -481,21 +482,35 @@ def test_validation_answers_from_the_strategys_own_selection(step_world):
 
 
 @pytest.mark.parametrize("name", ["corrector", "stale"])
-def test_the_steps_laps_are_the_papers_phases_each_moment_in_one(step_world, name):
-    """Algorithm 2's step times itself with one flat timer, lapped at the end of each phase in the paper's
-    order: the phases add up to the step's own time (none counted inside another)."""
-    from rlm.training.throughput import PhaseTimer
+def test_the_phases_are_timed_from_outside_the_step_in_the_papers_order(step_world, name):
+    """The step's code holds no timer: the loop times the window's selection, and forward hooks on the model's
+    parts (`PhaseTimer.attach`) lap each phase as its part ends, in the paper's order, each moment in one."""
+    import inspect
 
+    import rlm.training.steps
+    from rlm.training.selection import select_window
+    from rlm.training.throughput import PhaseTimer, step_phases
+
+    assert "timer" not in inspect.getsource(rlm.training.steps)
     cfg, parts, model, strategy = make_parts(step_world, f"strategy.name={name}")
-    timer = model.timer = PhaseTimer(torch.device("cpu"))
-    clock, laps = iter(range(1000)), []
-    timer.mark = lambda: next(clock)  # a tick per mark: the laps' sum is the span from first to last mark
-    lap = timer.lap
-    timer.lap = lambda phase: laps.append(phase) or lap(phase)
+    timer = PhaseTimer(torch.device("cpu"))
+    clock, phases = iter(range(1000)), []
+    timer.mark = lambda: next(clock)  # a tick per mark
+    add = timer.add
+    timer.add = lambda phase, start, end: phases.append(phase) or add(phase, start, end)
+    hooks = timer.attach(model, step_phases(model))
     batch = make_batch(parts.train_examples, [0, 1], parts.corpus, 2)
-    model(batch, strategy, parts.corpus)
-    assert laps == ["retriever", "select", "retriever", "reader_scoring", "reader", "corrector"]
-    assert sum(timer.take().values()) == len(laps)  # from start() to the last lap, each tick in one phase
+    with timer("select"):  # as the loop's accumulation window does
+        (selection,) = select_window(model, [batch], strategy, parts.corpus, cfg)
+    model(batch, strategy, parts.corpus, selection=selection)
+    for hook in hooks:
+        hook.remove()
+    order = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]  # a tower's buckets lap alike
+    corrector = ["corrector"] if name == "corrector" else []  # the stale strategy has no h to run
+    assert order == ["select", "retriever", "reader_scoring", "reader", *corrector, "losses"]
+    assert sum(timer.take().values()) == 1 + (len(phases) - 1)  # select's tick, then one per lap
+    model(batch, strategy, parts.corpus)  # detached: nothing more is timed
+    assert timer.take() == {}
 
 
 def test_a_strategy_selects_through_h_exactly_when_it_says_so(step_world):
@@ -513,7 +528,7 @@ def test_a_strategy_selects_through_h_exactly_when_it_says_so(step_world):
 
 def test_the_step_reaches_the_corrected_top_k_through_the_strategys_select_alone(step_world, monkeypatch):
     """Algorithm 2's step 2 is `strategy.select(q, h)`, which runs `corrected_topk` itself: two calls from the
-    step to the top-k over h(B), whatever the placement (nothing between them to hide the idea)."""
+    window's selection to the top-k over h(B), whatever the placement (nothing between them to hide the idea)."""
     import inspect
 
     from rlm.training.strategies import base
@@ -528,13 +543,15 @@ def test_the_step_reaches_the_corrected_top_k_through_the_strategys_select_alone
 
     monkeypatch.setattr(base, "corrected_topk", traced)
     model(make_batch(parts.train_examples, [0, 1], parts.corpus, 2), strategy, parts.corpus)
-    assert callers == [["select", "algorithm2_step"]]
+    assert callers == [["select", "select_window"]]
 
 
 def test_a_later_micro_batch_is_selected_with_the_query_embedding_its_loss_uses(step_world):
-    """The first micro-batch of a window selects S_x for the later ones too, embedding their questions for it:
-    from the random state their own step 1 then embeds them from, so under the towers' dropout the q that
-    selected a batch's passages is the q its retriever loss is computed with."""
+    """The window's selection selects S_x for all its micro-batches at once, embedding their questions for it
+    from the random state each one's step 1 then embeds them from again, so under the towers' dropout the q
+    that selected a batch's passages is the q its retriever loss is computed with."""
+    from rlm.training.selection import select_window
+
     cfg, parts, model, strategy = make_parts(step_world, "retriever.dropout=0.5")
     model.train()
     first, second = (make_batch(parts.train_examples, rows, parts.corpus, 2) for rows in ([0, 1], [2, 3]))
@@ -552,8 +569,9 @@ def test_a_later_micro_batch_is_selected_with_the_query_embedding_its_loss_uses(
         return out
 
     model.retriever.encode_queries = recording
-    model(first, strategy, parts.corpus, later=(second,))
-    model(second, strategy, parts.corpus)
+    selections = select_window(model, [first, second], strategy, parts.corpus, cfg)  # as the loop does
+    model(first, strategy, parts.corpus, selection=selections[0])
+    model(second, strategy, parts.corpus, selection=selections[1])
     assert (
         len(selected) == 1 and len(with_gradient) == 2
     )  # one selection for the window, each q with gradient
@@ -572,6 +590,7 @@ def test_a_slow_tokenizer_runs_on_the_background_thread_while_the_window_compute
     import time
 
     from rlm.reader.formatting import FiDCollator
+    from rlm.training.selection import select_window
 
     slow_s = 0.4
     cfg, parts, model, strategy = make_parts(step_world)
@@ -588,11 +607,12 @@ def test_a_slow_tokenizer_runs_on_the_background_thread_while_the_window_compute
         return out
 
     monkeypatch.setattr(FiDCollator, "__call__", slow)
-    model(first, strategy, parts.corpus, later=(second,))
+    selections = select_window(model, [first, second], strategy, parts.corpus, cfg)
+    model(first, strategy, parts.corpus, selection=selections[0])
     time.sleep(4 * slow_s)  # the first micro-batch's backward, and the second's steps 1-5, on a device
     asked = time.perf_counter()
     waited = model.inputs.waited_s
-    model(second, strategy, parts.corpus)
+    model(second, strategy, parts.corpus, selection=selections[1])
     assert {name for name, _ in calls} == {
         "rlm-step-inputs_0"
     }  # scoring and FiD collations, all off the step
@@ -600,3 +620,23 @@ def test_a_slow_tokenizer_runs_on_the_background_thread_while_the_window_compute
     # ended before the second micro-batch's step began.
     assert len(calls) == 2 and all(end < asked for _, end in calls)
     assert model.inputs.waited_s - waited < slow_s  # it did not wait for the tokenizer's 0.4 s
+
+
+def test_the_step_its_model_and_its_inputs_import_no_circle_even_for_types():
+    """steps.py, model.py, step_inputs.py and what they share (batch.py, selection.py) import one another one
+    way only, counting the imports made for type checkers alone (`if TYPE_CHECKING:`)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "rlm" / "training"
+    names = ("steps", "model", "step_inputs", "batch", "selection", "loop")
+    graph = {}
+    for name in names:
+        tree = ast.parse((folder / f"{name}.py").read_text())
+        found = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        graph[name] = {other for other in names if f"rlm.training.{other}" in found}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph[start])
+
+    assert [name for name in names if reaches(name, name)] == [], graph

@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
         print(dump_config(cfg), end="")
         return 0
     # Only now the training code (torch, transformers): a config error above took no imports to find.
-    from rlm.train import train
     from rlm.training.alignment_stage import RepresentationCollapseError
+    from rlm.training.loop import train
     from rlm.training.preemption import EXIT_PREEMPTED, Preempted
     from rlm.training.run import NonFiniteLossError
 

@@ -65,11 +65,11 @@ def one_thread() -> Iterator[None]:
 
 
 def train_one(cfg: TrainConfig, prefix: Path | None = None, prefix_out: Path | None = None) -> dict:
-    """`rlm.train.train` on one thread, with accelerate's process-wide state fresh before and after."""
+    """`rlm.training.loop.train` on one thread, with accelerate's process-wide state fresh before and after."""
     from accelerate.state import AcceleratorState
 
     from rlm.quickstart.prefix_runs import train_from_prefix, train_prefix
-    from rlm.train import train
+    from rlm.training.loop import train
 
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
@@ -114,7 +114,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["rlm.train"])
+    context.set_forkserver_preload(["rlm.training.loop"])
     return context
 
 

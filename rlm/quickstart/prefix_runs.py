@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlm.config import TrainConfig
-from rlm.train import train_loop, training_run
+from rlm.training.loop import train_loop, training_run
 from rlm.training.prefix import load_prefix, place_tokenizer, save_prefix, shared_steps
 
 

@@ -2,6 +2,9 @@
 until it agrees with the passage tower, then both train. Also the collapse check that stops a run whose
 query tower maps every question to nearly the same vector (what a light query tower does unaligned).
 
+The loop calls the stage around each optimizer step (`before_step`, `after_step`); the step itself knows
+nothing of it. While the stage runs, the passage tower and the corrector are frozen (requires_grad off: no
+gradient, so neither AdamW nor clipping sees one; DDP finds them unused), and they train again once it ends.
 The stage is measured by the kNN KL between the towers every `retriever.align_every` steps; it ends below
 `retriever.align_kl`, after `retriever.align_patience` measurements without a new best, or after
 `retriever.align_steps`. Every process measures the same questions, so they all decide alike.
@@ -37,22 +40,32 @@ class AlignmentStage:
         self.end: int | None = None  # the step it ended at (None while it runs, or when there is none)
         self.best = float("inf")  # the best kNN KL so far
         self.stalled = 0  # measurements since it last fell
+        self.frozen: list = []  # the parameters it froze, trained again when it ends
 
     def active(self, step: int) -> bool:
         """Whether optimizer step `step` (0-based) is in the stage."""
         return self.end is None and self.first <= step < self.first + self.cfg.align_steps
 
-    def train_query_tower_only(self, model) -> None:
-        """Drop the gradients of the passage tower and the corrector (AdamW skips parameters without one)."""
-        frozen = [*model.retriever.passage_tower.parameters()]
-        frozen += [*model.corrector.parameters()] if model.corrector is not None else []
-        for p in frozen:
-            p.grad = None
+    def before_step(self, step: int, model) -> bool:
+        """At the top of optimizer step `step`: whether it is in the stage; while it is, only the query tower of
+        `model` (the unwrapped joint model) moves: the passage tower and the corrector are frozen."""
+        if not self.active(step):
+            return False
+        if not self.frozen:
+            parts = [model.retriever.passage_tower, model.corrector]
+            self.frozen = [
+                p for part in parts if part is not None for p in part.parameters() if p.requires_grad
+            ]
+            for p in self.frozen:
+                p.requires_grad_(False)
+        return True
 
     def after_step(self, step: int, retriever, questions: list[str], record: dict) -> str | None:
         """After optimizer step `step` of the stage (`step` steps done): measure when due, add the figures to
-        `record`; returns why the stage ended, or None while it goes on."""
+        `record`; returns why the stage ended (the frozen towers train again from here), or None while it goes
+        on."""
         rc = self.cfg
+        record["aligning"] = 1
         last = step >= self.first + rc.align_steps
         if (step - self.first) % rc.align_every and not last:
             return None
@@ -75,6 +88,9 @@ class AlignmentStage:
             reason = f"retriever.align_steps={rc.align_steps} reached (kNN KL {kl:.2f})"
         if reason is not None:
             self.end = record["align_end"] = step
+            for p in self.frozen:
+                p.requires_grad_(True)
+            self.frozen = []
         return reason
 
     def state_dict(self) -> dict:

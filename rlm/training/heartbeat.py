@@ -77,7 +77,7 @@ def main_thread_frames(limit: int = FRAMES) -> tuple[list[str], str | None]:
 
 
 def _short(path: str) -> str:
-    """A frame's file from its package folder on (`torch/distributed/...`, `rlm/train.py`)."""
+    """A frame's file from its package folder on (`torch/distributed/...`, `rlm/training/loop.py`)."""
     marker = f"{os.sep}site-packages{os.sep}"
     if marker in path:
         return path.split(marker, 1)[1]

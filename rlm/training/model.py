@@ -15,42 +15,10 @@ from rlm.reader.fid import FiDReader
 from rlm.reader.formatting import FiDCollator
 from rlm.retriever.corrector import CorrectorNetwork
 from rlm.retriever.encoder import DualEncoder
+from rlm.training.batch import Batch, StepOutput
+from rlm.training.selection import QueryEmbeddingCache, Selection, select_window
 from rlm.training.step_inputs import StepInputs
-from rlm.training.steps import Batch, StepOutput, algorithm1_step, algorithm2_step
-from rlm.training.throughput import NO_TIMER
-
-
-class QueryEmbeddingCache:
-    """f(x) for selection at the steps that do not train the retriever, each question embedded once.
-
-    At such a step (Algorithm 2's reader-only phases, a frozen retriever) q only picks S_x; no gradient flows
-    through it. It is computed as at prediction time, the query tower in eval mode (no dropout), so the reader
-    trains on the selection it will be evaluated on, and kept per question while f does not move: the
-    training step calls `clear` whenever it trains the retriever. `max_entries` bounds the memory (the cache
-    starts over when full).
-    """
-
-    def __init__(self, max_entries: int = 200_000):
-        self.max_entries = max_entries
-        self.vectors: dict[str, torch.Tensor] = {}
-        self.hits = 0
-        self.misses = 0
-
-    def clear(self) -> None:
-        self.vectors = {}
-
-    @torch.no_grad()
-    def encode(self, tower, questions: list[str]) -> torch.Tensor:
-        """[B, D] embeddings of `questions` on the tower's device, the tower in eval mode for the new ones."""
-        missing = list(dict.fromkeys(q for q in questions if q not in self.vectors))
-        self.hits += len(questions) - len(missing)
-        self.misses += len(missing)
-        if missing:
-            if len(self.vectors) + len(missing) > self.max_entries:
-                self.clear()
-            # `encode` runs the tower in eval mode and restores its mode; it returns CPU float32.
-            self.vectors.update(zip(missing, tower.encode(missing).to(tower.device)))
-        return torch.stack([self.vectors[q] for q in questions])
+from rlm.training.steps import algorithm1_step, algorithm2_step, reader_alone_step
 
 
 class RetrievalAugmentedModel(nn.Module):
@@ -68,18 +36,22 @@ class RetrievalAugmentedModel(nn.Module):
         self.corrector = corrector
         self.collator = collator  # not a module: tokenisation only
         self.cfg = cfg
-        self.timer = NO_TIMER  # a PhaseTimer while the step is measured (rlm.training.throughput)
         self.query_cache = QueryEmbeddingCache()  # f(x) at the steps that leave the retriever as it is
         self.inputs = StepInputs()  # the thread that reads and tokenizes each micro-batch's S_x ahead
 
     def forward(
-        self, batch: Batch, strategy, corpus, reader_only: bool = False, later: tuple[Batch, ...] = ()
+        self, batch: Batch, strategy, corpus, selection: Selection | None = None, reader_only: bool = False
     ) -> StepOutput:
-        """One micro-step of the algorithm; `later`: the micro-batches after `batch` in its accumulation window
-        (Algorithm 2 selects S_x for them with `batch`'s)."""
+        """One micro-step of the algorithm. `selection`: `batch`'s S_x, selected for its accumulation window
+        (`rlm.training.selection.select_window`, as the loop does); without one, Algorithm 2 selects for
+        `batch` alone, a window of one micro-batch."""
         if self.cfg.algorithm == 1:
             return algorithm1_step(self, batch, strategy, corpus, self.cfg)
-        return algorithm2_step(self, batch, strategy, corpus, self.cfg, reader_only=reader_only, later=later)
+        if not strategy.uses_passages or batch.reader_passages is not None:
+            return reader_alone_step(self, batch, strategy)
+        if selection is None:
+            (selection,) = select_window(self, [batch], strategy, corpus, self.cfg, reader_only)
+        return algorithm2_step(self, batch, selection, strategy, self.cfg, reader_only)
 
     def parameter_groups(self, strategy, optim_cfg) -> list[dict]:
         """One group per component with its own learning rate; components the strategy does not train are frozen."""

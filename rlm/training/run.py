@@ -1,6 +1,6 @@
 """One training run: everything it holds (`TrainRun`) and how it is made (`build_run`): the run folder claimed,
 data, models, the fixed buffer B, the strategy, the optimizer and schedule, accelerate's prepare, and the
-checkpoint it resumes from. `rlm.train` advances it one optimizer step at a time.
+checkpoint it resumes from. `rlm.training.loop` advances it one optimizer step at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from rlm.training.accelerator import (
     make_accelerator,
 )
 from rlm.training.alignment_stage import AlignmentStage
+from rlm.training.batch import Batch
 from rlm.training.checkpointing import checkpoints
 from rlm.training.hard_subcorpus import hard_subcorpus_from_buffer, save_subcorpus_ids
 from rlm.training.heartbeat import Heartbeat
@@ -47,7 +48,6 @@ from rlm.training.schedule import (
     retriever_start,
     retriever_stop,
 )
-from rlm.training.steps import Batch
 from rlm.training.strategies import make_strategy
 from rlm.training.strategies.base import SelectionStrategy
 from rlm.training.validation import PassageEmbeddingCache, subcorpus_path, validate

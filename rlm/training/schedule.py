@@ -14,7 +14,7 @@ import torch
 
 from rlm.config import TrainConfig
 from rlm.errors import UserError
-from rlm.training.steps import Batch
+from rlm.training.batch import Batch
 
 
 def batch_indices(micro_step: int, num_examples: int, batch_size: int, rank: int, world: int, seed: int):

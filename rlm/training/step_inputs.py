@@ -1,12 +1,12 @@
 """What a micro-step reads, made on the host by a background thread while the device computes.
 
-As soon as the first micro-batch of an accumulation window has selected S_x for the whole window (Algorithm 2,
-step 2), each micro-batch's passages are read from the corpus and tokenized, in the order the step needs them:
-for the passage tower g (step 3), for the reader's scoring of each passage alone (step 4) and for the FiD reader
-(step 6), the last two from one tokenization where the template allows; its rows of the fixed buffer B (step 7)
-are read too. The step then waits only for what
-is not ready yet: the first micro-batch's passages, and whatever a slow tokenizer has not finished by the time
-the step reaches it; the later micro-batches' inputs are made while the earlier ones compute.
+As soon as the loop has selected S_x for a whole accumulation window (Algorithm 2, step 2:
+`rlm.training.selection.select_window`), each micro-batch's passages are read from the corpus and tokenized,
+in the order the step needs them: for the passage tower g (step 3), for the reader's scoring of each passage
+alone (step 4) and for the FiD reader (step 6), the last two from one tokenization where the template allows;
+its rows of the fixed buffer B (step 7) are read too. The step then waits only for what is not ready yet: the
+first micro-batch's passages, and whatever a slow tokenizer has not finished by the time the step reaches it;
+the later micro-batches' inputs are made while the earlier ones compute.
 
 The thread tokenizes with its own copies of the tokenizers (a fast tokenizer serves one thread at a time) and,
 for a GPU, hands over page-locked tensors, so that copying them to the device does not wait for the device.
@@ -32,8 +32,10 @@ from rlm.retriever.encoder import TokenizedTexts
 
 if TYPE_CHECKING:
     from rlm.data.corpus import Corpus
-    from rlm.training.model import RetrievalAugmentedModel
-    from rlm.training.steps import Batch
+    from rlm.reader.fid import FiDReader
+    from rlm.reader.formatting import FiDCollator
+    from rlm.retriever.encoder import DualEncoder
+    from rlm.training.batch import Batch
 
 
 @dataclass
@@ -116,7 +118,9 @@ class StepInputs:
 
     def prepare_passages(
         self,
-        model: RetrievalAugmentedModel,
+        retriever: DualEncoder,
+        reader: FiDReader,
+        collator: FiDCollator,
         corpus: Corpus,
         buffer,
         batch: Batch,
@@ -124,14 +128,13 @@ class StepInputs:
         reader_passages: int | None,
         scored: bool,
     ) -> PreparedPassages:
-        """Queue what micro-batch `batch`'s steps read of its S_x `rows` [B, k] (on any device): the passages,
-        the FiD reader's input over the first `reader_passages` of each (None: all) and, when `scored` (the
-        retriever trains at this step), the passage tower's and the scoring pass's inputs and B_y (from the
-        fixed `buffer`)."""
+        """Queue what micro-batch `batch`'s steps read of its S_x `rows` [B, k] (on any device), for the model's
+        towers, reader and collator: the passages, the FiD reader's input over the first `reader_passages` of
+        each (None: all) and, when `scored` (the retriever trains at this step), the passage tower's and the
+        scoring pass's inputs and B_y (from the fixed `buffer`)."""
         questions, answers = batch.questions, batch.answers
-        device = next(model.parameters()).device
+        device = retriever.passage_tower.device
         pin = device.type == "cuda" and torch.cuda.is_available()  # nothing to pin for on a CPU
-        retriever, reader, collator = model.retriever, model.reader, model.collator
         # With a template that does not name `{rank}`, a pair's text for scoring is its slot's for the FiD
         # reader: one tokenization serves both (a third of the thread's work at the paper's shapes).
         shared = (

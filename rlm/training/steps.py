@@ -8,53 +8,22 @@ task losses never touch the corrector, whose only other use (selecting S_x) runs
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlm.reader.scoring import score_inputs
 from rlm.retriever.corrector import corrector_ce_loss, corrector_mse_loss
-from rlm.retriever.search import TopK, full_precision
+from rlm.retriever.search import full_precision
+from rlm.training.batch import Batch, StepOutput
 from rlm.training.losses import masked_log_softmax, perplexity_distillation_loss, supervised_retrieval_loss
+from rlm.training.selection import Selection, StepModel, drawing_from
 
 if TYPE_CHECKING:
     from rlm.config import TrainConfig
     from rlm.data.corpus import Corpus
     from rlm.retriever.corrector import CorrectorNetwork
-    from rlm.training.model import RetrievalAugmentedModel
-    from rlm.training.step_inputs import PreparedPassages
     from rlm.training.strategies.base import SelectionStrategy
-
-
-@dataclass
-class Batch:
-    questions: list[str]
-    answers: list[str]  # the target answer string of each question
-    gold_rows: torch.Tensor | None = None  # [B] corpus row of the gold passage (Algorithm 1)
-    # (title, text) passages the reader reads instead of the strategy's selection (the gold-passage
-    # curriculum, `schedule.gold_passage_steps`); such a step trains the reader alone.
-    reader_passages: list[list[tuple[str, str]]] | None = None
-    # [B, G] corpus rows of each question's other gold passages, -1 padded (Algorithm 1): relevant passages
-    # that are not the label, so they are left out of the softmax rather than pushed down as negatives.
-    other_gold_rows: torch.Tensor | None = None
-    # S_x, when an earlier micro-batch of the same accumulation window selected it, and what a background
-    # thread makes of it for steps 3-7 (`rlm.training.step_inputs`).
-    selected: TopK | None = None
-    prepared: PreparedPassages | None = None
-    # The random state that earlier micro-batch embedded this batch's questions from (for its selection): step 1
-    # embeds them from it again, so the q its loss uses is the q S_x was selected with (the same dropout).
-    query_rng: tuple | None = None
-
-
-@dataclass
-class StepOutput:
-    loss: torch.Tensor  # what to backpropagate
-    # Detached 0-d tensors, for logging: left on the device, read at the log step (`rlm.train.host_record`).
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
-    terms: dict[str, torch.Tensor] = field(default_factory=dict)  # each loss with its graph (tests, analysis)
 
 
 def _scores(queries: torch.Tensor, passages: torch.Tensor) -> torch.Tensor:
@@ -127,72 +96,46 @@ def corrector_step_loss(
 
 
 def algorithm2_step(
-    model: RetrievalAugmentedModel,
+    model: StepModel,
     batch: Batch,
+    selection: Selection,
     strategy: SelectionStrategy,
-    corpus: Corpus,
     cfg: TrainConfig,
     reader_only: bool = False,
-    later: Sequence[Batch] = (),
 ) -> StepOutput:
-    """Algorithm 2: train reader and retriever jointly; S_x chosen by the strategy (corrector: <q, h(B)>).
+    """Algorithm 2: train reader and retriever jointly on the passages S_x the window's selection chose for
+    `batch` (`rlm.training.selection.select_window`; the corrector strategy: top-k of <q, h(B)>).
 
     `reader_only` (the `schedule.reader_only_steps` warm-up) keeps the selection but trains the reader alone:
-    steps 3-5 and 7 are skipped, so neither the retriever nor the corrector moves. `later`: the micro-batches
-    that follow this one in its accumulation window, selected for here too. `model.timer` laps each phase.
+    steps 1, 3-5 and 7 are skipped, so neither the retriever nor the corrector moves.
     """
-    if not strategy.uses_passages or batch.reader_passages is not None:
-        return reader_alone_step(model, batch, strategy)
-    timer, beta = model.timer, cfg.beta
+    beta = cfg.beta
     trains_retriever = strategy.trains_retriever and not reader_only
-    h = model.corrector if strategy.uses_corrector else None  # the strategy says whether S_x comes through h
-    timer.start()
+    h = model.corrector if strategy.uses_corrector else None
 
-    # 1. q = f(x), with gradient. A step that leaves the retriever as it is (reader-only, frozen) needs q only
-    # to select S_x: as at prediction time (eval mode), each question embedded once while f does not move.
+    # 1. q = f(x), with gradient, drawing the dropout the window's selection drew: the very q that selected S_x.
+    # A step that leaves the retriever as it is needs q only to select.
     if trains_retriever:
-        model.query_cache.clear()  # f moves at this step
-    queries = _embed_questions(model, batch, trains_retriever)
-    timer.lap("retriever")
+        with drawing_from(selection.query_rng):
+            queries = model.retriever.encode_queries(batch.questions)
 
-    # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient. f and h change only when
-    # the optimizer steps, so the first micro-batch of an accumulation window selects for all of them: one scan
-    # of h(B) per optimizer step, however many micro-batches accumulate. A batch's selection is used once. As
-    # soon as it is made, a background thread reads each batch's passages and tokenizes them for steps 3-7.
-    if batch.selected is None:
-        window = [batch, *(b for b in later if b.reader_passages is None and b.selected is None)]
-        with torch.no_grad():
-            more = [_embed_questions(model, b, trains_retriever, for_selection=True) for b in window[1:]]
-        top = strategy.select(torch.cat([queries.detach(), *(q.to(queries) for q in more)]), h)
-        for each, selected in zip(window, _split_for_window(top, window)):
-            each.selected = selected
-            each.prepared = model.inputs.prepare_passages(
-                model,
-                corpus,
-                strategy.buffer,
-                each,
-                selected.indices,
-                cfg.reader.num_passages,
-                trains_retriever,
-            )
-    rows, prepared = batch.selected.indices, batch.prepared
-    batch.selected = batch.prepared = None
+    # 2. S_x = top-k_y <q, h(B_y)> over every passage in the buffer, without gradient: selected for the whole
+    # accumulation window before its first micro-step, its passages read and tokenized for steps 3-7 on a
+    # background thread since.
+    rows, passages = selection.rows, selection.passages
     mask = rows >= 0
-    timer.lap("select")
 
     metrics: dict[str, torch.Tensor] = {}
     terms: dict[str, torch.Tensor] = {}
     if trains_retriever:
         # 3. p_y = g(y) for y in S_x, with gradient; P~(y|x) = softmax(beta <q, p_y>) over S_x.
-        fresh = model.retriever.passage_tower.embed_tokenized(prepared.tower())
+        fresh = model.retriever.passage_tower.embed_tokenized(passages.tower())
         fresh = fresh.view(*rows.shape, -1)  # padding slots (-1) read row 0; their scores are masked out
         retriever_logits = beta * _scores(queries, fresh)
-        timer.lap("retriever")
 
         # 4. The reader scores each passage alone, without gradient: log P(a | y, x).
-        scores = score_inputs(model.reader, [prepared.scoring()], reduction=cfg.reader.score_reduction)
+        scores = score_inputs(model.reader, [passages.scoring()], reduction=cfg.reader.score_reduction)
         answer_logprobs = _pad_scores(scores, rows.shape)
-        timer.lap("reader_scoring")
 
         # 5. Retriever loss L = KL(P_a || P~) (perplexity distillation, Eq. 8).
         terms["retriever"] = perplexity_distillation_loss(
@@ -201,20 +144,18 @@ def algorithm2_step(
 
     # 6. Reader loss L' = NLL of the answer from the FiD reader over the selected passages (the first
     # `reader.num_passages` of each).
-    terms["reader"] = model.reader(**prepared.reader()).loss
-    timer.lap("reader")
+    terms["reader"] = model.reader(**passages.reader()).loss
 
     if trains_retriever:
         # 7. Corrector loss l = CE(P~ (detached), P~_h), P~_h from <q (detached), h(B_y)>; B_y read from
         # wherever the fixed buffer lives (host memory) onto the step's device.
-        stale = prepared.stale().to(device=queries.device, dtype=torch.float32, non_blocking=True)
+        stale = passages.stale().to(device=queries.device, dtype=torch.float32, non_blocking=True)
         corrector_loss, quality = corrector_step_loss(
             h, queries, stale, fresh, retriever_logits, mask, beta, cfg.corrector.loss
         )
         metrics.update(quality)
         if corrector_loss is not None:
             terms["corrector"] = corrector_loss
-        timer.lap("corrector")
 
     # 8. Retriever and reader on (L + L') / 2, the corrector on w * l; stop-gradients keep them apart.
     loss = terms["reader"] if "retriever" not in terms else (terms["retriever"] + terms["reader"]) / 2
@@ -224,67 +165,16 @@ def algorithm2_step(
     return StepOutput(loss, metrics, terms)
 
 
-def _embed_questions(
-    model: RetrievalAugmentedModel, batch: Batch, trains_retriever: bool, for_selection: bool = False
-) -> torch.Tensor:
-    """f(x): with gradient while the retriever trains, else from the query cache (eval mode, no gradient).
-
-    `for_selection`: an earlier micro-batch embeds this one's questions to select its S_x, and keeps the random
-    state it starts from (`batch.query_rng`); the batch's own step 1 embeds them from that state again, so its
-    loss uses the very q (the same dropout mask) its S_x was selected with."""
-    if not trains_retriever:
-        return model.query_cache.encode(model.retriever.query_tower, batch.questions)
-    if for_selection:
-        batch.query_rng = _rng_state(model.retriever.query_tower.device)
-        return model.retriever.encode_queries(batch.questions)
-    if batch.query_rng is None:
-        return model.retriever.encode_queries(batch.questions)
-    state, batch.query_rng = batch.query_rng, None
-    with _random_state(state):
-        return model.retriever.encode_queries(batch.questions)
-
-
-def _rng_state(device: torch.device) -> tuple:
-    """The random state dropout on `device` draws from: the CPU generator's, and the GPU's on a GPU."""
-    gpu = device.type == "cuda" and torch.cuda.is_available()
-    return torch.get_rng_state(), (device, torch.cuda.get_rng_state(device)) if gpu else None
-
-
-@contextlib.contextmanager
-def _random_state(state: tuple) -> Iterator[None]:
-    """A block that draws from `state` (`_rng_state`); the state from before the block is back after it."""
-    cpu, gpu = state
-    with torch.random.fork_rng(devices=[] if gpu is None else [gpu[0]]):
-        torch.set_rng_state(cpu)
-        if gpu is not None:
-            torch.cuda.set_rng_state(gpu[1], gpu[0])
-        yield
-
-
-def _split_for_window(top: TopK, window: Sequence[Batch]) -> list[TopK]:
-    """One top-k over the window's questions, cut into each batch's."""
-    cuts, start = [], 0
-    for each in window:
-        stop = start + len(each.questions)
-        cuts.append(TopK(top.scores[start:stop], top.indices[start:stop]))
-        start = stop
-    return cuts
-
-
-def reader_alone_step(
-    model: RetrievalAugmentedModel, batch: Batch, strategy: SelectionStrategy
-) -> StepOutput:
+def reader_alone_step(model: StepModel, batch: Batch, strategy: SelectionStrategy) -> StepOutput:
     """Closed book (no passages), or the curriculum's given passages: the reader alone, answer NLL only."""
-    model.timer.start()
     given = batch.reader_passages if strategy.uses_passages else None
     inputs = model.collator(batch.questions, given or [[] for _ in batch.questions], batch.answers)
     reader_loss = model.reader(**_reader_inputs(inputs)).loss
-    model.timer.lap("reader")
     return StepOutput(reader_loss, {"reader_loss": reader_loss.detach()}, {"reader": reader_loss})
 
 
 def algorithm1_step(
-    model: RetrievalAugmentedModel,
+    model: StepModel,
     batch: Batch,
     strategy: SelectionStrategy,
     corpus: Corpus,

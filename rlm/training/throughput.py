@@ -1,11 +1,12 @@
 """How fast a run trains, where people look: questions, passages and tokens per second, seconds per phase of the
-optimizer step, peak memory and an ETA, per optimizer step over each logging interval (`rlm.train.RunLog`
+optimizer step, peak memory and an ETA, per optimizer step over each logging interval (`rlm.training.loop.RunLog`
 writes them to `log.jsonl`, the trackers and the progress bar; docs/training.md lists the keys).
 
-The phases are the training step's own `model.timer` laps (`rlm.training.steps`: retriever, select,
-reader_scoring, reader, corrector), timed flat by `PhaseTimer`; the time of the step that no phase holds is
-`backward_optimizer` (backward, clipping, the optimizer step, and a refresh at the steps a re-embedding
-strategy refreshes). What the step read is counted where it enters the modules, by forward pre-hooks: the
+The phases are timed flat by `PhaseTimer`, from outside the step: the loop times the window's selection
+(`select`), and forward hooks on the model's components time its forward (`step_phases`: retriever, reader_scoring,
+reader, corrector, then `losses`, the step's arithmetic after its last component); the step's code holds no timer.
+The time of the optimizer step that no phase holds is `backward_optimizer` (backward, clipping, the optimizer
+step, and a refresh at the steps a re-embedding strategy refreshes). What the step read is counted where it enters the modules, by forward pre-hooks: the
 questions of each micro-batch (the model's forward), the passages and tokens the passage tower embedded with
 gradient (g over S_x, step 3) and the tokens the reader read with gradient (FiD, step 6). Scoring, refreshes and
 validation run without gradient and are not counted.
@@ -23,7 +24,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from accelerate.utils import gather_object
@@ -33,13 +34,14 @@ GIB = 2**30
 
 
 class PhaseTimer:
-    """The seconds of each phase of the training step: `start()` at the step's top, then `lap("select")` at the
-    end of each phase adds the time since the previous mark to that phase (flat: no phase inside another).
+    """The seconds of each phase of the training step: `start()` at the step's top, then `lap("reader")` at the
+    end of each phase adds the time since the previous mark to that phase (flat: no phase inside another);
+    `with timer("select"):` times a block. `attach` lays the marks from outside a model: forward hooks.
 
     On CUDA a mark is an event recorded on the current stream instead of a read of the host clock: the host runs
     ahead of the GPU, so its clock would charge a phase with the kernels queued before it and miss its own. The
     events are read by `take`, one wait for the GPU per logging interval, never one per phase: timing adds no
-    synchronisation to the step. `with timer("reembed"):` times a block outside the step the same way."""
+    synchronisation to the step."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -80,6 +82,33 @@ class PhaseTimer:
         finally:
             self.add(name, start, self.mark())
 
+    def attach(self, model: torch.nn.Module, phases: list[tuple[torch.nn.Module, Callable]]) -> list:
+        """Time `model`'s forward by its parts, from outside: forward hooks start the clock when the forward
+        begins, lap `phase_of(part)` when each call of a `(part, phase_of)` of `phases` ends, and lap `losses`
+        when the forward ends (what the step computes after its last part). A part called outside the
+        forward (validation, a refresh, the window's selection) is not timed. Returns the hooks' handles."""
+        inside = [False]
+
+        def begun(module, args) -> None:
+            inside[0] = True
+            self.start()
+
+        def ended(module, args, output) -> None:
+            if inside[0]:
+                self.lap("losses")
+            inside[0] = False
+
+        def lapper(phase_of: Callable):
+            def lap(module, args, output) -> None:
+                if inside[0]:
+                    self.lap(phase_of(module))
+
+            return lap
+
+        handles = [model.register_forward_pre_hook(begun)]
+        handles += [part.register_forward_hook(lapper(phase_of)) for part, phase_of in phases]
+        return [*handles, model.register_forward_hook(ended, always_call=True)]
+
     def take(self) -> dict[str, float]:
         """Seconds per name since the last `take` (on CUDA, after waiting for the GPU to reach the last mark)."""
         if self.pending:
@@ -92,13 +121,10 @@ class PhaseTimer:
 
 
 class NoTimer:
-    """The step's timer when nothing measures it: its laps cost nothing."""
+    """A timer for a step nobody measures: its blocks cost nothing."""
 
-    def start(self) -> None:
-        pass
-
-    def lap(self, name: str) -> None:
-        pass
+    def __call__(self, name: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
 
 NO_TIMER = NoTimer()
@@ -117,6 +143,19 @@ PEAK_TFLOPS = (
     ("L40S", {"bf16": 362.05, "tf32": 183.0}),
     ("L4", {"bf16": 121.0, "tf32": 60.0}),
 )
+
+
+def step_phases(model) -> list[tuple[torch.nn.Module, Callable[[torch.nn.Module], str]]]:
+    """The training model's parts and the phase each call of one ends (`PhaseTimer.attach`): the towers
+    `retriever` (f(x), step 1; g(S_x), step 3), the reader `reader_scoring` in eval mode (each passage alone,
+    step 4) and `reader` in training mode (FiD, step 6), h `corrector` (step 7)."""
+    towers = {id(t): t for t in (model.retriever.query_tower, model.retriever.passage_tower)}.values()
+    phases = [(tower, lambda module: "retriever") for tower in towers]
+    if model.reader is not None:
+        phases.append((model.reader, lambda module: "reader" if module.training else "reader_scoring"))
+    if model.corrector is not None:
+        phases.append((model.corrector, lambda module: "corrector"))
+    return phases
 
 
 def peak_flops(device: torch.device, mixed_precision: str) -> float | None:
@@ -171,8 +210,8 @@ def _in_backward() -> bool:
 class Throughput:
     """The counts and clocks of a run's training steps, read once per logging interval (`interval`).
 
-    Installs its `PhaseTimer` as the model's `timer` and counting hooks on the model, its reader and its passage
-    tower; `close` takes them off. With `retriever.shared_towers` the one tower is also the query tower: its
+    Attaches its `PhaseTimer` to the model (`step_phases`) and counting hooks on the model, its reader and its
+    passage tower; `close` takes them off; the loop times the window's selection with `timer`. With `retriever.shared_towers` the one tower is also the query tower: its
     questions' tokens (f(x) with gradient, step 1) count as passage-tower tokens too."""
 
     def __init__(self, model, device: torch.device, mixed_precision: str = "no"):
@@ -183,8 +222,8 @@ class Throughput:
         self.waited_from = self.inputs.waited_s if self.inputs is not None else 0.0
         # Running totals; a token count stays a tensor on its module's device until `interval` reads it.
         self.counts: dict[str, int | torch.Tensor] = dict.fromkeys(COUNTS, 0)
-        model.timer = self.timer
-        self.hooks = [model.register_forward_pre_hook(self._count_questions, with_kwargs=True)]
+        self.hooks = self.timer.attach(model, step_phases(model))
+        self.hooks.append(model.register_forward_pre_hook(self._count_questions, with_kwargs=True))
         if model.reader is not None:
             hook = self._counter(None, "reader_tokens")
             self.hooks.append(model.reader.register_forward_pre_hook(hook, with_kwargs=True))
@@ -213,7 +252,7 @@ class Throughput:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Time one optimizer step (its phases are timed inside it by the step itself)."""
+        """Time one optimizer step (its phases inside it: `timer`'s hooks, and the loop's `select`)."""
         start = self.timer.mark()
         self.flops.counting = True
         try:
@@ -280,8 +319,7 @@ class Throughput:
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
     def close(self) -> None:
-        """Take the hooks off; the model's timer does nothing again."""
+        """Take the hooks off."""
         for hook in self.hooks:
             hook.remove()
         self.flops.close()
-        self.model.timer = NO_TIMER
