@@ -31,6 +31,11 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(BIN)/pip install -q -e '.[cpu,test]'
 	touch $@
 
+# The lab (scripts/bench) plots and reads memory figures: the `lab` extra.
+$(VENV)/.installed-lab: $(VENV)/.installed pyproject.toml
+	$(BIN)/pip install -q -e '.[cpu,lab]'
+	touch $@
+
 venv: $(VENV)/.installed
 
 demo: $(VENV)/.installed
@@ -73,7 +78,7 @@ format: $(VENV)/.installed-test
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed-lab
 	$(PY) scripts/bench/bench_retrieval.py $(BENCH_ARGS)
 
 clean:

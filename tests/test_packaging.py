@@ -110,7 +110,6 @@ CORE_IMPORTS = {
     "numpy": "numpy",
     "tqdm": "tqdm",
     "pyyaml": "yaml",
-    "psutil": "psutil",
     "scipy": "scipy",
     "scikit-learn": "sklearn",
     "tensorboard": None,  # imported by accelerate's tracker for `report_to: tensorboard`, the default

@@ -12,8 +12,8 @@ questions on 8 devices).
 Each strategy (corrector h2048 / h4096 / h8192, stale, exhaustive) runs the real training step: `build_run`
 on `configs/base_gpu.yaml` (bf16 autocast on CUDA, the reader gradient-checkpointed as that config says, AdamW
 per component, the buffer placed as training places it) with these components in place of the hub's, then
-`rlm.train.train_step` (refresh if due, the accumulation window through `algorithm2_step`, clipping, the
-optimizer step). Reported per strategy: seconds per phase (the step's `model.timer` laps, CUDA events
+`rlm.training.loop.train_step` (refresh if due, the accumulation window through `algorithm2_step`, clipping, the
+optimizer step). Reported per strategy: seconds per phase (the step's phases timed from outside by `PhaseTimer.attach`, CUDA events
 at each), peak accelerator memory, steps/s; the analogue of the paper's Table 2 (exhaustive's re-embedding of
 the N rows every R = 500 steps amortised at the measured passage-embedding rate); and a projection to 8 GPUs:
 the measured per-device step plus a ring all-reduce of the trainable parameters' gradients at an assumed bus
@@ -84,7 +84,7 @@ PAPER_STEPS_PER_S = {
 }
 # The step's own phases (`model.timer` in rlm.training.steps), in the order of the tables; a phase the step
 # names that is not listed here is reported after them. The time no phase timed is "backward+optimizer".
-PHASES = ["retriever", "select", "reader_scoring", "corrector", "reader"]
+PHASES = ["select", "retriever", "reader_scoring", "reader", "corrector", "losses"]
 OTHER = "backward+optimizer"
 MODELS = {"t5-base": T5_BASE, "tiny": TINY_T5}
 # The paper's shapes per device (the default) and the ones a 2-core CPU runs in seconds (`--small`).
@@ -292,11 +292,11 @@ def measure(name: str, args, world: World, results: dict) -> None:
 
 
 def timed_steps(run, args, record: dict, results: dict) -> None:
-    """`run`'s warm-up and timed optimizer steps (`rlm.train.train_step`, as `rlm train` takes them) into
+    """`run`'s warm-up and timed optimizer steps (`rlm.training.loop.train_step`, as `rlm train` takes them) into
     `record`, each as it finishes; then, once per benchmark, the shapes it fed and the passage-embedding rate."""
     import torch
 
-    from rlm.train import train_step
+    from rlm.training.loop import train_step
 
     cuda = run.accelerator.device.type == "cuda"
     record.update(mixed_precision=run.accelerator.mixed_precision, status="running", peak_memory_gib=None)
@@ -311,9 +311,12 @@ def timed_steps(run, args, record: dict, results: dict) -> None:
     if "shapes" not in results:
         results["shapes"] = batch_shapes(run, args)
     sync = synchronizer(run)
-    from rlm.training.throughput import PhaseTimer
+    from rlm.training.throughput import PhaseTimer, step_phases
 
-    run.raw.timer = timer = PhaseTimer(run.accelerator.device)
+    timer = PhaseTimer(run.accelerator.device)
+    timer.attach(
+        run.raw, step_phases(run.raw)
+    )  # the step's phases, timed from outside it as `rlm train` does
     run.model.train()
     if cuda:
         record["memory_after_build_gib"] = torch.cuda.memory_allocated() / GIB
@@ -321,7 +324,7 @@ def timed_steps(run, args, record: dict, results: dict) -> None:
     for step in range(args.warmup + args.steps):
         sync()
         start = time.perf_counter()
-        finite = train_step(run) is not None
+        finite = train_step(run, timer) is not None
         sync()
         total, phases = time.perf_counter() - start, timer.take()
         phases[OTHER] = total - sum(phases.values())
@@ -588,7 +591,7 @@ def markdown(results: dict) -> str:
             f"## Seconds per phase of one optimizer step (the median of {args['steps']}, after {args['warmup']} "
             "warm-up)",
             phase_table(results),
-            "Phases are the step's `model.timer` laps summed over the micro-steps (on a GPU, CUDA events at each "
+            "Phases are the step's parts timed by `PhaseTimer.attach`'s hooks, summed over the micro-steps (on a GPU, CUDA events at each "
             f"boundary); `{OTHER}` is the rest of `train_step`: backward, clipping, AdamW, the batches. Peak memory: "
             "`torch.cuda.max_memory_allocated` over the steps (null on a CPU).",
             f"## Table 2 analogue on this device (exhaustive: {results['buffer']['rows']:,} rows re-embedded every "
@@ -646,7 +649,8 @@ def plot(results: dict):
     left = [0.0] * len(names)
     for phase in [*phases, "refresh (amortised)"]:
         widths = [
-            refresh.get(n, 0.0) if phase.startswith("refresh") else records[n]["phases"][phase] for n in names
+            refresh.get(n, 0.0) if phase.startswith("refresh") else records[n]["phases"].get(phase, 0.0)
+            for n in names
         ]
         ax.barh(names, widths, left=left, label=phase)
         left = [a + b for a, b in zip(left, widths)]

@@ -1,6 +1,6 @@
 """Training-step benchmark: where an Algorithm 2 step spends its time, per strategy, and the paper's Table 2.
 
-Part 1 runs the real training step (`rlm.train.train_step`, as `rlm train` runs it) on the toy world (quickstart
+Part 1 runs the real training step (`rlm.training.loop.train_step`, as `rlm train` runs it) on the toy world (quickstart
 config: packaged MiniLM, small T5) for the corrector, stale and exhaustive strategies and reports the median
 wall time of each phase: select, retriever (f and g forward), reader_scoring, reader (FiD forward), corrector
 (its loss), backward+optimizer (the rest of the step: backward, clipping, AdamW, schedule).
@@ -30,21 +30,33 @@ from rlm.config import load_config
 
 # torch and the training code are imported where they run: `--help` needs neither (~8 CPU-s).
 
-PHASES = ["select", "retriever", "reader_scoring", "reader", "corrector", "backward+optimizer", "reembed"]
+PHASES = [
+    "select",
+    "retriever",
+    "reader_scoring",
+    "reader",
+    "corrector",
+    "losses",
+    "backward+optimizer",
+    "reembed",
+]
 
 
 def step_phases(run, args) -> dict:
     """Median seconds per phase of the measured steps; the time no phase timed is `backward+optimizer`."""
-    from rlm.train import train_step
-    from rlm.training.throughput import PhaseTimer
+    from rlm.training.loop import train_step
+    from rlm.training.throughput import PhaseTimer, step_phases
 
-    run.raw.timer = timer = PhaseTimer(run.accelerator.device)
+    timer = PhaseTimer(run.accelerator.device)
+    timer.attach(
+        run.raw, step_phases(run.raw)
+    )  # the step's phases, timed from outside it as `rlm train` does
     run.strategy.before_step = timer("reembed")(run.strategy.before_step)  # refreshes timed as "reembed"
     run.model.train()
     steps = []
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
-        train_step(run)
+        train_step(run, timer)
         total, phases = time.perf_counter() - start, timer.take()
         phases["backward+optimizer"] = total - sum(phases.values())
         phases["step_total"] = total - phases.get("reembed", 0.0)

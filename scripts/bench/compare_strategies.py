@@ -20,7 +20,7 @@ CPU scale, with the Fig. 2 plot (quality against passages re-embedded during tra
         --num-passages 4000 --set optim.lr_retriever=1e-4 --set schedule.final_reader_only_steps=150 \
         --set eval_selection=true --jobs 2
 
-Each run is `rlm.train.train` with overrides; runs share one fixed buffer per (data, start), built first;
+Each run is `rlm.training.loop.train` with overrides; runs share one fixed buffer per (data, start), built first;
 `--jobs N` trains N runs at once (on a small CPU two 1-thread runs beat one 2-thread run by 1.5x). Output:
 `<out>.json` (every run, its drift log, the table's settings) and, made from it by `lab.comparison`
 (`--render <out>.json` redoes them without training), `<out>.md` (mean and spread over seeds), `<out>.png`
@@ -114,7 +114,7 @@ def run_config(args, work: Path, *extra: str):
 
 
 def one_run(args, work: Path, strategy: str, seed: int) -> dict:
-    from rlm.train import train
+    from rlm.training.loop import train
 
     out_dir = work / f"{strategy}_seed{seed}"
     extra = [f"output_dir={out_dir}", f"buffer.dir={work / 'buffer'}", f"strategy.name={strategy}"]

@@ -57,6 +57,7 @@ from rlm.precision import cpu_bf16_support
 from rlm.retriever.buffer import resolve_precision
 from rlm.retriever.index import PassageIndex
 from rlm.retriever.search import corrected_topk
+from rlm.training import loop
 from rlm.training.accelerator import LOSS_KEYS
 from rlm.training.run import build_run
 from rlm.training.strategies import STRATEGY_CLASSES
@@ -364,7 +365,7 @@ class Smoke:
         refreshing = strategy.refreshes_at(1)
         run.model.train()
         with self.watched(run) as selections:
-            records = [train.train_step(run) for _ in range(2)]
+            records = [loop.train_step(run) for _ in range(2)]
         check(all(r is not None for r in records), "a step was skipped for a non-finite loss")
         losses = [r["loss"] for r in records]
         check(all(math.isfinite(x) for x in losses), f"non-finite losses {losses}")
@@ -397,7 +398,7 @@ class Smoke:
         check(0 < len(subcorpus) < len(run.corpus), f"hard subcorpus of {len(subcorpus)} passages")
         placement = self.check_placement(run)
         with self.watched(run) as selections:
-            summary = train.train_loop(run)
+            summary = loop.train_loop(run)
         # cache_corrected_mb=0: h ran over every row inside each selection, as it must at 21M rows.
         check(run.strategy.search._h_cache is None, "h(B) was cached despite strategy.cache_corrected_mb=0")
         # One selection per optimizer step, for both micro-batches' questions (h moves only when it steps).
