@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from rlm.errors import check_output_folder
 
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-occupations", type=int, default=defaults.num_occupations, help="distinct occupation answers"
     )
     add_difficulty_arguments(parser.add_argument_group("how hard the world is"), defaults)
+    add_edition_arguments(parser.add_argument_group("the next edition of a world (a corpus update)"))
     parser.add_argument(
         "--question-types",
         default=",".join(defaults.question_types),
@@ -81,9 +83,48 @@ def add_difficulty_arguments(parser, defaults) -> None:
     )
 
 
+def add_edition_arguments(parser) -> None:
+    """`--next-edition-of WORLD`: what changed in a world since its corpus was written, as an update."""
+    from rlm.data.toy_world_edition import CHANGES
+
+    parser.add_argument(
+        "--next-edition-of",
+        metavar="WORLD",
+        default=None,
+        help="write into --out the next edition of this toy world instead of a new world: add.jsonl and "
+        f"delete.txt for `rlm corpus update`, dev.jsonl asking about each change ({', '.join(CHANGES)}), "
+        "unchanged_dev.jsonl (the dev questions no change touches), edition.json; --seed draws the changes",
+    )
+    parser.add_argument(
+        "--per-change",
+        type=int,
+        default=10,
+        help="people new, re-employed and removed in the edition (a fifth as many organisations moved and renamed)",
+    )
+
+
+def run_edition(args: argparse.Namespace) -> int:
+    """Write the next edition of `--next-edition-of` and print its counts."""
+    from rlm.data.toy_world_edition import build_toy_world_edition, edition_paths
+
+    own = [p.name for p in vars(edition_paths(args.out)).values() if isinstance(p, Path) and p.suffix]
+    check_output_folder(args.out, own, "rlm toy-world --next-edition-of")
+    paths = build_toy_world_edition(args.next_edition_of, args.out, args.per_change, args.seed)
+    made = json.loads(paths.manifest.read_text())
+    print(
+        f"next edition of {args.next_edition_of} in {paths.root}: {made['added']} passages added, "
+        f"{made['replaced']} replaced, {made['deleted']} deleted; questions {made['questions']}; "
+        f"{made['unchanged_dev']} dev questions unchanged"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the world and print its counts."""
     from rlm.data.toy_world import SPLITS, build_toy_world
+
+    if args.next_edition_of is not None:
+        return run_edition(args)
 
     # Not its `<split>_unanswerable.jsonl` (made from a world later, and kept): a world rebuilt beside them
     # with other settings would leave them asking about the old one.
