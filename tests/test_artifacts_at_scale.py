@@ -94,8 +94,8 @@ def test_the_demo_refuses_to_embed_a_corpus_above_the_limit_unless_its_index_is_
 ):
     """The demo's own index: refused above the limit (naming the checkpoint's retriever), but one already cached
     (here, where an earlier version cached it: inside the checkpoint, read and never written) is served."""
-    from rlm.app.service import INDEX_CACHE, cached_index
     from rlm.inference import indexing
+    from rlm.inference.index_cache import INDEX_CACHE, cached_index
     from rlm.retriever.encoder import SentenceEncoder
 
     _, corpus, retriever = world

@@ -2,9 +2,9 @@
 until it agrees with the passage tower, then both train. Also the collapse check that stops a run whose
 query tower maps every question to nearly the same vector (what a light query tower does unaligned).
 
-The stage is measured by the kNN KL between the towers every `retriever.align_every` steps; it ends below
-`retriever.align_kl`, after `retriever.align_patience` measurements without a new best, or after
-`retriever.align_steps`. Every process measures the same questions, so they all decide alike.
+The stage is measured by the kNN KL between the towers every `retriever.align.every` steps; it ends below
+`retriever.align.kl`, after `retriever.align.patience` measurements without a new best, or after
+`retriever.align.steps`. Every process measures the same questions, so they all decide alike.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class AlignmentStage:
 
     def active(self, step: int) -> bool:
         """Whether optimizer step `step` (0-based) is in the stage."""
-        return self.end is None and self.first <= step < self.first + self.cfg.align_steps
+        return self.end is None and self.first <= step < self.first + self.cfg.align.steps
 
     def train_query_tower_only(self, model) -> None:
         """Drop the gradients of the passage tower and the corrector (AdamW skips parameters without one)."""
@@ -53,8 +53,8 @@ class AlignmentStage:
         """After optimizer step `step` of the stage (`step` steps done): measure when due, add the figures to
         `record`; returns why the stage ended, or None while it goes on."""
         rc = self.cfg
-        last = step >= self.first + rc.align_steps
-        if (step - self.first) % rc.align_every and not last:
+        last = step >= self.first + rc.align.steps
+        if (step - self.first) % rc.align.every and not last:
             return None
         metrics = alignment_metrics(retriever, questions, self.batch_size)
         kl = metrics["query_passage_knn_kl"]
@@ -67,12 +67,12 @@ class AlignmentStage:
         else:
             self.stalled += 1
         reason = None
-        if rc.align_kl is not None and kl < rc.align_kl:
-            reason = f"kNN KL {kl:.2f} < retriever.align_kl={rc.align_kl}"
-        elif self.stalled >= rc.align_patience:
-            reason = f"kNN KL has not fallen for {rc.align_patience} measurements (best {self.best:.2f})"
+        if rc.align.kl is not None and kl < rc.align.kl:
+            reason = f"kNN KL {kl:.2f} < retriever.align.kl={rc.align.kl}"
+        elif self.stalled >= rc.align.patience:
+            reason = f"kNN KL has not fallen for {rc.align.patience} measurements (best {self.best:.2f})"
         elif last:
-            reason = f"retriever.align_steps={rc.align_steps} reached (kNN KL {kl:.2f})"
+            reason = f"retriever.align.steps={rc.align.steps} reached (kNN KL {kl:.2f})"
         if reason is not None:
             self.end = record["align_end"] = step
         return reason
