@@ -94,7 +94,9 @@ def test_the_new_keys_load_without_a_warning_and_both_names_at_once_are_refused(
 
 
 def test_an_index_spec_value_out_of_range_is_refused_by_its_config_key():
-    with pytest.raises(UserError, match=r"strategy.two_stage.index.target_recall must be a finite number in \[0, 1\]"):
+    with pytest.raises(
+        UserError, match=r"strategy.two_stage.index.target_recall must be a finite number in \[0, 1\]"
+    ):
         load_config(None, ["strategy.two_stage.index.target_recall=1.5"])
     with pytest.raises(UserError, match="strategy.two_stage.candidates must be >= 1"):
         load_config(None, ["strategy.two_stage.candidates=0"])

@@ -221,7 +221,10 @@ def test_rlm_index_streams_a_float16_npy_and_holds_its_ids_as_one_blob(tmp_path,
     del rows
     (tmp_path / "ids.txt").write_text("".join(f"passage-{i}\n" for i in range(n)))
     args = ["index", "--embeddings", str(tmp_path / "emb.npy"), "--ids", str(tmp_path / "ids.txt")]
-    args += ["--factory", "Flat"]  # exact at any size (auto is IVF from 100k rows: its training sample is float32)
+    args += [
+        "--factory",
+        "Flat",
+    ]  # exact at any size (auto is IVF from 100k rows: its training sample is float32)
     tracemalloc.start()
     try:
         assert main([*args, "--out", str(tmp_path / "index")]) == 0
