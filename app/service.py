@@ -13,7 +13,6 @@ tested (and reused) without a browser.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Sequence
@@ -23,20 +22,20 @@ from typing import TYPE_CHECKING
 
 from rlm.errors import UserError
 from rlm.inference.answer_policy import AnswerPolicy, AnswerSignals, Decision
+from rlm.inference.checkpoint import corpus_from_config
+from rlm.inference.index_cache import INDEX_CACHE, cached_corrected_index, cached_index  # noqa: F401 (INDEX_CACHE: read here by scripts)
 from rlm.inference.indexing import EMBED_LIMIT
 from rlm.inference.metrics import has_answer
+from rlm.retriever.index_spec import IndexSpec
 
 if TYPE_CHECKING:  # torch, transformers and faiss load with the checkpoint, not with this module
     from rlm.data.corpus import Corpus
     from rlm.reader.fid import FiDReader
-    from rlm.retriever.encoder import DualEncoder, SentenceEncoder
+    from rlm.retriever.encoder import DualEncoder
     from rlm.retriever.index import PassageIndex
 
 MAX_QUESTION_CHARS = 300
 MAX_K = 20
-# The demo's indexes, in the cache folder (`ServiceOptions.cache_dir`); where earlier versions kept them inside
-# the checkpoint, they are still read from there, never written.
-INDEX_CACHE = "demo_index"
 
 
 class InvalidQuestion(ValueError):
@@ -53,10 +52,11 @@ class ServiceOptions:
     # Answer (and embed the corpus) under bf16 autocast where it pays (--bf16; `rlm.inference.device`).
     bf16: bool = False
     # A prebuilt index of the corpus under the trained passage tower (--index; `rlm embed` then `rlm index`),
-    # instead of the one embedded here and cached (`cache_dir`); `index_search` overrides its search
-    # parameters (--nprobe, --ef-search: e.g. {"nprobe": 64}).
+    # instead of the one embedded here and cached (`cache_dir`).
     index_path: str | os.PathLike | None = None
-    index_search: dict[str, int] | None = None
+    # The index built here (--factory, --target-recall, --tune-k, --nprobe, --ef-search; the one default all
+    # commands share): its type and search. With `index_path`, its fixed search parameters override the saved ones.
+    index_spec: IndexSpec = field(default_factory=IndexSpec)
     # Retrieve over h(B), the run's fixed buffer through its trained corrector (--corrected-buffer), the buffer
     # at `buffer_path` (--buffer; None: the one its config names).
     corrected_buffer: bool = False
@@ -83,9 +83,13 @@ class ServiceOptions:
             raise UserError("--index and --corrected-buffer exclude each other: pick one index")
         if self.buffer_path is not None and not self.corrected_buffer:
             raise UserError("--buffer only goes with --corrected-buffer")
-        if self.index_search and self.index_path is None:
+        built = ["--" + name.replace("_", "-") for name in self.index_spec.build_settings_changed()]
+        if built and self.index_path is not None:
+            raise UserError(f"{', '.join(built)} build an index: they go without --index")
+        if self.index_spec.rescore:
             raise UserError(
-                "--nprobe and --ef-search go with --index (a prebuilt index; the demo's own is exact)"
+                "the demo builds its index from a temporary folder: re-score with a prebuilt index "
+                "(`rlm index --buffer DIR --rescore K`, then --index)"
             )
         if self.rescore_buffer is not None and self.index_path is None:
             raise UserError(
@@ -155,16 +159,17 @@ class QAService:
         retriever.eval()
         reader.eval()
         progress = options.show_progress
+        spec = options.index_spec
         if options.index_path is not None:
-            use_gpu = index_on_gpu(device)
+            use_gpu = index_on_gpu(device, spec.device)
             index = indexing.prebuilt_index(
-                options.index_path, retriever, corpus, use_gpu, options.index_search, options.rescore_buffer
+                options.index_path, retriever, corpus, use_gpu, spec.search_params, options.rescore_buffer
             )
         elif options.corrected_buffer:
-            index = cached_corrected_index(root, corpus, options.buffer_path, device, progress, cache)
+            index = cached_corrected_index(root, corpus, options.buffer_path, device, progress, cache, spec)
         else:
-            tower = retriever.passage_tower
-            index = cached_index(cache, tower, corpus, progress, bf16, options.embed_limit, checkpoint=root)
+            limit, tower = options.embed_limit, retriever.passage_tower
+            index = cached_index(cache, tower, corpus, progress, bf16, limit, checkpoint=root, spec=spec)
         examples = options.examples_path
         examples_file = Path(examples) if examples else corpus_file.parent / "dev.jsonl"
         service = cls(
@@ -327,120 +332,6 @@ def _checkpoint_corpus(
     if not corpus_file.is_file():
         raise FileNotFoundError(f"corpus file {corpus_file} not found: pass --corpus PATH")
     return corpus_file, load_corpus(corpus_file, fingerprint_cache=corpus_fingerprint_cache(cache))
-
-
-def corpus_from_config(config: dict, checkpoint: Path) -> Path:
-    """The corpus a run trained on: `data.corpus`, else `<data.toy_world.dir>/corpus.jsonl`.
-
-    A relative path (`runs/quickstart/toy_world`) is tried from the working directory, then from the run
-    folder and each folder above it, so the demo also starts from outside the project root.
-    """
-    data = config.get("data") or {}
-    if data.get("corpus"):
-        raw = Path(data["corpus"])
-    elif (data.get("toy_world") or {}).get("dir"):
-        raw = Path(data["toy_world"]["dir"]) / "corpus.jsonl"
-    else:
-        raise UserError(
-            f"{checkpoint / 'config.yaml'} names no corpus (data.corpus or data.toy_world.dir); pass --corpus PATH"
-        )
-    if raw.is_absolute() or raw.exists():
-        return raw
-    run_dir = checkpoint.resolve().parent
-    for base in (run_dir, *run_dir.parents):
-        if (base / raw).exists():
-            return base / raw
-    raise FileNotFoundError(
-        f"corpus {raw} (from {checkpoint / 'config.yaml'}) not found from {Path.cwd()} or {run_dir}; "
-        "pass --corpus PATH"
-    )
-
-
-def cached_index(
-    cache: Path,
-    passage_tower: SentenceEncoder,
-    corpus: Corpus,
-    show_progress: bool = False,
-    bf16: bool = False,
-    embed_limit: int = EMBED_LIMIT,
-    checkpoint: Path | None = None,
-) -> PassageIndex:
-    """The faiss index of `corpus` under `passage_tower`, cached in `cache/demo_index/<key>` (atomic save), on
-    the GPU when the tower is on one and faiss sees one.
-
-    Built by `rlm.inference.indexing.index_corpus`: the corpus embedded into float16 shards in a temporary
-    folder, then an exact index built from them a chunk at a time, so no float32 copy of the corpus is held
-    beside the index. The key hashes the tower's fingerprint and `corpus.fingerprint` (the file's, from its
-    scan); an index of passages embedded under bf16 (`bf16`) has a key of its own, since its rows differ. A
-    corpus of more than `embed_limit` passages is refused before it is embedded (`check_embed_limit`): it gets
-    a prebuilt index instead (`--index`). `checkpoint`: where an earlier version cached the index (its
-    `demo_index/`), read when the cache has none, never written; and the folder the refusal's commands name."""
-    from rlm.inference import indexing
-    from rlm.inference.device import index_on_gpu
-
-    key = _index_key(passage_tower.fingerprint(), corpus.fingerprint) + ("-bf16" if bf16 else "")
-    folder = cache / INDEX_CACHE / key
-    use_gpu = index_on_gpu(passage_tower.device)
-    for cached in (folder, None if checkpoint is None else checkpoint / INDEX_CACHE / key):
-        if cached is not None and (cached / "index.faiss").is_file():
-            return indexing.load_index_for(cached, corpus.ids, use_gpu=use_gpu)
-    encoder = str(checkpoint / "retriever") if checkpoint is not None else "<checkpoint>/retriever"
-    indexing.check_embed_limit(corpus, embed_limit, encoder, "rlm demo")
-    precision = "bf16" if bf16 else "float32"
-    index = indexing.index_corpus(
-        passage_tower, corpus, use_gpu=use_gpu, precision=precision, show_progress=show_progress
-    )
-    _save_cached(index, folder)
-    return index
-
-
-def _save_cached(index: PassageIndex, folder: Path) -> None:
-    """`index` saved in the cache `folder`; a cache that cannot be written is a warning, not an error: the
-    demo still serves, and embeds again at its next start."""
-    try:
-        index.save(folder)
-    except OSError as err:
-        print(f"warning: could not cache the index in {folder} ({err}); it will be rebuilt on the next start")
-
-
-def cached_corrected_index(
-    root: Path,
-    corpus: Corpus,
-    buffer_path=None,
-    device=None,
-    show_progress: bool = False,
-    cache: Path | None = None,
-) -> PassageIndex:
-    """The h(B) index of the run of checkpoint `root`, cached in `<cache>/demo_index/corrected-<key>` (None:
-    `rlm.cache.cache_dir()`; an earlier version's in `root/demo_index/` is read, never written); h runs on
-    `device` and the index goes to the GPU with it (`rlm.inference.corrected_index.corrected_index`)."""
-    import json
-
-    from rlm.cache import cache_dir
-    from rlm.inference import indexing
-    from rlm.inference.corrected_index import corrected_index, corrected_index_key, run_buffer_dir
-    from rlm.inference.device import index_on_gpu
-
-    meta_file = run_buffer_dir(root, buffer_path) / "meta.json"
-    folder = None
-    if (root / "corrector").is_dir() and meta_file.is_file():
-        name = f"corrected-{corrected_index_key(root, json.loads(meta_file.read_text()))}"
-        folder = cache_dir(cache) / INDEX_CACHE / name
-        for cached in (folder, root / INDEX_CACHE / name):
-            if (cached / "index.faiss").is_file():
-                return indexing.load_index_for(cached, corpus.ids, use_gpu=index_on_gpu(device))
-    # Verifies the buffer (and says what is missing).
-    built = corrected_index(root, corpus, buffer_path, device=device, show_progress=show_progress)
-    print(
-        f"index over h(B): {built.rows:,} rows through the corrector in {built.correct_s:.2f} s, none re-embedded"
-    )
-    if folder is not None:
-        _save_cached(built.index, folder)
-    return built.index
-
-
-def _index_key(tower_fingerprint: str, corpus_fingerprint: str) -> str:
-    return hashlib.sha256(f"{tower_fingerprint}:{corpus_fingerprint}".encode()).hexdigest()[:16]
 
 
 def example_questions(path: Path, limit: int) -> list[str]:

@@ -1,7 +1,9 @@
 """Inference index: faiss inner-product search over freshly embedded passages, saved with the passage ids.
 
-The index type is a faiss `index_factory` string ("Flat" exact by default; e.g. "IVF1024,Flat", "HNSW32",
-"IVF4096,PQ64"); trainable types are trained on a random sample. An index is always built (trained and filled)
+The index type is a faiss `index_factory` string (e.g. "Flat", "IVF1024,Flat", "HNSW32", "IVF4096,PQ64"), or
+"auto" (`rlm.retriever.index_spec.auto_index_factory`: Flat below 100k rows); trainable types are trained on a
+random sample. What an index is to be (type, search, re-scoring, device) is an `IndexSpec`
+(`rlm.retriever.index_spec`); `apply_search` sets a built index's search as one says. An index is always built (trained and filled)
 on the host. On a machine where faiss sees a GPU the complete index is then cloned there once: a lone process
 shards its rows over every GPU (each holds 1/G of them, in float16), one rank of a multi-process (DDP) job
 copies it whole onto its own; types faiss has no GPU version of (HNSW, bare PQ) stay on CPU with a warning.
@@ -41,6 +43,7 @@ from tqdm.auto import tqdm
 from rlm.base.atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
 from rlm.retriever.errors import InputError
 from rlm.retriever.ids import IdSequence, id_lines
+from rlm.retriever.index_spec import DEFAULT_TARGET_RECALL, TUNE_K, IndexSpec, resolve_factory
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -55,11 +58,9 @@ ADD_ROWS = 65_536  # rows per `add`, so that building a 21M-passage index report
 # What an index built from a buffer records of it, so that a consumer can refuse an index of another encoder or
 # corpus (an index of the run's stale buffer is not the trained tower's).
 PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "precision")
-# What `tune` aims for by default, at k = `TUNE_K` (DPR's top-20): on made questions (`question_like_rows`), the
-# share of those whose source row exact search ranks in its top k that the index ranks in its top k too; on given
-# questions, the share of exact search's top k the index finds. The goal is to lose at most 1 point of the
-# answers exact search finds: 0.99 met it on average but not on every seed, 0.995 keeps a margin (docs/retriever.md).
-DEFAULT_TARGET_RECALL, TUNE_K = 0.995, 20
+# What `tune` aims for by default (`DEFAULT_TARGET_RECALL` at k = `TUNE_K`, from `rlm.retriever.index_spec`): on
+# made questions (`question_like_rows`), the share of those whose source row exact search ranks in its top k that
+# the index ranks in its top k too; on given questions, the share of exact search's top k the index finds.
 EF_SEARCH_VALUES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 HNSW_QUANTIZER_EF_SEARCH = 16  # faiss's default efSearch, the least an HNSW coarse quantizer is given
 # `tune` stops where doubling the search parameter gains less than this, in its recall and in the share of exact
@@ -380,8 +381,8 @@ class PassageIndex:
         seed: int = 0,
         show_progress: bool = False,
     ) -> PassageIndex:
-        """Index `embeddings` [N, D] with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)`, built on the
-        host.
+        """Index `embeddings` [N, D] with `faiss.index_factory(D, factory, METRIC_INNER_PRODUCT)` (`auto`: as
+        `resolve_factory` says for N rows), built on the host.
 
         `embeddings` may be any float array, a memory-mapped .npy too (`np.load(mmap_mode=...)`): it is read
         `ADD_ROWS` rows at a time (and the training sample's rows), each block converted to float32 on its own,
@@ -394,6 +395,7 @@ class PassageIndex:
         n = embeddings.shape[0]
         if len(ids) != n:
             raise ValueError(f"{n} embeddings but {len(ids)} ids")
+        factory = resolve_factory(factory, n)
         index = cls._empty(embeddings.shape[1], factory)
         if not index.is_trained:
             rng = np.random.default_rng(seed)
@@ -420,6 +422,7 @@ class PassageIndex:
     ) -> PassageIndex:
         """Index a `PassageBuffer`, streaming its shards into a host index (row i of the buffer is row i of the
         index), then cloned to the GPU(s) as in `build`."""
+        factory = resolve_factory(factory, len(buffer))
         index = cls._empty(buffer.dim, factory)
         if not index.is_trained:
             rng = np.random.default_rng(seed)
@@ -480,6 +483,31 @@ class PassageIndex:
         quantizer = None if ivf is None else faiss.downcast_index(ivf.quantizer)
         if isinstance(quantizer, faiss.IndexHNSW):
             quantizer.hnsw.efSearch = max(2 * nprobe, HNSW_QUANTIZER_EF_SEARCH)
+
+    def apply_search(
+        self,
+        spec: IndexSpec,
+        rows,
+        query_vectors: np.ndarray | None = None,
+        k: int | None = None,
+        queries: int = TUNE_QUERIES,
+    ) -> dict:
+        """Set this index's search as `spec` says: its fixed parameters (`nprobe`, `ef_search`), else, for a
+        type with one to tune, `tune` for `spec.target_recall` (0: faiss's defaults kept) at recall@`k` (None:
+        `spec.tune_k`) against exact search over `rows`, on `query_vectors` when given (at most `queries`). Returns
+        what `tune` measured ({} when nothing was tuned). With `factory: auto`, a fixed parameter the resolved type does not
+        take (nprobe of a Flat index below 100k rows) is left aside; a named type refuses it."""
+        params = spec.search_params
+        if spec.factory == "auto":
+            params = {name: value for name, value in params.items() if name == self.tunable_parameter()}
+        if spec.search_params:
+            self.set_search_params(params)
+            return {}
+        if self.tunable_parameter() is None or not spec.target_recall:
+            return {}
+        return self.tune(
+            rows, spec.target_recall, k=k or spec.tune_k, queries=queries, query_vectors=query_vectors
+        )
 
     def tune(
         self,

@@ -3,38 +3,36 @@
 `RowSearch` holds the rows a strategy scans at this step and decides nothing about them: where they live
 (streamed from the memory-mapped buffer, or resident on a device), whether they are sharded across the
 data-parallel processes (each scans its share; `rlm.retriever.distributed.merge_topk` merges the lists), whether
-the top-k is exact or two-stage (Appendix B.2: candidates from a faiss index over the rows, re-scored with h),
+the top-k is exact or two-stage (Appendix B.2: candidates from a faiss index over the rows, re-scored with h;
+`rlm.retriever.index_spec.TwoStage` describes it, `FirstStage` is what `scanned` hands the top-k),
 and the h(rows) cache that spares the reader-only steps a pass of every row through an unchanged h.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from rlm.retriever.buffer import PassageBuffer
 from rlm.retriever.distributed import Processes, ShardedRows, slice_rows
+from rlm.retriever.index_spec import TwoStage, auto_index_factory  # noqa: F401 (auto_index_factory: its old home)
 from rlm.retriever.search import TopK, correct_buffer
 
-
-def auto_index_factory(rows: int) -> str:
-    """`strategy.index_factory: auto`: exact (Flat) below 100k rows; above, IVF with 4 sqrt(N) lists (faiss's
-    guideline) storing fp16 (SQfp16), like the buffer: half of Flat's memory, scores within ~1e-4 of it, and the
-    candidates are re-scored from the buffer anyway."""
-    return "Flat" if rows < 100_000 else f"IVF{int(4 * rows**0.5)},SQfp16"
+if TYPE_CHECKING:
+    from rlm.retriever.index import PassageIndex
 
 
 @dataclass(frozen=True)
-class TwoStage:
-    """Appendix B.2's search: `candidates` rows by the uncorrected score, from a faiss index over the rows
-    (`first_stage="index"`) or a streamed scan (`"scan"`), re-scored with h."""
+class FirstStage:
+    """Where two-stage search takes its candidates from (`RowSearch.scanned`): `index`, a faiss index over the
+    rows, its search set as `TwoStage.index` says (None: a streamed scan of the stale rows), and `candidates`
+    of them per query."""
 
-    candidates: int = 1024
-    first_stage: str = "index"
-    index_factory: str = "auto"
-    nprobe: int = 64
+    index: PassageIndex | None
+    candidates: int
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class ScannedRows:
     corrector: torch.nn.Module | None  # h still to apply while scanning (None: stale, or already corrected)
     row_ids: Tensor | None  # the corpus row of each (None: row i is corpus row i)
     procs: Processes  # whose lists are merged (`rlm.retriever.distributed.merge_topk`); one process: none
-    first_stage: tuple | None  # two-stage search: (index or None, candidates, nprobe); None: exact
+    first_stage: FirstStage | None  # two-stage search's candidates; None: exact
 
 
 class RowSearch:
@@ -131,31 +129,33 @@ class RowSearch:
         self._h_cache = (key, [w.clone() for w in weights], corrected)
         return corrected, None
 
-    def _first_stage(self, rows) -> tuple | None:
-        """Two-stage search's first stage: (faiss index over `rows` or None for a stale scan, candidates,
-        nprobe); None for exact search."""
+    def _first_stage(self, rows) -> FirstStage | None:
+        """Two-stage search's first stage (a faiss index over `rows`, built on first use, or a stale scan);
+        None for exact search."""
         settings = self.two_stage
         if settings is None:
             return None
         if settings.first_stage == "scan":
-            return (None, settings.candidates, None)
+            return FirstStage(None, settings.candidates)
         if self._index is None:
             self._index = self._build_index(rows)
-        return (self._index, settings.candidates, settings.nprobe if "IVF" in self._index.factory else None)
+        return FirstStage(self._index, settings.candidates)
 
     def record_overlap(self, top: TopK, exact: TopK, k: int) -> None:
         """Log the fraction of the exact top-k that two-stage search found."""
         same = (top.indices.unsqueeze(-1) == exact.indices.unsqueeze(-2)).any(-1) & (top.indices >= 0)
         self.metrics[f"two_stage_overlap@{k}"] = float(same.float().sum(-1).mean() / k)
 
-    def _build_index(self, rows: PassageBuffer | Tensor):
+    def _build_index(self, rows: PassageBuffer | Tensor) -> PassageIndex:
+        """The faiss index `two_stage.index` describes over `rows`, its search set as it says (tuned on rows
+        made question-like unless its parameters are fixed)."""
         from rlm.retriever.index import PassageIndex
 
         rows = rows if isinstance(rows, PassageBuffer) else PassageBuffer(range(len(rows)), [rows.cpu()])
-        factory = self.two_stage.index_factory
-        if factory == "auto":
-            factory = auto_index_factory(len(rows))
-        return PassageIndex.from_buffer(rows, factory)
+        spec = self.two_stage.index
+        index = PassageIndex.from_buffer(rows, spec.factory, use_gpu=spec.use_gpu)
+        index.apply_search(spec, rows)
+        return index
 
     def _resident_rows(self) -> ShardedRows:
         """This process's rows (its share when sharded), on `device` when one is set; built on first use."""

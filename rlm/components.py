@@ -128,18 +128,18 @@ def reader_tokenizer(cfg: TrainConfig, corpus: Corpus, examples: list[QAExample]
 
 
 def build_warm_started_reader(rc: ReaderConfig, fid_config: FiDConfig, seed: int) -> FiDReader:
-    """FiD over the first `rc.warm_start_layers` pretrained encoder layers + a fresh decoder (`reader.arch:
+    """FiD over the first `rc.warm_start.layers` pretrained encoder layers + a fresh decoder (`reader.arch:
     warm_start`); the encoder's own WordPiece tokenizer, so no tokenizer is trained or saved for the run."""
     from rlm.reader.warm_start import WarmStartConfig, build_warm_started_encoder_decoder
 
-    encoder_path = rc.warm_start_path or default_retriever_path()
+    encoder_path = rc.warm_start.path or default_retriever_path()
     warm = WarmStartConfig(
-        encoder_layers=rc.warm_start_layers,
+        encoder_layers=rc.warm_start.layers,
         decoder_layers=rc.num_decoder_layers,
         decoder_heads=rc.num_heads,
         decoder_ff=rc.d_ff,
         decoder_dropout=rc.dropout_rate,
-        freeze_embeddings=rc.warm_start_freeze_embeddings,
+        freeze_embeddings=rc.warm_start.freeze_embeddings,
     )
     model, tokenizer = build_warm_started_encoder_decoder(encoder_path, warm, seed=seed)
     return FiDReader(model, tokenizer, fid_config)

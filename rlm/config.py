@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from rlm.errors import UserError
+from rlm.retriever.index_spec import IndexSpecError, TwoStage
 
 
 class _Yaml12BoolLoader(yaml.SafeLoader):
@@ -151,15 +152,28 @@ def setting(
 ) -> Any:
     """A numeric field and the range its values must lie in (ge: >=, gt: >, le: <=, lt: <), checked when a
     config is loaded: `beta: float = setting(20.0, gt=0)`."""
+    return field(default=default, metadata={"range": _interval(ge, gt, le, lt)})
+
+
+def _interval(
+    ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None
+):
     if (ge is not None and gt is not None) or (le is not None and lt is not None):
         raise TypeError("setting() takes one lower bound (ge or gt) and one upper bound (le or lt)")
-    interval = Interval(
+    return Interval(
         low=-math.inf if ge is None and gt is None else (ge if ge is not None else gt),
         high=math.inf if le is None and lt is None else (le if le is not None else lt),
         low_included=gt is None,
         high_included=le is not None,
     )
-    return field(default=default, metadata={"range": interval})
+
+
+def field_range(each: dataclasses.Field) -> Interval | None:
+    """The range of a numeric setting: its `setting(...)` one, or the `bounds` a section of another package
+    writes beside its field (`rlm.retriever.index_spec.bounded`, which may not import this module)."""
+    if "bounds" in each.metadata:
+        return _interval(**each.metadata["bounds"])
+    return each.metadata.get("range")
 
 
 # accelerate's set_seed seeds numpy's legacy generator, which takes [0, 2^32).
@@ -205,6 +219,20 @@ class DataConfig:
 
 
 @dataclass
+class AlignConfig:
+    """Beyond the paper: DAFT's alignment stage (`retriever.align`). The first `steps` steps that train the
+    retriever update the query tower alone (the passage tower is frozen, so the buffer is exact and the corrector
+    is not trained); every `every` steps the kNN KL between the towers' embeddings of the dev questions (or 256
+    training questions) is measured, and the stage ends early once it falls below `kl` or has not fallen for
+    `patience` measurements. 0 steps: no alignment stage (both towers train from the start)."""
+
+    steps: int = setting(0, ge=0)
+    kl: float | None = setting(None, ge=0)
+    every: int = setting(10, ge=1)
+    patience: int = setting(3, ge=1)
+
+
+@dataclass
 class RetrieverConfig:
     # The paper's settings
     path: str | None = None  # sentence-transformers folder or hub name; None: the packaged all-MiniLM-L6-v2
@@ -217,15 +245,7 @@ class RetrieverConfig:
     query_path: str | None = None
     # Training-time dropout of both towers; None keeps the checkpoint's (0.1 for MiniLM).
     dropout: float | None = setting(None, ge=0, lt=1)
-    # DAFT's alignment stage: the first `align_steps` steps that train the retriever update the query tower
-    # alone (the passage tower is frozen, so the buffer is exact and the corrector is not trained); every
-    # `align_every` steps the kNN KL between the towers' embeddings of the dev questions (or 256 training
-    # questions) is measured, and the stage ends early once it falls below `align_kl` or has not fallen for
-    # `align_patience` measurements. 0: no alignment stage (both towers train from the start).
-    align_steps: int = setting(0, ge=0)
-    align_kl: float | None = setting(None, ge=0)
-    align_every: int = setting(10, ge=1)
-    align_patience: int = setting(3, ge=1)
+    align: AlignConfig = field(default_factory=AlignConfig)
     # Engineering: a run stops when the mean pairwise cosine of the dev questions' query embeddings (logged at
     # every validation as dev_query_mean_cosine) exceeds this: the query tower has collapsed (DAFT). null: never.
     collapse_cosine: float | None = setting(0.99, gt=-1, le=1)
@@ -234,6 +254,17 @@ class RetrieverConfig:
     # tokens through GTR-base with gradient keeps 260 MiB (bf16 autocast) without it, 12 MiB with it
     # (docs/training.md, "Memory of the passage tower").
     gradient_checkpointing: bool = False
+
+
+@dataclass
+class WarmStartConfig:
+    """Beyond the paper: the reader `reader.arch: warm_start` builds (`reader.warm_start`): the first `layers`
+    layers of a pretrained BERT-family encoder (`path`, None: the packaged MiniLM) + a fresh decoder of the
+    reader's `num_decoder_layers`, `num_heads` and `d_ff`, with the encoder's WordPiece (docs/reader_recipe.md)."""
+
+    path: str | None = None
+    layers: int = setting(2, ge=1)
+    freeze_embeddings: bool = True  # keep the pretrained token embeddings (and tied output) fixed
 
 
 @dataclass
@@ -247,10 +278,8 @@ class ReaderConfig:
         None, ge=1
     )  # how many of the selected k the FiD reader reads; None: all k
     # Beyond the paper: a reader built here (`path` unset), its input template, its scoring.
-    # "t5": the small T5 below, trained from scratch; "warm_start": the first `warm_start_layers` layers of a
-    # pretrained BERT-family encoder (`warm_start_path`, None: the packaged MiniLM) + a fresh decoder of
-    # `num_decoder_layers` layers, `num_heads` heads, feed-forward `d_ff`, with the encoder's WordPiece
-    # (see docs/reader_recipe.md). Ignored when `path` is set.
+    # "t5": the small T5 below, trained from scratch; "warm_start": a pretrained encoder + a fresh decoder, as
+    # `warm_start` says. Ignored when `path` is set.
     arch: Literal["t5", "warm_start"] = "t5"
     vocab_size: int = setting(8000, ge=300)  # byte-level BPE: 256 bytes + the specials
     d_model: int = setting(128, ge=1)
@@ -265,9 +294,7 @@ class ReaderConfig:
     template: str | None = None
     # P(a|y,x) from summed (the paper) or mean token log-likelihood.
     score_reduction: Literal["sum", "mean"] = "sum"
-    warm_start_path: str | None = None
-    warm_start_layers: int = setting(2, ge=1)
-    warm_start_freeze_embeddings: bool = True  # keep the pretrained token embeddings (and tied output) fixed
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
 
 @dataclass
@@ -346,24 +373,20 @@ class StrategyConfig:
     snm_size: int = setting(1_000_000, ge=1)  # M for snm (the paper: 1M; toy configs set their own)
     num_random: int = setting(0, ge=0)  # uniform random passages added to S_x (Algorithm 1 uses 64)
     share_across_batch: bool = False  # Algorithm 1: every question scores the union of the batch's S_x
-    # How the top-k is searched: "exact" (every row through h) or "two_stage" (Appendix B.2: the
-    # `candidates` best rows by the stale buffer, re-scored with h; the fixed-buffer strategies only). Every
-    # `overlap_every` steps the exact top-k is computed too and its overlap logged.
+    # How the top-k is searched: "exact" (every row through h) or "two_stage" (Appendix B.2, the fixed-buffer
+    # strategies only: the best candidates by the stale buffer, re-scored with h, as `two_stage` says).
     search: Literal["exact", "two_stage"] = "exact"
-    candidates: int = setting(1024, ge=1)
     # Beyond the paper: the regression baseline's settings.
     regression: RegressionConfig = field(default_factory=RegressionConfig)
     # Engineering
     # Data-parallel: each process scans (and re-embeds) 1/W of the rows and the top-k lists are merged across
     # processes. null: sharded whenever there is more than one process.
     shard_buffer: bool | None = None
-    # Where two-stage candidates come from: "index" (a faiss index over the stale buffer, built once) or
-    # "scan" (<q, B_y> over every row, streamed: the exact stale candidates, no index to build or hold; one
-    # read of the buffer per selection, cheap where the buffer is in accelerator memory).
-    first_stage: Literal["index", "scan"] = "index"
-    index_factory: str = "auto"  # faiss factory string; auto: Flat below 100k rows, else IVF(4 sqrt N),SQfp16
-    nprobe: int = setting(64, ge=1)
-    overlap_every: int = setting(100, ge=1)
+    # Two-stage search (`rlm.retriever.index_spec.TwoStage`): `candidates`, from a faiss index over each
+    # process's rows (`first_stage: index`, the index as `two_stage.index` describes it: the `IndexSpec` that
+    # `rlm index`, `rlm evaluate` and `rlm demo` take too) or a streamed scan of <q, B_y> over every row
+    # (`scan`); every `overlap_every` steps the exact top-k is computed beside it and their overlap logged.
+    two_stage: TwoStage = field(default_factory=TwoStage)
     # h(B) is kept between steps while no corrector weight changes (the reader-only phases, where selection
     # would otherwise run every row through h again for the same result), when it fits this many MiB per
     # process (float32); 0: h runs over every row at every step.
@@ -489,8 +512,13 @@ class TrainConfig:
                 "strategy.search=two_stage searches an index over the fixed buffer: use it with a strategy that "
                 f"scans it ({', '.join(scanning)}), not {name!r}"
             )
-        if self.retriever.align_steps and self.retriever.shared_towers:
-            raise UserError("retriever.align_steps trains the query tower alone: not with shared_towers")
+        if self.retriever.align.steps and self.retriever.shared_towers:
+            raise UserError("retriever.align.steps trains the query tower alone: not with shared_towers")
+        if self.strategy.search == "two_stage" and self.strategy.two_stage.index.rescore:
+            raise UserError(
+                "strategy.two_stage.index.rescore: two-stage search re-scores every candidate with h already; "
+                "leave it 0"
+            )
         if self.final_embeddings and not facts.uses_passages:
             raise UserError(
                 f"final_embeddings keeps the corpus embedded by the passage tower: strategy {name!r} reads no "
@@ -575,53 +603,92 @@ class RenamedSettingWarning(FutureWarning):
     """A config names a setting by a name it no longer has; it is read under its new one."""
 
 
-# Settings that have a new name (dotted keys of one section): an old config is read with one warning naming
-# the new key, and refused only when it sets both.
+# Settings that have a new name or place (dotted keys, the new one possibly in a sub-section): an old config (a
+# file, `--set`, or a checkpoint's config.yaml) is read with one warning naming the new key, and refused only when
+# it sets both.
 RENAMED_SETTINGS = {
     # A non-finite batch is skipped now, not retried: the limit counts distinct bad batches (issue 48).
     "max_nonfinite_in_a_row": "max_bad_batches",
+    # The paper first: extras moved into sub-sections of their own (issue 49).
+    "retriever.align_steps": "retriever.align.steps",
+    "retriever.align_kl": "retriever.align.kl",
+    "retriever.align_every": "retriever.align.every",
+    "retriever.align_patience": "retriever.align.patience",
+    "reader.warm_start_path": "reader.warm_start.path",
+    "reader.warm_start_layers": "reader.warm_start.layers",
+    "reader.warm_start_freeze_embeddings": "reader.warm_start.freeze_embeddings",
+    "strategy.candidates": "strategy.two_stage.candidates",
+    "strategy.first_stage": "strategy.two_stage.first_stage",
+    "strategy.overlap_every": "strategy.two_stage.overlap_every",
+    "strategy.index_factory": "strategy.two_stage.index.factory",
+    "strategy.nprobe": "strategy.two_stage.index.nprobe",
 }
 
 
-def _renamed(data: dict, where: str) -> dict:
-    """`data` with each renamed setting under its new name (`RENAMED_SETTINGS`), warning once for each."""
+def _section(data: dict, keys: list[str], create: bool) -> dict | None:
+    """The mapping at `keys` in `data` (None where there is none; with `create`, made, each level a copy)."""
+    node = data
+    for key in keys:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            if not create or child is not None:
+                return None
+            child = {}
+        if create:
+            child = node[key] = dict(child)
+        node = child
+    return node
+
+
+def renamed_settings(data: dict, warn: bool = True) -> dict:
+    """`data` (a config's nested mapping) with each setting of `RENAMED_SETTINGS` under its new name, warning
+    once for each (`warn`); `data` itself is left as it was."""
     out = dict(data)
-    for key in data:
-        old = _key(f"{where}.{key}")
-        new = RENAMED_SETTINGS.get(old)
-        if new is None:
+    for old, new in RENAMED_SETTINGS.items():
+        *old_path, old_key = old.split(".")
+        source = _section(out, old_path, create=False)
+        if source is None or old_key not in source:
             continue
-        new_key = new.rsplit(".", 1)[-1]
-        if new_key in data:
+        *new_path, new_key = new.split(".")
+        target = _section(out, new_path, create=True)
+        if new_key in target:
             raise UserError(f"{old} is the old name of {new}: set {new} alone")
-        warnings.warn(
-            f"config key {old} is now {new} (read as {new}={data[key]!r}); rename it in your config",
-            RenamedSettingWarning,
-            stacklevel=4,
-        )
-        out[new_key] = out.pop(key)
+        source = _section(out, old_path, create=True)
+        value = target[new_key] = source.pop(old_key)
+        if warn:
+            warnings.warn(
+                f"config key {old} is now {new} (read as {new}={value!r}); rename it in your config",
+                RenamedSettingWarning,
+                stacklevel=3,
+            )
     return out
 
 
 def from_dict(cls: type, data: dict, where: str = "config") -> Any:
     """Build dataclass `cls` from a nested dict, refusing unknown keys, wrongly typed values, values outside a
-    `Literal`'s choices and numbers outside the range their field carries (`setting`); a setting under its old
-    name (`RENAMED_SETTINGS`) is read under its new one, with a warning."""
+    `Literal`'s choices and numbers outside the range their field carries (`setting`, or the class's own check:
+    `IndexSpecError`); for the whole config, a setting under its old name or place (`RENAMED_SETTINGS`) is read
+    under its new one, with a warning."""
+    if where == "config":
+        data = renamed_settings(data)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     names = list(fields)
     kwargs = {}
-    for key, value in _renamed(data, where).items():
+    for key, value in data.items():
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (valid: {', '.join(names)})"
             raise UserError(f"unknown config key {where}.{key}{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-        interval = fields[key].metadata.get("range")
+        interval = field_range(fields[key])
         if interval is not None:
             optional = type(None) in typing.get_args(hints[key])
             interval.check(_key(f"{where}.{key}"), kwargs[key], optional)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except IndexSpecError as err:
+        raise UserError(f"{_key(f'{where}.{err.field}')} must be {err.wanted}, got {err.value!r}") from None
 
 
 def apply_override(data: dict, assignment: str) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from rlm.config import RegressionConfig, add_override_argument, load_config
 from rlm.retriever.distributed import Processes
+from rlm.retriever.index_spec import IndexSpec, TwoStage
 from rlm.training.run import build_run
 from rlm.training.strategies import make_strategy
 
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None, end_training: bool = True) -> None:
                 # Two-stage against exact: the sharded run searches an index, the whole one every row.
                 strategy = make_strategy(
                     dataclasses.replace(
-                        scfg, search=search, first_stage=first_stage, index_factory="IVF4,Flat", nprobe=4
+                        scfg,
+                        search=search,
+                        two_stage=TwoStage(
+                            first_stage=first_stage, index=IndexSpec(factory="IVF4,Flat", nprobe=4)
+                        ),
                     ),
                     run.strategy.buffer,
                     max_steps=4,

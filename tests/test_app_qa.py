@@ -8,8 +8,11 @@ import shutil
 import pytest
 
 from rlm.app.demo import highlight, launch_kwargs, passages_html, render, respond
-from rlm.app.service import INDEX_CACHE, InvalidQuestion, QAService, ServiceOptions, corpus_from_config
+from rlm.app.service import InvalidQuestion, QAService, ServiceOptions
 from rlm.errors import UserError
+from rlm.inference.checkpoint import corpus_from_config
+from rlm.inference.index_cache import INDEX_CACHE
+from rlm.retriever.index_spec import IndexSpec
 
 pytestmark = pytest.mark.learning  # trains or fits, then asserts what it learned (make test-kernels)
 
@@ -153,7 +156,7 @@ def test_prebuilt_index_is_used_and_checked_against_the_corpus(service, tiny_qui
     ivf.save(tmp_path / "ivf")
     ivf_options = ServiceOptions(index_path=tmp_path / "ivf")
     assert QAService.from_checkpoint(final, options=ivf_options).index.search_params == {"nprobe": 4}
-    wider = ServiceOptions(index_path=tmp_path / "ivf", index_search={"nprobe": 8})
+    wider = ServiceOptions(index_path=tmp_path / "ivf", index_spec=IndexSpec(nprobe=8))
     assert QAService.from_checkpoint(final, options=wider).index.search_params == {"nprobe": 8}
 
     other = PassageIndex.build(np.eye(3, service.index.dim, dtype=np.float32), ["a", "b", "c"])
@@ -196,7 +199,11 @@ def test_restart_reuses_the_corpus_fingerprint_until_the_file_changes(
             "--index and --corrected-buffer exclude each other",
         ),
         ({"buffer_path": "buffer"}, "--buffer only goes with --corrected-buffer"),
-        ({"index_search": {"nprobe": 8}}, "--nprobe and --ef-search go with --index"),
+        (
+            {"index_path": "index", "index_spec": IndexSpec(factory="HNSW32")},
+            "--factory build an index: they go without --index",
+        ),
+        ({"index_spec": IndexSpec(rescore=2)}, "the demo builds its index from a temporary folder"),
         ({"num_examples": -1}, "num_examples must be a whole number >= 0, got -1"),
         ({"device": "gpu"}, "unknown device 'gpu': use cpu, cuda or cuda:N"),
     ],

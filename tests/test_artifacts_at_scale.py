@@ -94,8 +94,8 @@ def test_the_demo_refuses_to_embed_a_corpus_above_the_limit_unless_its_index_is_
 ):
     """The demo's own index: refused above the limit (naming the checkpoint's retriever), but one already cached
     (here, where an earlier version cached it: inside the checkpoint, read and never written) is served."""
-    from rlm.app.service import INDEX_CACHE, cached_index
     from rlm.inference import indexing
+    from rlm.inference.index_cache import INDEX_CACHE, cached_index
     from rlm.retriever.encoder import SentenceEncoder
 
     _, corpus, retriever = world
@@ -173,8 +173,7 @@ def option_help(command: str, dest: str) -> str:
     return action.help
 
 
-def test_help_texts_state_the_defaults_the_code_uses(monkeypatch):
-    import rlm.retriever.index as index_module
+def test_help_texts_state_the_defaults_the_code_uses():
     from rlm.data.toy_world import ToyWorldConfig
     from rlm.inference.indexing import EMBED_LIMIT
     from rlm.retriever.index import (
@@ -183,10 +182,14 @@ def test_help_texts_state_the_defaults_the_code_uses(monkeypatch):
         TRAIN_ROWS_PER_LIST,
         TRAIN_SAMPLE,
     )
+    from rlm.retriever.index_spec import IndexSpec
 
-    monkeypatch.setattr(index_module, "DEFAULT_TARGET_RECALL", 0.9)
-    monkeypatch.setattr(index_module, "TUNE_K", 7)
-    assert "tuned for 0.9 recall@max(--k, 7)" in option_help("evaluate", "factory")
+    spec = IndexSpec()  # the one description's defaults, in every command's help (tests/test_index_spec.py)
+    assert f"(default {spec.factory}; auto: Flat (exact) below 100,000 rows" in option_help(
+        "evaluate", "factory"
+    )
+    assert f"(default {spec.target_recall:g})" in option_help("evaluate", "target_recall")
+    assert f"(default {spec.tune_k};" in option_help("demo", "tune_k")
     assert f"{TRAIN_SAMPLE:,}, or {TRAIN_ROWS_PER_LIST} per IVF list" in option_help("index", "train_sample")
     shown = option_help("index", "tune_questions") % {}
     assert f"top {QUESTION_FOUND_WITHIN} for {QUESTION_FOUND_SHARE:.0%} of them" in shown

@@ -15,6 +15,7 @@ from rlm.inference.checkpoint import load_checkpoint
 from rlm.inference.corrected_index import corrected_index, run_buffer_dir
 from rlm.retriever.buffer import PassageBuffer
 from rlm.retriever.corrector import CorrectorNetwork
+from rlm.retriever.index_spec import IndexSpec
 from rlm.retriever.search import corrected_topk
 
 
@@ -67,7 +68,7 @@ def test_a_compressed_index_over_h_of_b_is_streamed_through_h_and_tuned(run, tmp
     corpus = load_corpus(run / "toy_world" / "corpus.jsonl")
     with pytest.raises(TypeError, match="never held whole"):
         _ = CorrectedRows(PassageBuffer.load(run_buffer_dir(final)), moved).embeddings
-    built = corrected_index(final, corpus, factory="IVF8,Flat", target_recall=0.99)
+    built = corrected_index(final, corpus, spec=IndexSpec(factory="IVF8,Flat", target_recall=0.99))
     assert built.index.factory == "IVF8,Flat" and built.index.search_params["nprobe"] > 1
     assert built.index.tuning["recall"] >= 0.99 and built.correct_s > 0
     assert "encoder_fingerprint" not in built.index.provenance  # h(B) is not the stale encoder's rows
@@ -101,7 +102,8 @@ def test_a_buffer_of_another_corpus_or_a_run_without_corrector_is_refused(run, t
 
 
 def test_rlm_evaluate_and_the_demo_answer_from_h_of_b(run, capsys, rlm_cache):
-    from rlm.app.service import INDEX_CACHE, QAService, ServiceOptions
+    from rlm.app.service import QAService, ServiceOptions
+    from rlm.inference.index_cache import INDEX_CACHE
 
     final = run / "final"
     out = run / "evaluate_corrected"

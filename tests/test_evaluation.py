@@ -316,7 +316,7 @@ def test_the_demos_own_index_is_built_from_float16_shards_and_records_its_tower(
     """The demo's index of a corpus it was given no index for is built through `index_corpus` (no float32
     array of every passage beside the index), records the tower and corpus it came from, and leaves only the
     index in its cache folder (the shards were temporary)."""
-    from rlm.app.service import INDEX_CACHE, cached_index
+    from rlm.inference.index_cache import INDEX_CACHE, cached_index
     from rlm.retriever.index import INDEX_FILES
 
     world, corpus, dev, ckpt, retriever_model, reader = setup

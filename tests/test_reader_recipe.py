@@ -21,7 +21,7 @@ from rlm.training.strategies import make_strategy
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WARM = [
     "reader.arch=warm_start",
-    "reader.warm_start_layers=1",
+    "reader.warm_start.layers=1",
     "reader.num_decoder_layers=1",
     "reader.num_heads=2",
     "reader.d_ff=64",
@@ -48,7 +48,7 @@ def tiny_world_overrides(root: Path, world: Path) -> list[str]:
     "override, message",
     [
         ("reader.arch=bart", "reader.arch must be one of"),
-        ("reader.warm_start_layers=0", "reader.warm_start_layers must be >= 1"),
+        ("reader.warm_start.layers=0", "reader.warm_start.layers must be >= 1"),
         ("schedule.reader_only_steps=-1", "schedule.reader_only_steps must be >= 0"),
         ("schedule.gold_passage_steps=-1", "schedule.gold_passage_steps must be >= 0"),
         ("schedule.final_reader_only_steps=-1", "schedule.final_reader_only_steps must be >= 0"),
@@ -117,7 +117,7 @@ def test_warm_started_reader_from_config_is_small_to_train_and_round_trips(tmp_p
 
 
 def test_unfrozen_warm_start_trains_its_embeddings(tmp_path):
-    cfg = load_config(None, [f"output_dir={tmp_path}", *WARM, "reader.warm_start_freeze_embeddings=false"])
+    cfg = load_config(None, [f"output_dir={tmp_path}", *WARM, "reader.warm_start.freeze_embeddings=false"])
     reader = build_reader(cfg, corpus=None, examples=[])
     assert reader.model.encoder.get_input_embeddings().weight.requires_grad
     assert reader.model.decoder.get_output_embeddings().weight.requires_grad

@@ -69,7 +69,7 @@ def test_errors_name_the_problem(tmp_path):
 def test_two_stage_auto_index_is_ivf_with_fp16_storage_and_ranks_like_flat():
     """`strategy.index_factory: auto` above 100k rows is IVF with fp16 storage (of each row's offset from its list
     centre): searched over every list it scores an fp16 buffer within ~1e-4 of Flat, with the same top rows."""
-    from rlm.retriever.row_search import auto_index_factory
+    from rlm.retriever.index_spec import auto_index_factory
 
     assert auto_index_factory(99_999) == "Flat"
     assert auto_index_factory(1_000_000) == "IVF4000,SQfp16"

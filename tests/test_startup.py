@@ -80,13 +80,13 @@ def test_training_start_reads_no_passage_for_the_fingerprint(tower, corpus_file,
 
 
 def test_demo_index_key_uses_the_file_fingerprint(tower, corpus_file, tmp_path, monkeypatch):
-    from rlm.app.service import INDEX_CACHE, _index_key, cached_index
     from rlm.inference import indexing
+    from rlm.inference.index_cache import INDEX_CACHE, cached_index, index_key
 
     corpus = load_corpus(corpus_file)
     root = tmp_path / "ckpt"
     built = cached_index(root, tower, corpus)
-    key = _index_key(tower.fingerprint(), corpus.fingerprint)
+    key = index_key(tower.fingerprint(), corpus.fingerprint)
     assert [p.name for p in (root / INDEX_CACHE).iterdir()] == [key]
 
     def no_embedding(*args, **kwargs):

@@ -27,6 +27,7 @@ from rlm.config import RegressionConfig, StrategyConfig
 from rlm.retriever.buffer import PassageBuffer
 from rlm.retriever.corrector import CorrectorNetwork
 from rlm.retriever.distributed import Processes
+from rlm.retriever.index_spec import IndexSpec, TwoStage
 from rlm.training.strategies import STRATEGY_CLASSES, make_strategy
 
 WORLD = 2
@@ -146,9 +147,8 @@ class Case:
         )
         if self.extra in ("index", "scan"):
             # Every row a candidate: two-stage must then select what exact selects, sharded or not.
-            cfg = replace(
-                cfg, search="two_stage", first_stage=self.extra, index_factory="Flat", overlap_every=2
-            )
+            stage = TwoStage(first_stage=self.extra, overlap_every=2, index=IndexSpec(factory="Flat"))
+            cfg = replace(cfg, search="two_stage", two_stage=stage)
         return cfg
 
     def select(self, strategy, queries, gold, corrector):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlm.config import TrainConfig, apply_override, dump_config, from_dict, load_config, to_dict
+from rlm.config import TrainConfig, apply_override, dump_config, field_range, from_dict, load_config, to_dict
 from rlm.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -237,8 +237,8 @@ def test_each_range_is_written_beside_its_setting_not_in_a_table():
     import rlm.config
     from rlm.config import Interval
 
-    numeric = {key: each.metadata.get("range") for key, each, _ in numeric_settings()}
-    assert len(numeric) == 65 and all(isinstance(r, Interval) for r in numeric.values()), [
+    numeric = {key: field_range(each) for key, each, _ in numeric_settings()}
+    assert len(numeric) == 69 and all(isinstance(r, Interval) for r in numeric.values()), [
         key for key, r in numeric.items() if r is None
     ]
     assert str(numeric["beta"]) == "(0, inf)" and str(numeric["seed"]) == "[0, 4294967295]"
@@ -253,7 +253,7 @@ def test_every_numeric_setting_has_a_range_and_nan_is_in_none():
     """A numeric field added to any section without a range fails here, and each range is enforced: the value
     just below it and NaN are refused naming the key (an int field refuses NaN as not an int)."""
     for name, each, _ in numeric_settings():
-        interval = each.metadata["range"]
+        interval = field_range(each)
         below = interval.low - 1 if interval.low_included else interval.low
         for value in (f"{below:g}", ".nan"):
             with pytest.raises(UserError, match=rf"{re.escape(name)}\b.*(must be|expected int|does not fit)"):
@@ -359,8 +359,8 @@ def test_loading_a_config_imports_no_training_code_and_of_the_retriever_only_its
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert (
-        out.strip() == "['rlm.retriever', 'rlm.retriever.errors']"
-    )  # rlm.errors names the retriever's InputError
+        out.strip() == "['rlm.retriever', 'rlm.retriever.errors', 'rlm.retriever.index_spec']"
+    )  # rlm.errors names the retriever's InputError; strategy.two_stage is the retriever's IndexSpec
 
 
 @pytest.mark.parametrize("entry", ["-m rlm.train", "-m rlm train"])
@@ -394,7 +394,7 @@ def test_every_default_is_in_its_range():
 
     cfg = TrainConfig()
     for name, each, optional in numeric_settings():
-        each.metadata["range"].check(name, reduce(getattr, name.split("."), cfg), optional)
+        field_range(each).check(name, reduce(getattr, name.split("."), cfg), optional)
 
 
 def flat(tree, prefix=""):

@@ -214,9 +214,9 @@ def test_two_stage_search_in_training_logs_its_overlap_with_exact(world):
     run = make_run(
         world,
         "strategy.search=two_stage",
-        "strategy.overlap_every=2",
-        "strategy.index_factory=IVF4,Flat",
-        "strategy.nprobe=4",
+        "strategy.two_stage.overlap_every=2",
+        "strategy.two_stage.index.factory=IVF4,Flat",
+        "strategy.two_stage.index.nprobe=4",
         "optim.max_steps=3",
     )
     run.model.train()
@@ -229,7 +229,7 @@ def test_two_stage_search_in_training_logs_its_overlap_with_exact(world):
 
 
 def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
-    """strategy.first_stage=scan: the candidates are the stale buffer's exact top-`candidates`, no faiss index.
+    """strategy.two_stage.first_stage=scan: the candidates are the stale buffer's exact top-`candidates`, no faiss index.
     A candidate list as long as the buffer (120 rows) makes it the exact selection, with the same losses."""
     exact = make_run(world, "optim.max_steps=2")
     exact.model.train()
@@ -240,9 +240,9 @@ def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
     scan = make_run(
         world,
         "strategy.search=two_stage",
-        "strategy.first_stage=scan",
-        "strategy.candidates=120",
-        "strategy.overlap_every=1",
+        "strategy.two_stage.first_stage=scan",
+        "strategy.two_stage.candidates=120",
+        "strategy.two_stage.overlap_every=1",
         "optim.max_steps=2",
     )
     scan.model.train()
@@ -252,7 +252,7 @@ def test_two_stage_scan_in_training_builds_no_index_and_matches_exact(world):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
     assert scan.strategy.search._index is None
     with pytest.raises(ValueError, match="first_stage must be one of index, scan"):
-        load_config(None, ["strategy.first_stage=flat"])
+        load_config(None, ["strategy.two_stage.first_stage=flat"])
 
 
 def test_validation_in_training_embeds_again_only_after_the_passage_tower_moved(world, tmp_path):
@@ -355,14 +355,14 @@ def test_a_collapsed_query_tower_stops_the_run_with_a_clear_message(world, tmp_p
 
 
 def test_daft_alignment_stage_moves_only_the_query_tower_then_both(world):
-    """retriever.align_steps: during the stage the passage tower (so the buffer stays exact) and the corrector
+    """retriever.align.steps: during the stage the passage tower (so the buffer stays exact) and the corrector
     do not move, the light query tower does; the stage ends at its limit, then every component trains."""
     run = make_run(
         world,
         "retriever.query_path=layers:2",
-        "retriever.align_steps=3",
-        "retriever.align_every=1",
-        "retriever.align_patience=100",
+        "retriever.align.steps=3",
+        "retriever.align.every=1",
+        "retriever.align.patience=100",
         "optim.max_steps=5",
     )
     raw = run.raw
@@ -402,25 +402,25 @@ def aligned(run, until: int) -> list[dict]:
 
 
 def test_daft_alignment_stops_early_once_aligned_and_refreshes_count_from_there(world):
-    """The kNN KL falls below retriever.align_kl at the first measurement (step 2): the stage ends there, and
+    """The kNN KL falls below retriever.align.kl at the first measurement (step 2): the stage ends there, and
     exhaustive re-embedding counts from it (one refresh, before step 3), not from step 10 or from step 1."""
     run = make_run(
         world,
         "retriever.query_path=layers:2",
-        "retriever.align_steps=10",
-        "retriever.align_every=2",
-        "retriever.align_kl=1e9",  # any measurement is below it
+        "retriever.align.steps=10",
+        "retriever.align.every=2",
+        "retriever.align.kl=1e9",  # any measurement is below it
         "strategy.name=exhaustive",
         "strategy.refresh_every=1",
         "optim.max_steps=4",
     )
-    assert run.strategy.start_step == 10  # until the stage ends, at most align_steps
+    assert run.strategy.start_step == 10  # until the stage ends, at most align.steps
     records = aligned(run, until=4)
     assert [r.get("aligning", 0) for r in records] == [1, 1, 0, 0]
     assert records[1]["align_end"] == 2 and run.strategy.start_step == 2
     assert run.strategy.reembedded == 120
     with pytest.raises(ValueError, match="shared_towers"):
-        load_config(None, ["retriever.align_steps=5", "retriever.shared_towers=true"])
+        load_config(None, ["retriever.align.steps=5", "retriever.shared_towers=true"])
 
 
 def test_h_of_b_is_computed_once_while_the_corrector_does_not_move_and_selects_the_same(world):

@@ -113,7 +113,7 @@ def fit_questions(checkpoint: Path, dataset: str, split: str, data_path, unanswe
         world = ((config or {}).get("data") or {}).get("toy_world", {}).get("dir")
         if not world:
             raise UserError(f"{checkpoint}/config.yaml names no toy world; pass --data-path")
-        from rlm.app.service import corpus_from_config
+        from rlm.inference.checkpoint import corpus_from_config
 
         data_path = str(corpus_from_config(config, checkpoint).parent)
     examples = load_qa_dataset(dataset, split, data_path)[:limit]

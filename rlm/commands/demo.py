@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from rlm.commands.embed import add_cache_argument
 from rlm.commands.evaluate import add_device_arguments, add_embed_limit_argument, add_rescore_buffer_argument
-from rlm.commands.index import add_search_arguments, search_params
+from rlm.commands.index import add_index_spec_arguments, index_spec
 from rlm.errors import UserError
 
 if TYPE_CHECKING:
@@ -37,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--buffer", help="with --corrected-buffer: the run's buffer folder (default: its config)"
     )
-    add_search_arguments(parser)
+    add_index_spec_arguments(
+        parser.add_argument_group(
+            "the index (the description `rlm index`, `rlm evaluate` and training share)"
+        ),
+        "the index built here and cached (without --index); --nprobe and --ef-search also override a prebuilt one's",
+    )
     add_rescore_buffer_argument(parser)
     add_embed_limit_argument(parser, "rlm demo")
     add_cache_argument(parser)
@@ -82,7 +87,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         device=args.device,
         bf16=args.bf16,
         index_path=args.index,
-        index_search=search_params(args),
+        index_spec=index_spec(args),
         corrected_buffer=args.corrected_buffer,
         buffer_path=args.buffer,
         examples_path=args.examples,

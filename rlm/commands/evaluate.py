@@ -11,7 +11,7 @@ from rlm.commands.embed import (
     check_dist_timeout,
     launched_processes,
 )
-from rlm.commands.index import add_search_arguments, search_params
+from rlm.commands.index import add_index_spec_arguments, building_flags, index_spec
 from rlm.errors import UserError, check_output_folder
 
 
@@ -31,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     index.add_argument(
         "--buffer", help="with --index corrected: the run's buffer folder (default: from its config.yaml)"
     )
-    add_search_arguments(index)
+    add_index_spec_arguments(
+        index,
+        "the index built here (without --index, or with --index corrected); --nprobe and --ef-search also "
+        "override a prebuilt one's",
+    )
     add_rescore_buffer_argument(index)
     add_index_building_arguments(index)
     add_reading_arguments(parser.add_argument_group("retrieving and reading"))
@@ -121,9 +125,7 @@ def add_embed_limit_argument(parser: argparse.ArgumentParser, command: str) -> N
 
 
 def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
-    """How `rlm evaluate` embeds and indexes a corpus it is given no index for."""
-    from rlm.retriever.index import DEFAULT_TARGET_RECALL, TUNE_K
-
+    """How `rlm evaluate` embeds a corpus it is given no index for (the index: `add_index_spec_arguments`)."""
     add_embed_limit_argument(parser, "rlm evaluate")
     parser.add_argument(
         "--save-index",
@@ -134,13 +136,6 @@ def add_index_building_arguments(parser: argparse.ArgumentParser) -> None:
         help="without --index: keep the corpus's float16 embeddings (a buffer folder, as `rlm embed` writes) "
         "here instead of a temporary folder: an interrupted run resumes, a second run reuses them; needed "
         "under `accelerate launch`, whose processes each embed their share into it",
-    )
-    parser.add_argument(
-        "--factory",
-        default="Flat",
-        help="without --index, or with --index corrected: the faiss index_factory string of the index built "
-        f"here (default Flat, exact; IVF and HNSW types get their search parameter tuned for "
-        f"{DEFAULT_TARGET_RECALL} recall@max(--k, {TUNE_K}) against exact search, on the questions evaluated)",
     )
 
 
@@ -188,8 +183,9 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise UserError(f"--embed-limit is a number of passages (0: no limit), got {args.embed_limit}")
     if args.index and args.embeddings:
         raise UserError("--embeddings keeps the corpus embedded here; with --index nothing is embedded")
-    if args.index not in (None, "corrected") and args.factory != "Flat":
-        raise UserError("--factory builds an index: it goes without --index, or with --index corrected")
+    built = building_flags(index_spec(args))
+    if args.index not in (None, "corrected") and built:
+        raise UserError(f"{built} build an index: they go without --index, or with --index corrected")
     check_dist_timeout(args.dist_timeout)
     if args.embeddings:
         from rlm.inference.indexing import HANDOFF_NAMES
@@ -197,10 +193,6 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
         own = (META_NAME, BUILD_NAME, IDS_NAME, "shard_*.npy", "shard_*.json", *HANDOFF_NAMES)
         check_output_folder(args.embeddings, own, "rlm evaluate", option="--embeddings")
-    if search_params(args) and args.index in (None, "corrected"):
-        raise UserError(
-            "--nprobe and --ef-search go with --index DIR (a prebuilt index; the others are exact)"
-        )
     if not args.checkpoint and not args.retriever:
         raise UserError(
             "pass --checkpoint DIR (retriever/ + reader/) or --retriever PATH with --retrieval-only"
@@ -246,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"running on {device}{processes}" + (" under bf16 autocast" if bf16 else " in float32"))
     options = evaluation.IndexOptions(
         args.embeddings,
-        args.factory,
+        index_spec(args),
         precision="bf16" if bf16 else "auto",
         accelerator=state,
         save_dir=None if args.index else args.save_index,
@@ -297,16 +289,16 @@ def _index(args, corpus, retriever, device, progress: bool, options):
 
         if not args.checkpoint:
             raise UserError("--index corrected needs --checkpoint (its corrector/ and config.yaml)")
-        from rlm.retriever.index import TUNE_K
+        from rlm.inference.evaluation import tuning_k
 
         built = corrected_index(
             args.checkpoint,
             corpus,
             args.buffer,
-            args.factory,
+            options.spec,
             device=device,
             show_progress=progress,
-            tune_k=max(args.k, TUNE_K),  # the k it is searched at
+            tune_k=tuning_k(args.k, options.spec.tune_k),  # the k it is searched at
         )
         print(
             f"index over h(B): {built.rows:,} rows of {built.buffer_dir} through the corrector in "
@@ -318,8 +310,9 @@ def _index(args, corpus, retriever, device, progress: bool, options):
     if args.index:
         # Under `accelerate launch` every process maps the one file: one copy in RAM, not one per process.
         launched = options.accelerator is not None
+        search = options.spec.search_params
         return indexing.prebuilt_index(
-            args.index, retriever, corpus, use_gpu, search_params(args), args.rescore_buffer, mmap=launched
+            args.index, retriever, corpus, use_gpu, search, args.rescore_buffer, mmap=launched
         )
     return None  # built by `run_evaluation` as `options` say, tuned on the questions it evaluates
 

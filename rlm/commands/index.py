@@ -8,15 +8,25 @@ from pathlib import Path
 
 from rlm.errors import UserError, check_output_folder
 from rlm.retriever.index import (
-    DEFAULT_TARGET_RECALL,
+    INDEX_FILES,
     QUESTION_FOUND_SHARE,
     QUESTION_FOUND_WITHIN,
     TRAIN_ROWS_PER_LIST,
     TRAIN_SAMPLE,
-    TUNE_K,
     TUNE_QUERIES,
     describe_tuning,
 )
+from rlm.retriever.index_spec import AUTO_FACTORY_HELP, IndexSpec, IndexSpecError
+
+# The flag of each `IndexSpec` field (`add_index_spec_arguments`); `device` is each command's own.
+SPEC_FLAGS = {
+    "factory": "--factory",
+    "target_recall": "--target-recall",
+    "tune_k": "--tune-k",
+    "nprobe": "--nprobe",
+    "ef_search": "--ef-search",
+    "rescore": "--rescore",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="index folder (index.faiss, ids.txt, index.json), replaced whole; a folder holding other files is "
         "refused",
     )
-    parser.add_argument(
-        "--factory", default="Flat", help="faiss index_factory string, e.g. Flat, IVF1024,Flat, HNSW32"
-    )
     gpu = parser.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="use_gpu", action="store_const", const=True, help="require a faiss GPU")
     gpu.add_argument("--cpu", dest="use_gpu", action="store_const", const=False, help="stay on CPU")
@@ -46,11 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"vectors used to train IVF/PQ (default: {TRAIN_SAMPLE:,}, or {TRAIN_ROWS_PER_LIST} per IVF list when "
         "more)",
     )
-    add_search_arguments(parser)
-    parser.add_argument(
+    spec = parser.add_argument_group(
+        "the index (the description `rlm evaluate`, `rlm demo` and training share)"
+    )
+    add_index_spec_arguments(spec, "the index")
+    spec.add_argument(
         "--rescore",
         type=int,
-        default=0,
+        default=IndexSpec().rescore,
         metavar="K_FACTOR",
         help="with --buffer: re-score each search's top K_FACTOR x k candidates exactly from the buffer's float16 "
         "rows, read from disk by offset (lifts the recall PQ codes cap at the RAM of the codes; the index "
@@ -60,24 +70,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tuning_arguments(parser.add_argument_group("tuning the search (IVF, HNSW)"))
 
 
-def add_tuning_arguments(parser) -> None:
-    """How `rlm index` chooses nprobe / efSearch."""
+def add_index_spec_arguments(parser, builds: str = "the index built here") -> None:
+    """The index description's options (`rlm.retriever.index_spec.IndexSpec`: --factory, --target-recall,
+    --tune-k, --nprobe, --ef-search), each default and its help read from `IndexSpec()`: `rlm index`,
+    `rlm evaluate` and `rlm demo` take them alike, and training's `strategy.two_stage.index` has the same
+    defaults. `index_spec(args)` makes the spec back."""
+    default = IndexSpec()
+    parser.add_argument(
+        "--factory",
+        default=default.factory,
+        help=f"faiss index_factory string of {builds}, e.g. Flat (exact), IVF1024,Flat, HNSW32, IVF4096,PQ64 "
+        f"(default {default.factory}; {AUTO_FACTORY_HELP})",
+    )
     parser.add_argument(
         "--target-recall",
         type=float,
-        default=DEFAULT_TARGET_RECALL,
-        help="IVF and HNSW types: choose nprobe / efSearch as the smallest whose recall@--tune-k reaches this, "
-        "against exact search on --tune-queries indexed rows made question-like (the share of those whose "
-        "source row exact search ranks in its top k that the index ranks there too: the answers kept) or on "
-        "--tune-questions (the share of exact search's top k found); saved with the index and applied when it "
-        "is loaded (0: keep faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it",
+        default=default.target_recall,
+        help="IVF and HNSW types: nprobe / efSearch is the smallest whose recall@--tune-k against exact search "
+        f"reaches this (default {default.target_recall:g}), measured on indexed rows made question-like (the share "
+        "whose source row exact search ranks in its top k that the index ranks there too: the answers kept) or on "
+        "the questions asked (the share of exact search's top k found); saved with the index and applied when it "
+        "is loaded (0: faiss's defaults, 1 probed list / efSearch 16). --nprobe / --ef-search fix it instead",
     )
     parser.add_argument(
         "--tune-k",
         type=int,
-        default=TUNE_K,
-        help="the k of the recall the search is tuned for: the k it will be searched at (`rlm evaluate --k`)",
+        default=default.tune_k,
+        help=f"the k of the recall the search is tuned for: the k it will be searched at (default {default.tune_k}; "
+        "`rlm evaluate` tunes at its --k when larger)",
     )
+    parser.add_argument(
+        "--nprobe",
+        type=int,
+        default=default.nprobe,
+        help="IVF index: inverted lists probed per query (default: tuned)",
+    )
+    parser.add_argument(
+        "--ef-search",
+        type=int,
+        default=default.ef_search,
+        help="HNSW index: candidates explored per query (default: tuned)",
+    )
+
+
+def index_spec(args: argparse.Namespace, device: str = "auto") -> IndexSpec:
+    """The `IndexSpec` the command line names (`add_index_spec_arguments`; `--rescore` where the command has
+    it); a value it refuses is told by its flag."""
+    try:
+        return IndexSpec(
+            factory=args.factory,
+            target_recall=args.target_recall,
+            tune_k=args.tune_k,
+            nprobe=args.nprobe,
+            ef_search=args.ef_search,
+            rescore=getattr(args, "rescore", IndexSpec().rescore),
+            device=device,
+        )
+    except IndexSpecError as err:
+        raise UserError(
+            f"{SPEC_FLAGS.get(err.field, err.field)} must be {err.wanted}, got {err.value!r}"
+        ) from None
+
+
+def building_flags(spec: IndexSpec) -> str:
+    """The flags of `spec`'s settings that build an index, set away from their defaults, in one string."""
+    return ", ".join(SPEC_FLAGS[name] for name in spec.build_settings_changed())
+
+
+def add_tuning_arguments(parser) -> None:
+    """How `rlm index` tunes nprobe / efSearch beyond the spec: on what queries."""
     parser.add_argument("--tune-queries", type=int, default=TUNE_QUERIES, help="tuning queries, at most")
     parser.add_argument(
         "--tune-questions",
@@ -93,82 +154,61 @@ def add_tuning_arguments(parser) -> None:
     )
 
 
-def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """--nprobe / --ef-search: faiss search parameters over the ones saved with an index."""
-    parser.add_argument("--nprobe", type=int, help="IVF index: inverted lists probed per query")
-    parser.add_argument("--ef-search", type=int, help="HNSW index: candidates explored per query")
-
-
-def search_params(args: argparse.Namespace) -> dict[str, int]:
-    """The search parameters named on the command line, as faiss calls them."""
-    named = {"nprobe": args.nprobe, "efSearch": args.ef_search}
-    for name, value in named.items():
-        if value is not None and value < 1:
-            raise UserError(
-                f"--{'ef-search' if name == 'efSearch' else name} must be at least 1, got {value}"
-            )
-    return {name: value for name, value in named.items() if value is not None}
-
-
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from rlm.retriever.buffer import PassageBuffer
-    from rlm.retriever.index import INDEX_FILES, PassageIndex
-
     check_output_folder(args.out, INDEX_FILES, "rlm index")  # saving replaces the folder whole
-    if not 0.0 <= args.target_recall <= 1.0:
-        raise UserError(f"--target-recall must be in [0, 1], got {args.target_recall}")
-    fixed = search_params(args)
-    if args.rescore < 0:
-        raise UserError(
-            f"--rescore is a number of candidates per result, at least 1 (0: off), got {args.rescore}"
-        )
-    if args.rescore and not args.buffer:
+    device = {None: "auto", True: "gpu", False: "cpu"}[args.use_gpu]
+    spec = index_spec(args, device)
+    if spec.rescore and not args.buffer:
         raise UserError("--rescore re-scores from the float16 rows of a buffer folder: it goes with --buffer")
     started = time.perf_counter()
-    if args.buffer:
-        rows = PassageBuffer.load(args.buffer)
-        index = PassageIndex.from_buffer(
-            rows, args.factory, use_gpu=args.use_gpu, train_sample=args.train_sample
-        )
-        index.rescore_from(rows, args.rescore)
-    else:
-        if not args.ids:
-            raise UserError("--embeddings needs --ids (a text file with one passage id per line)")
-        for path in (args.embeddings, args.ids):
-            if not Path(path).exists():
-                raise FileNotFoundError(f"{path} does not exist")
-        # Memory-mapped (copy-on-write: torch can view it, nothing is written back): the index reads it a block
-        # at a time, and tuning's exact search a chunk at a time, never as one float32 copy.
-        embeddings = rows = np.load(args.embeddings, mmap_mode="c")
-        if embeddings.ndim != 2:
-            raise UserError(
-                f"{args.embeddings} holds an array of shape {embeddings.shape}, not [passages, dim]"
-            )
-        ids = id_file(args.ids, len(embeddings), args.embeddings)
-        index = PassageIndex.build(
-            embeddings, ids, args.factory, use_gpu=args.use_gpu, train_sample=args.train_sample
-        )
-    tunable = index.tunable_parameter()
-    if fixed:
-        index.set_search_params(fixed)
-    elif tunable and args.target_recall > 0:
+    index, rows = _built(args, spec)
+    if not spec.search_params and index.tunable_parameter() and spec.target_recall:
         asked = question_vectors(args, index.dim)
-        tuning = index.tune(
-            rows, args.target_recall, k=args.tune_k, queries=args.tune_queries, query_vectors=asked
-        )
+        tuning = index.apply_search(spec, rows, query_vectors=asked, queries=args.tune_queries)
         print(f"search tuned: {describe_tuning(tuning)}")
+    else:
+        index.apply_search(spec, rows)
     index.save(args.out)
     seconds = time.perf_counter() - started
     params = ", ".join(f"{k}={v}" for k, v in index.search_params.items()) or "no search parameters"
     if index.rescoring is not None:
-        params += f", the top {args.rescore} x k re-scored from {args.buffer}"
+        params += f", the top {spec.rescore} x k re-scored from {args.buffer}"
     print(
-        f"index {args.out}: {index.ntotal} vectors x {index.dim}, {args.factory}, {params}, built in "
+        f"index {args.out}: {index.ntotal} vectors x {index.dim}, {index.factory}, {params}, built in "
         f"{seconds:.1f} s"
     )
     return 0
+
+
+def _built(args: argparse.Namespace, spec: IndexSpec):
+    """(the index built as `spec` says from `--buffer` or `--embeddings`, the rows it holds)."""
+    import numpy as np
+
+    from rlm.retriever.buffer import PassageBuffer
+    from rlm.retriever.index import PassageIndex
+
+    if args.buffer:
+        rows = PassageBuffer.load(args.buffer)
+        index = PassageIndex.from_buffer(
+            rows, spec.factory, use_gpu=spec.use_gpu, train_sample=args.train_sample
+        )
+        index.rescore_from(rows, spec.rescore)
+        return index, rows
+    if not args.ids:
+        raise UserError("--embeddings needs --ids (a text file with one passage id per line)")
+    for path in (args.embeddings, args.ids):
+        if not Path(path).exists():
+            raise FileNotFoundError(f"{path} does not exist")
+    # Memory-mapped (copy-on-write: torch can view it, nothing is written back): the index reads it a block
+    # at a time, and tuning's exact search a chunk at a time, never as one float32 copy.
+    embeddings = np.load(args.embeddings, mmap_mode="c")
+    if embeddings.ndim != 2:
+        raise UserError(f"{args.embeddings} holds an array of shape {embeddings.shape}, not [passages, dim]")
+    ids = id_file(args.ids, len(embeddings), args.embeddings)
+    index = PassageIndex.build(
+        embeddings, ids, spec.factory, use_gpu=spec.use_gpu, train_sample=args.train_sample
+    )
+    return index, embeddings
 
 
 def id_file(path: str, rows: int, embeddings: str):

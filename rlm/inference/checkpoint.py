@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlm.errors import UserError
 from rlm.inference.device import inference_device
 
 if TYPE_CHECKING:
@@ -75,3 +76,30 @@ def reader_passages_from_config(config: dict, default: int = 10) -> int:
     reader_cfg = config.get("reader") or {}
     strategy_cfg = config.get("strategy") or {}
     return int(reader_cfg.get("num_passages") or strategy_cfg.get("k") or default)
+
+
+def corpus_from_config(config: dict, checkpoint: Path) -> Path:
+    """The corpus a run trained on: `data.corpus`, else `<data.toy_world.dir>/corpus.jsonl`.
+
+    A relative path (`runs/quickstart/toy_world`) is tried from the working directory, then from the run
+    folder and each folder above it, so the demo also starts from outside the project root.
+    """
+    data = config.get("data") or {}
+    if data.get("corpus"):
+        raw = Path(data["corpus"])
+    elif (data.get("toy_world") or {}).get("dir"):
+        raw = Path(data["toy_world"]["dir"]) / "corpus.jsonl"
+    else:
+        raise UserError(
+            f"{checkpoint / 'config.yaml'} names no corpus (data.corpus or data.toy_world.dir); pass --corpus PATH"
+        )
+    if raw.is_absolute() or raw.exists():
+        return raw
+    run_dir = checkpoint.resolve().parent
+    for base in (run_dir, *run_dir.parents):
+        if (base / raw).exists():
+            return base / raw
+    raise FileNotFoundError(
+        f"corpus {raw} (from {checkpoint / 'config.yaml'}) not found from {Path.cwd()} or {run_dir}; "
+        "pass --corpus PATH"
+    )

@@ -22,6 +22,7 @@ import torch
 
 from rlm.errors import UserError
 from rlm.retriever.buffer import PassageBuffer
+from rlm.retriever.index_spec import IndexSpec
 
 CORRECTED_INDEX_CACHE = "corrected_index"
 
@@ -95,11 +96,10 @@ def corrected_index(
     checkpoint: str | Path,
     corpus,
     buffer_dir: str | Path | None = None,
-    factory: str = "Flat",
+    spec: IndexSpec | None = None,
     verify_encoder: bool = True,
     device=None,
     show_progress: bool = False,
-    target_recall: float | None = None,
     tune_k: int | None = None,
 ) -> CorrectedIndex:
     """A faiss index over h(B) for `corpus`, from the run of `checkpoint` (its `corrector/` and its buffer).
@@ -107,14 +107,15 @@ def corrected_index(
     `verify_encoder` rebuilds the run's starting retriever from its config to check B's encoder fingerprint
     (a few seconds for a base-size tower); the corpus fingerprint is always checked. h runs on `device` (None:
     the accelerator when there is one) and the index goes to the GPU with it (`rlm.inference.device.index_on_gpu`).
-    `factory`: any faiss factory, built from h(B) a chunk at a time (`CorrectedRows`); IVF and HNSW types get their
-    search parameter tuned for `target_recall` (None: the index's default) against the exact top-k over h(B), at
-    k = `tune_k` (None: `rlm.retriever.index.TUNE_K`; give the k the index will be searched at).
+    `spec` (None: `IndexSpec()`, the one default): the index built from h(B) a chunk at a time (`CorrectedRows`),
+    its search fixed or tuned for the spec's target recall against the exact top-k over h(B), at k = `tune_k`
+    (None: the spec's; give the k the index will be searched at); on the device `spec.device` says (auto: with h).
     """
     from rlm.inference.device import index_on_gpu, inference_device
     from rlm.retriever.corrector import CorrectorNetwork
-    from rlm.retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
+    from rlm.retriever.index import PassageIndex
 
+    spec = spec or IndexSpec()
     root = Path(checkpoint)
     if not (root / "corrector").is_dir():
         raise FileNotFoundError(
@@ -144,9 +145,9 @@ def corrected_index(
         raise UserError(f"corrector of dimension {corrector.dim} does not fit buffer rows of {buffer.dim}")
     start = time.perf_counter()
     rows = CorrectedRows(buffer, corrector)
-    index = PassageIndex.from_buffer(rows, factory, use_gpu=index_on_gpu(device), show_progress=show_progress)
-    if index.tunable_parameter() is not None:
-        index.tune(rows, target_recall or DEFAULT_TARGET_RECALL, k=tune_k or TUNE_K)
+    use_gpu = index_on_gpu(device, spec.device)
+    index = PassageIndex.from_buffer(rows, spec.factory, use_gpu=use_gpu, show_progress=show_progress)
+    index.apply_search(spec, rows, k=tune_k)
     seconds = time.perf_counter() - start
     return CorrectedIndex(index, folder, len(buffer), rows.correct_seconds, seconds - rows.correct_seconds)
 

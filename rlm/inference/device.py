@@ -27,10 +27,12 @@ def inference_device(device=None):
         raise UserError(f"unknown device {device!r}: use cpu, cuda or cuda:N (the GPU of index N)") from err
 
 
-def index_on_gpu(device) -> bool | None:
-    """`use_gpu` of a faiss index serving models on `device` (None: `inference_device`'s default): on a GPU
-    when they are on one and faiss sees one (None: faiss-cpu keeps it on the host), on the host otherwise
-    (`--device cpu` keeps faiss off the GPU)."""
+def index_on_gpu(device, wanted: str = "auto") -> bool | None:
+    """`use_gpu` of a faiss index serving models on `device` (None: `inference_device`'s default): with `wanted`
+    "auto" (an `IndexSpec.device`), on a GPU when they are on one and faiss sees one (None: faiss-cpu keeps it
+    on the host), on the host otherwise (`--device cpu` keeps faiss off the GPU); "gpu" insists, "cpu" stays."""
+    if wanted != "auto":
+        return wanted == "gpu"
     return None if inference_device(device).type == "cuda" else False
 
 

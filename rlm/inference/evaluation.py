@@ -26,6 +26,7 @@ from rlm.data.qa import QAExample
 from rlm.inference.metrics import first_answer_hit, first_gold_hit, qa_scores, recall_from_first_hits
 from rlm.inference.reading import decide_all, read, with_gold_passages
 from rlm.inference.retrieval import Retrieved, encode_questions, search_index
+from rlm.retriever.index_spec import TUNE_K, IndexSpec
 
 RECALL_KS = (1, 5, 20, 100)
 
@@ -154,14 +155,14 @@ def _retrieve_for_evaluation(
             tower,
             corpus,
             options.embeddings_dir,
-            options.factory,
-            use_gpu=index_on_gpu(tower.device),
+            options.spec,
+            use_gpu=index_on_gpu(tower.device, options.spec.device),
             batch_size=options.batch_size,
             precision=options.precision,
             accelerator=options.accelerator,
             tune_queries=tune_on,  # an approximate index is tuned on what it will be asked
             show_progress=show_progress,
-            tune_k=tuning_k(k),  # and at the k it will be searched at
+            tune_k=tuning_k(k, options.spec.tune_k),  # and at the k it will be searched at
         )
         if options.save_dir is not None and (
             options.accelerator is None or options.accelerator.is_main_process
@@ -176,12 +177,10 @@ def _retrieve_for_evaluation(
     return retrieved
 
 
-def tuning_k(k: int) -> int:
+def tuning_k(k: int, tune_k: int = TUNE_K) -> int:
     """The recall@k an index built for an evaluation that retrieves `k` passages is tuned for: `k` itself, so
-    the recall@k reported is what exact search would give, and never below `rlm.retriever.index.TUNE_K`."""
-    from rlm.retriever.index import TUNE_K
-
-    return max(k, TUNE_K)
+    the recall@k reported is what exact search would give, and never below `tune_k` (the spec's)."""
+    return max(k, tune_k)
 
 
 def warn_if_tuned_below(index, k: int) -> None:
@@ -211,12 +210,12 @@ def _every_question(queries: np.ndarray, procs) -> np.ndarray:
 @dataclass
 class IndexOptions:
     """How `run_evaluation` embeds and indexes a corpus it is given no index for (`index_corpus`): the folder
-    of the float16 shards (None: a temporary one), the faiss factory, passages per forward, the precision of
-    the passage tower ("auto": bf16 on a CUDA GPU), the accelerate state whose processes share the work, and
-    a folder to save the index in."""
+    of the float16 shards (None: a temporary one), the index (`IndexSpec`: the one default every command
+    shares), passages per forward, the precision of the passage tower ("auto": bf16 on a CUDA GPU), the
+    accelerate state whose processes share the work, and a folder to save the index in."""
 
     embeddings_dir: str | os.PathLike | None = None
-    factory: str = "Flat"
+    spec: IndexSpec = field(default_factory=IndexSpec)
     batch_size: int = 64
     precision: str = "auto"
     accelerator: object | None = None

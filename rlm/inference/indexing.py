@@ -24,6 +24,7 @@ import numpy as np
 
 from rlm.base.atomicio import atomic_write_text
 from rlm.errors import UserError
+from rlm.retriever.index_spec import IndexSpec
 
 INDEX_SUBFOLDER = "index"  # where the main process saves the index the other processes load
 # Under `accelerate launch` the other processes wait for that index on disk, not at a collective: building and
@@ -188,30 +189,31 @@ def index_corpus(
     passage_tower,
     corpus,
     embeddings_dir: str | os.PathLike | None = None,
-    factory: str = "Flat",
+    spec: IndexSpec | None = None,
     use_gpu: bool | None = None,
     batch_size: int = 64,
     precision: str = "auto",
     accelerator=None,
-    target_recall: float | None = None,
     tune_queries: np.ndarray | None = None,
     show_progress: bool = False,
     tune_k: int | None = None,
 ):
     """A `rlm.retriever.index.PassageIndex` of `corpus` under `passage_tower`: the corpus embedded into float16
     shards in `embeddings_dir` (a temporary folder when None; a kept one is resumed, or reused when complete),
-    then indexed with `factory` from the shards, its search parameter tuned for `target_recall` (None: the
-    index's default) against exact search, on `tune_queries` (query-tower embeddings of questions: what the
-    index will be asked) when given, else on indexed rows made question-like, at recall@`tune_k` (None:
-    `rlm.retriever.index.TUNE_K`; give the k the index will be searched at). The index records the tower's and
-    corpus's fingerprints.
+    then indexed from the shards as `spec` says (None: `IndexSpec()`, the one default): its type, and its search
+    parameter fixed or tuned for the spec's target recall against exact search (`PassageIndex.apply_search`),
+    on `tune_queries` (query-tower embeddings of questions: what the index will be asked) when given, else on
+    indexed rows made question-like, at recall@`tune_k` (None: the spec's; give the k the index will be searched
+    at). The index records the tower's and corpus's fingerprints.
 
     `precision`: "float32", "bf16" or "auto" (bf16 on a CUDA GPU). `accelerator` (an accelerate
     `PartialState`/`Accelerator`): each process embeds its share of the shards, the main process builds, tunes
     and saves the index under `<embeddings_dir>/index` (`handing_over_index`), and the others wait for it there
     without a collective and map it (`await_index`); every process returns it."""
     from rlm.retriever.buffer import build_passage_buffer
-    from rlm.retriever.index import DEFAULT_TARGET_RECALL, TUNE_K, PassageIndex
+    from rlm.retriever.index import PassageIndex
+
+    spec = spec or IndexSpec()
 
     is_main = accelerator is None or accelerator.is_main_process
     several = accelerator is not None and accelerator.num_processes > 1
@@ -233,11 +235,11 @@ def index_corpus(
             # Built and tuned once, by the main process; mapped here, so the processes share one copy in RAM.
             return await_index(folder, use_gpu)
         with handing_over_index(folder) if several else contextlib.nullcontext():
-            index = PassageIndex.from_buffer(buffer, factory, use_gpu=use_gpu, show_progress=show_progress)
-            if index.tunable_parameter() is not None:
-                asked = tune_queries if tune_queries is not None and len(tune_queries) else None
-                target = target_recall or DEFAULT_TARGET_RECALL
-                index.tune(buffer, target, k=tune_k or TUNE_K, query_vectors=asked)
+            index = PassageIndex.from_buffer(
+                buffer, spec.factory, use_gpu=use_gpu, show_progress=show_progress
+            )
+            asked = tune_queries if tune_queries is not None and len(tune_queries) else None
+            index.apply_search(spec, buffer, query_vectors=asked, k=tune_k)
             if several:
                 index.save(folder / INDEX_SUBFOLDER)
         return index

@@ -273,7 +273,7 @@ def find_unused_parameters(cfg: TrainConfig, model: torch.nn.Module) -> bool:
     )
     if trained_besides_reader and reader_alone_steps(cfg):
         return True
-    if cfg.retriever.align_steps:  # DAFT's alignment stage freezes the passage tower and h for its steps
+    if cfg.retriever.align.steps:  # DAFT's alignment stage freezes the passage tower and h for its steps
         return True
     return bool(unreached_parameters(model))
 

@@ -5,9 +5,9 @@ query tower maps every question to nearly the same vector (what a light query to
 The loop calls the stage around each optimizer step (`before_step`, `after_step`); the step itself knows
 nothing of it. While the stage runs, the passage tower and the corrector are frozen (requires_grad off: no
 gradient, so neither AdamW nor clipping sees one; DDP finds them unused), and they train again once it ends.
-The stage is measured by the kNN KL between the towers every `retriever.align_every` steps; it ends below
-`retriever.align_kl`, after `retriever.align_patience` measurements without a new best, or after
-`retriever.align_steps`. Every process measures the same questions, so they all decide alike.
+The stage is measured by the kNN KL between the towers every `retriever.align.every` steps; it ends below
+`retriever.align.kl`, after `retriever.align.patience` measurements without a new best, or after
+`retriever.align.steps`. Every process measures the same questions, so they all decide alike.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class AlignmentStage:
 
     def active(self, step: int) -> bool:
         """Whether optimizer step `step` (0-based) is in the stage."""
-        return self.end is None and self.first <= step < self.first + self.cfg.align_steps
+        return self.end is None and self.first <= step < self.first + self.cfg.align.steps
 
     def before_step(self, step: int, model) -> bool:
         """At the top of optimizer step `step`: whether it is in the stage; while it is, only the query tower of
@@ -66,8 +66,8 @@ class AlignmentStage:
         on."""
         rc = self.cfg
         record["aligning"] = 1
-        last = step >= self.first + rc.align_steps
-        if (step - self.first) % rc.align_every and not last:
+        last = step >= self.first + rc.align.steps
+        if (step - self.first) % rc.align.every and not last:
             return None
         metrics = alignment_metrics(retriever, questions, self.batch_size)
         kl = metrics["query_passage_knn_kl"]
@@ -80,12 +80,12 @@ class AlignmentStage:
         else:
             self.stalled += 1
         reason = None
-        if rc.align_kl is not None and kl < rc.align_kl:
-            reason = f"kNN KL {kl:.2f} < retriever.align_kl={rc.align_kl}"
-        elif self.stalled >= rc.align_patience:
-            reason = f"kNN KL has not fallen for {rc.align_patience} measurements (best {self.best:.2f})"
+        if rc.align.kl is not None and kl < rc.align.kl:
+            reason = f"kNN KL {kl:.2f} < retriever.align.kl={rc.align.kl}"
+        elif self.stalled >= rc.align.patience:
+            reason = f"kNN KL has not fallen for {rc.align.patience} measurements (best {self.best:.2f})"
         elif last:
-            reason = f"retriever.align_steps={rc.align_steps} reached (kNN KL {kl:.2f})"
+            reason = f"retriever.align.steps={rc.align.steps} reached (kNN KL {kl:.2f})"
         if reason is not None:
             self.end = record["align_end"] = step
             for p in self.frozen:

@@ -37,6 +37,7 @@ import torch
 import yaml
 
 from rlm.base.atomicio import atomic_write_json, atomic_write_text
+from rlm.config import TrainConfig, renamed_settings, to_dict
 from rlm.errors import UserError
 
 CHECKPOINT_PREFIX = "step_"
@@ -58,7 +59,6 @@ OPERATIONAL_KEYS = frozenset(
         "save_every",
         "keep_last",
         "max_bad_batches",
-        "max_nonfinite_in_a_row",  # its old name, in the config of a checkpoint written before
         "dist_timeout_s",
         "gradient_checkpointing",
         "retriever.gradient_checkpointing",
@@ -66,7 +66,7 @@ OPERATIONAL_KEYS = frozenset(
         "buffer.placement",
         "buffer.chunk_size",
         "strategy.cache_corrected_mb",
-        "strategy.overlap_every",
+        "strategy.two_stage.overlap_every",
         "data.max_dev_examples",
     }
 )
@@ -400,13 +400,20 @@ def flat_config(data: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def changed_settings(saved_config: str, config: str, saved_processes: int, processes: int) -> dict:
-    """{key: (checkpoint's value, this run's)} for the settings that decide what is trained."""
-    before = flat_config(yaml.safe_load(saved_config) or {})
+    """{key: (checkpoint's value, this run's)} for the settings that decide what is trained. The checkpoint's
+    settings are read under their current names (`rlm.config.RENAMED_SETTINGS`), a key they predate as its
+    default; while both search exactly, `strategy.two_stage.*` decides nothing."""
+    defaults = flat_config(to_dict(TrainConfig()))
+    saved = flat_config(renamed_settings(yaml.safe_load(saved_config) or {}, warn=False))
+    before = {**{key: defaults[key] for key in defaults.keys() - saved.keys()}, **saved}
     after = flat_config(yaml.safe_load(config) or {})
+    ignored = set(OPERATIONAL_KEYS)
+    if before.get("strategy.search", "exact") == after.get("strategy.search", "exact") == "exact":
+        ignored |= {key for key in (*before, *after) if key.startswith("strategy.two_stage.")}
     changed = {
         key: (before.get(key), after.get(key))
         for key in sorted(set(before) | set(after))
-        if key not in OPERATIONAL_KEYS and before.get(key) != after.get(key)
+        if key not in ignored and before.get(key) != after.get(key)
     }
     if saved_processes != processes:
         changed["processes"] = (saved_processes, processes)

@@ -138,7 +138,7 @@ def datasets(cfg: TrainConfig) -> list[str]:
 def base_models(cfg: TrainConfig) -> list[str]:
     """The hub models the run started from, where it started from one (a local folder is not named)."""
     retriever = cfg.retriever.path or PACKAGED_RETRIEVER
-    reader = cfg.reader.path if cfg.reader.arch != "warm_start" else cfg.reader.warm_start_path
+    reader = cfg.reader.path if cfg.reader.arch != "warm_start" else cfg.reader.warm_start.path
     if cfg.reader.arch == "warm_start" and reader is None:
         reader = PACKAGED_RETRIEVER
     found = [name for name in (retriever, reader) if name and not name.startswith(("/", ".", "~"))]

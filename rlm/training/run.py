@@ -124,7 +124,7 @@ class TrainRun:
     heartbeat: Heartbeat = field(default_factory=lambda: Heartbeat(None, 0, 1))
     # The time this step's refresh took, which the step's own measure leaves out (its parts are measured).
     _refresh_s: float = field(default=0.0, init=False, repr=False)
-    alignment: AlignmentStage | None = None  # DAFT's stage 1, when `retriever.align_steps` asks for one
+    alignment: AlignmentStage | None = None  # DAFT's stage 1, when `retriever.align.steps` asks for one
 
     @property
     def raw(self) -> RetrievalAugmentedModel:
@@ -269,12 +269,12 @@ class TrainRun:
 
 
 def alignment_stage(cfg: TrainConfig, accelerator: Accelerator) -> AlignmentStage | None:
-    """DAFT's alignment stage when `retriever.align_steps` asks for one."""
-    if not cfg.retriever.align_steps:
+    """DAFT's alignment stage when `retriever.align.steps` asks for one."""
+    if not cfg.retriever.align.steps:
         return None
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise UserError(
-            "retriever.align_steps is not supported under DeepSpeed (it freezes a tower per step)"
+            "retriever.align.steps is not supported under DeepSpeed (it freezes a tower per step)"
         )
     return AlignmentStage(cfg.retriever, retriever_start(cfg), cfg.buffer.batch_size)
 
@@ -289,7 +289,7 @@ def strategy_for(cfg: TrainConfig, buffer) -> SelectionStrategy:
         chunk_size=cfg.buffer.chunk_size,
         # Re-embedding counts from the first step that moves the passage tower: after the alignment stage
         # (lowered to where it ends when it ends early).
-        start_step=retriever_start(cfg) + cfg.retriever.align_steps,
+        start_step=retriever_start(cfg) + cfg.retriever.align.steps,
         stop_step=retriever_stop(cfg),
     )
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from rlm.config import StrategyFact
 from rlm.retriever.buffer import PassageBuffer
 from rlm.retriever.distributed import Processes, merge_topk, no_rows
-from rlm.retriever.row_search import RowSearch, TwoStage
+from rlm.retriever.row_search import RowSearch
 from rlm.retriever.search import TopK, complete_selection, corrected_topk, two_stage_corrected_topk
 
 # Re-embeds the given corpus rows with the current passage tower (no gradient) -> [n, D] float32.
@@ -69,9 +69,7 @@ class SelectionStrategy:
         # The steps of the run's kept checkpoints (told by the run when it saves or resumes): a refresh deletes
         # the earlier refreshed rows except theirs (`prune_refreshes`).
         self.checkpoint_steps: tuple[int, ...] = ()
-        two_stage = None
-        if cfg.search == "two_stage":
-            two_stage = TwoStage(cfg.candidates, cfg.first_stage, cfg.index_factory, cfg.nprobe)
+        two_stage = cfg.two_stage if cfg.search == "two_stage" else None
         self.search = RowSearch(chunk_size, two_stage, cache_bytes=cfg.cache_corrected_mb * 2**20)
         self.search.set_rows(len(buffer), whole=buffer)
         self.metrics: dict[str, float] = {}  # logged with the step, then cleared (`pop_metrics`)
@@ -95,8 +93,8 @@ class SelectionStrategy:
 
     def before_step(self, step: int, embed_rows: EmbedRows) -> None:
         """Called first at optimizer step `step` (0-based): refreshing strategies re-embed here, and two-stage
-        search measures itself against exact every `overlap_every` steps."""
-        if step % self.cfg.overlap_every == 0:
+        search measures itself against exact every `two_stage.overlap_every` steps."""
+        if step % self.cfg.two_stage.overlap_every == 0:
             self.search.measure_overlap()
         self.refresh(step, embed_rows)
 
@@ -148,16 +146,9 @@ class SelectionStrategy:
         elif rows.first_stage is None:
             local = corrected_topk(all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk)
         else:  # Appendix B.2: candidates by the stale score, re-scored with h
-            index, candidates, nprobe = rows.first_stage
+            stage = rows.first_stage
             local = two_stage_corrected_topk(
-                all_queries,
-                rows.vectors,
-                rows.corrector,
-                n,
-                index,
-                candidates,
-                nprobe=nprobe,
-                chunk_size=chunk,
+                all_queries, rows.vectors, rows.corrector, n, stage.index, stage.candidates, chunk_size=chunk
             )
         top = merge_topk(rows.procs, local, rows.row_ids, width, queries.shape[0])
         if rows.first_stage is not None and n and self.search.overlap_due():
