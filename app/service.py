@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from rlm.errors import UserError
 from rlm.inference.answer_policy import AnswerPolicy, AnswerSignals, Decision
 from rlm.inference.checkpoint import corpus_from_config
-from rlm.inference.index_cache import INDEX_CACHE, cached_corrected_index, cached_index  # noqa: F401 (INDEX_CACHE: read here by scripts)
+from rlm.inference.index_cache import cached_corrected_index, cached_index
 from rlm.inference.indexing import EMBED_LIMIT
 from rlm.inference.metrics import has_answer
 from rlm.retriever.index_spec import IndexSpec

@@ -79,13 +79,14 @@ def rlm_layer(name: str) -> str:
 
 
 def module_graph() -> dict[str, set[str]]:
-    """Module -> the library modules it imports when it runs (a name resolved to the longest module it starts
-    with): a type named for the checker only (`if TYPE_CHECKING:`) makes no circle."""
+    """Module -> the library modules it imports (a name resolved to the longest module it starts with), types
+    named for the checker only (`if TYPE_CHECKING:`) included: a circle a type checker or a reader follows is
+    a circle all the same."""
     modules = {module_name(p): p for p in library_files()}
     graph = {}
     for name, path in modules.items():
         deps = set()
-        for target in imports(path, at_run_time=True):
+        for target in imports(path):
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             if target and target != name:

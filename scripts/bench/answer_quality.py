@@ -211,8 +211,7 @@ def plot(bins: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     import yaml
 
-    from rlm.app.service import corpus_from_config
-    from rlm.inference.checkpoint import reader_passages_from_config
+    from rlm.inference.checkpoint import corpus_from_config, reader_passages_from_config
 
     parser = arguments(__doc__)
     parser.add_argument("--checkpoint", required=True, type=Path)

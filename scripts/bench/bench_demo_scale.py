@@ -202,7 +202,7 @@ def checkpoint_copy(checkpoint: Path, work: Path) -> Path:
     """The checkpoint copied into `work` without the caches earlier versions of the demo wrote into it (its
     index, its corpus fingerprints), which the service would still read. Its own caches go to
     `service_cache(copy)`, not the user's cache folder."""
-    from rlm.app.service import INDEX_CACHE
+    from rlm.inference.index_cache import INDEX_CACHE
 
     copy = work / "checkpoint"
     shutil.rmtree(copy, ignore_errors=True)
@@ -874,7 +874,7 @@ def default_questions(checkpoint: Path) -> Path:
     """dev.jsonl next to the corpus the checkpoint's run trained on (a quickstart's toy world)."""
     import yaml
 
-    from rlm.app.service import corpus_from_config
+    from rlm.inference.checkpoint import corpus_from_config
 
     config = yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}
     try:

@@ -116,7 +116,7 @@ def selection_costs(args, n: int, dim: int, precision: str) -> dict:
 
     from rlm.retriever.buffer import PassageBuffer
     from rlm.retriever.index import PassageIndex
-    from rlm.retriever.row_search import auto_index_factory
+    from rlm.retriever.index_spec import auto_index_factory
     from rlm.retriever.search import corrected_topk, two_stage_corrected_topk
 
     buffer, q = clustered_buffer(n, dim, args.batch_size)
