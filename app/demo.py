@@ -101,6 +101,8 @@ def render(result: dict) -> tuple[str, str, str, dict]:
     batch_size = result.get("batch_size", 1)
     shared = f" (batch of {batch_size})" if batch_size > 1 else ""
     tail = f"{result['latency_ms']:.0f} ms{shared} · top-{result['k']} passages"
+    if result.get("corpus_edition"):  # which corpus, or edition of one after `rlm corpus update`, answered
+        tail += f" · corpus {result['corpus_edition'].rpartition(':')[2][:12]}"
     if result.get("abstained"):
         status = f"🚫 No answer: {result['reason']} · {tail}"
     else:

@@ -13,7 +13,9 @@ tested (and reused) without a browser.
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,6 +79,9 @@ class ServiceOptions:
     # The buffer a prebuilt index re-scores its candidates from, when it is not where the index finds it
     # (--rescore-buffer; None: as its index.json records).
     rescore_buffer: str | os.PathLike | None = None
+    # With `index_path`: every this many seconds, look for a corpus update of the index (`rlm corpus update` on
+    # this machine) and serve it without a restart (--follow-updates; 0: never).
+    follow_updates_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.index_path is not None and self.corrected_buffer:
@@ -105,6 +110,18 @@ class ServiceOptions:
             inference_device(self.device)  # a device torch does not know is refused before anything loads
 
 
+def _prebuilt(options: ServiceOptions, retriever, corpus, use_gpu: bool | None):
+    """(the prebuilt index `options` name, checked against the checkpoint and corpus; the corpus it answers
+    from: `corpus`, with the corpus updates the index holds, if any)."""
+    from rlm.inference import indexing
+
+    spec = options.index_spec
+    index = indexing.prebuilt_index(
+        options.index_path, retriever, corpus, use_gpu, spec.search_params, options.rescore_buffer
+    )
+    return index, indexing.served_corpus(index, corpus, options.index_path)
+
+
 @dataclass
 class QAService:
     """Retrieve with the trained towers and a faiss index, read with the FiD reader."""
@@ -122,6 +139,9 @@ class QAService:
     policy: AnswerPolicy | None = None
     # The towers and the reader answer under bf16 autocast (`rlm.inference.device.inference_bf16`).
     bf16: bool = False
+    # The fingerprint of the corpus (or edition of one, after corpus updates) `index` and `corpus` serve.
+    edition: str = ""
+    _serving: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
     def from_checkpoint(
@@ -146,7 +166,6 @@ class QAService:
         """
         import rlm.inference.checkpoint  # by module: the loading can be watched (scripts/bench/bench_demo_scale.py)
         from rlm.cache import cache_dir
-        from rlm.inference import indexing
         from rlm.inference.device import index_on_gpu, inference_bf16, inference_device
 
         options = options or ServiceOptions()
@@ -161,10 +180,7 @@ class QAService:
         progress = options.show_progress
         spec = options.index_spec
         if options.index_path is not None:
-            use_gpu = index_on_gpu(device, spec.device)
-            index = indexing.prebuilt_index(
-                options.index_path, retriever, corpus, use_gpu, spec.search_params, options.rescore_buffer
-            )
+            index, corpus = _prebuilt(options, retriever, corpus, index_on_gpu(device, spec.device))
         elif options.corrected_buffer:
             index = cached_corrected_index(root, corpus, options.buffer_path, device, progress, cache, spec)
         else:
@@ -181,9 +197,23 @@ class QAService:
             examples=example_questions(examples_file, options.num_examples),
             policy=AnswerPolicy.load(root) if options.load_policy else None,
             bf16=bf16,
+            edition=getattr(corpus, "fingerprint", "") or "",
         )
         service.warm_up()
+        if options.index_path is not None and options.follow_updates_s:
+            UpdateFollower(service, options, index_on_gpu(device, spec.device), _base_corpus(corpus)).start()
         return service
+
+    def serving(self) -> tuple[PassageIndex, Corpus, str]:
+        """(index, corpus, edition) as one: an answer takes all three at its start and finishes on them, whatever
+        update is taken meanwhile."""
+        with self._serving:
+            return self.index, self.corpus, self.edition
+
+    def take_update(self, index: PassageIndex, corpus, edition: str) -> None:
+        """Serve `index` over `corpus` (a new edition of the corpus) from the next question on."""
+        with self._serving:
+            self.index, self.corpus, self.edition = index, corpus, edition
 
     def check_question(self, question: str | None) -> str:
         """The stripped question, or InvalidQuestion with a message for the user."""
@@ -251,6 +281,7 @@ class QAService:
 
         texts = [self.check_question(q) for q in questions]
         k = self.clamp_k(k)
+        index, corpus, edition = self.serving()
         start = time.perf_counter()
         # no_grad, not inference_mode: under inference_mode autocast keeps no cache of its bf16 weight copies and
         # casts the weights again at each decoder step (a T5-base's decoder and LM head: 138M, per answer token).
@@ -258,8 +289,8 @@ class QAService:
             # `encode` hands back host float32 whatever the tower's device: what faiss takes.
             queries = self.retriever.query_tower.encode(texts).numpy()
             # Index row r is corpus row r (checked when the index was loaded): no id lookups.
-            scores, rows = self.index.search_rows(queries, k)
-            passages = [[self.corpus[int(r)] for r in row if r >= 0] for row in rows]
+            scores, rows = index.search_rows(queries, k)
+            passages = [[corpus[int(r)] for r in row if r >= 0] for row in rows]
             answers = self.reader.answer_with_confidence(
                 texts, [[(p.title, p.text) for p in row] for row in passages]
             )
@@ -283,6 +314,7 @@ class QAService:
                 "k": k,
                 "latency_ms": latency_ms,
                 "batch_size": len(texts),  # the questions answered in this pass, this one among them
+                "corpus_edition": edition,
                 "passages": [
                     {
                         "id": p.id,
@@ -308,6 +340,45 @@ class QAService:
     def warm_up(self) -> None:
         """Answer one question so the first user does not pay for lazy initialisation (about a second)."""
         self.answer(self.examples[0] if self.examples else "warm up", self.default_k)
+
+
+def _base_corpus(corpus):
+    """The corpus file an index's corpus updates start from: `corpus` itself, or an edition's base."""
+    return getattr(corpus, "base", corpus)
+
+
+class UpdateFollower(threading.Thread):
+    """Looks at a prebuilt index's index.json every `options.follow_updates_s` seconds; when a corpus update
+    (`rlm corpus update`) has made a new generation, loads it and its corpus edition, checked as at start, and
+    hands both to the service (`QAService.take_update`). Questions in flight finish on the edition they began
+    on; one that fails to load is reported and the service keeps the edition it has."""
+
+    def __init__(self, service: QAService, options: ServiceOptions, use_gpu: bool | None, base):
+        super().__init__(daemon=True, name="index-update-follower")
+        self.service, self.options, self.use_gpu, self.base = service, options, use_gpu, base
+        self.seen = self.generation()
+
+    def generation(self) -> object:
+        meta = Path(self.options.index_path) / "index.json"
+        try:
+            return json.loads(meta.read_text()).get("generation", 0)
+        except (OSError, ValueError):  # between a rename and the next read: looked at again next time
+            return self.seen if hasattr(self, "seen") else None
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.options.follow_updates_s)
+            now = self.generation()
+            if now == self.seen:
+                continue
+            self.seen = now
+            try:
+                index, corpus = _prebuilt(self.options, self.service.retriever, self.base, self.use_gpu)
+            except Exception as err:  # a refused or unreadable update: keep serving what was served
+                print(f"warning: corpus update of {self.options.index_path} not taken: {err}", flush=True)
+                continue
+            self.service.take_update(index, corpus, getattr(corpus, "fingerprint", "") or "")
+            print(f"serving corpus edition {self.service.edition} ({len(corpus):,} passages)", flush=True)
 
 
 def _checkpoint_folder(checkpoint: str | os.PathLike) -> Path:

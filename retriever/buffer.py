@@ -196,6 +196,29 @@ class PassageBuffer:
         buffer.path, buffer._files = folder, files
         return buffer if torch.device(device).type == "cpu" else buffer.to(device)
 
+    def grown(self, appended: Sequence[str | os.PathLike], ids: Sequence[str]) -> PassageBuffer:
+        """This buffer with rows appended after its own: each file of `appended` one `.npy` of [n, D] rows in
+        this buffer's dtype (what `rlm corpus update` writes for the passages it adds), memory-mapped like the
+        buffer's shards; `ids`: the ids of all rows, this buffer's first. Its meta, path and fingerprints stay
+        this buffer's: the grown rows are checked by whoever appended them."""
+        shards, files = list(self._shards), list(self._files)
+        for path in appended:
+            mapped = np.load(path, mmap_mode="c")
+            if (
+                mapped.ndim != 2
+                or mapped.shape[1] != self.dim
+                or str(mapped.dtype) != str(self.dtype).removeprefix("torch.")
+            ):
+                raise InputError(
+                    f"{path} holds rows of shape {mapped.shape} {mapped.dtype}, not [n, {self.dim}] {self.dtype}"
+                )
+            shards.append(torch.from_numpy(mapped))
+            files.append((Path(path), int(mapped.offset)))
+        grown = type(self)(ids, shards, self.meta)
+        grown.path = self.path
+        grown._files = files if len(files) == len(shards) else []
+        return grown
+
     def __len__(self) -> int:
         return len(self.ids)
 

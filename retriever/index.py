@@ -25,6 +25,7 @@ dependency) and is imported on first use, so the project imports without it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm.auto import tqdm
 
-from rlm.base.atomicio import atomic_directory, atomic_write_bytes, atomic_write_text
+from rlm.base.atomicio import atomic_directory, atomic_file, atomic_write_bytes, atomic_write_text
 from rlm.retriever.errors import InputError
 from rlm.retriever.ids import IdSequence, id_lines
 from rlm.retriever.index_spec import DEFAULT_TARGET_RECALL, TUNE_K, IndexSpec, resolve_factory
@@ -53,11 +54,16 @@ if TYPE_CHECKING:
 INDEX_NAME = "index.faiss"
 IDS_NAME = "ids.txt"
 META_NAME = "index.json"
-INDEX_FILES = (INDEX_NAME, IDS_NAME, META_NAME)  # all that `save` writes
+REMOVED_NAME = "removed.npy"  # the rows no search returns, when a corpus update deleted or replaced any
+INDEX_FILES = (INDEX_NAME, IDS_NAME, META_NAME, REMOVED_NAME)  # all that `save` writes
+# What a corpus update's generation writes beside index.json (`save_generation`), and the store of its passages.
+GENERATION_FILES = ("index.*.faiss", "ids.*.txt", "removed.*.npy", "updates")
+QUANTIZATION_SAMPLE = 16_384  # rows whose quantization error is the index's baseline (`quantization_error`)
 ADD_ROWS = 65_536  # rows per `add`, so that building a 21M-passage index reports its progress
 # What an index built from a buffer records of it, so that a consumer can refuse an index of another encoder or
 # corpus (an index of the run's stale buffer is not the trained tower's).
-PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "precision")
+# Saved with an index and read back; "corrector_fingerprint": its rows are h(B) (`rlm.inference.corrected_index`).
+PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "precision", "corrector_fingerprint")
 # What `tune` aims for by default (`DEFAULT_TARGET_RECALL` at k = `TUNE_K`, from `rlm.retriever.index_spec`): on
 # made questions (`question_like_rows`), the share of those whose source row exact search ranks in its top k that
 # the index ranks in its top k too; on given questions, the share of exact search's top k the index finds.
@@ -268,6 +274,36 @@ def describe_tuning(tuning: dict) -> str:
     )
 
 
+def quantization_error(index, vectors: np.ndarray) -> float | None:
+    """Mean squared distance between `vectors` [n, D] and what the codes of faiss `index` (a host index) make
+    of them (`sa_encode` then `sa_decode`: PQ, SQ and IVF's coarse step alike), or None where the type has no
+    standalone codec (HNSW's graph, a GPU clone)."""
+    vectors = _as_float32(vectors, int(index.d))
+    try:
+        decoded = index.sa_decode(index.sa_encode(vectors))
+    except RuntimeError:
+        return None
+    return float(np.mean(np.sum((decoded - vectors) ** 2, axis=1)))
+
+
+def _held_out(n: int, trained_on: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Up to `QUANTIZATION_SAMPLE` rows the codebooks were not trained on, sorted; `trained_on` itself when
+    every row was (a small index)."""
+    rest = np.setdiff1d(np.arange(n), trained_on) if n <= 4 * QUANTIZATION_SAMPLE else None
+    if rest is None:  # a large index: draw, and drop the few that were trained on
+        rest = np.setdiff1d(rng.choice(n, 2 * QUANTIZATION_SAMPLE, replace=False), trained_on)
+    if not len(rest):
+        return trained_on
+    return np.sort(rng.choice(rest, min(QUANTIZATION_SAMPLE, len(rest)), replace=False))
+
+
+def _quantization(index, rows: np.ndarray, in_sample: bool) -> dict:
+    """The baseline an update's rows are compared with: the quantization error on rows the codebooks were not
+    trained on (`in_sample`: on the ones they were, every row of a small index, which flatters them)."""
+    error = quantization_error(index, rows)
+    return {} if error is None else {"mean_squared_error": error, "rows": len(rows), "in_sample": in_sample}
+
+
 @dataclass
 class Rescoring:
     """Exact re-scoring of an index's candidates from the vectors it was built from: `rows`, a `PassageBuffer`
@@ -324,6 +360,30 @@ class Rescoring:
         return found
 
 
+# index.json's names of an index's files, and the names `save` gives them.
+_FILE_KEYS = {"index_file": INDEX_NAME, "ids_file": IDS_NAME, "removed_file": REMOVED_NAME}
+
+
+def orphans(folder: str | os.PathLike, meta: dict | None = None) -> list[Path]:
+    """What a corpus update left in an index `folder` that its index.json (or `meta`) does not name: the files
+    of a generation killed before its commit (and their temporaries), those of generations two or more back
+    (`save_generation` keeps the one before), and update folders no update of its edition names. Deleting
+    them loses nothing."""
+    folder = Path(folder)
+    if meta is None:
+        meta = json.loads((folder / META_NAME).read_text())
+    named = set(meta.get("previous_files", ())) | {meta.get(key, default) for key, default in _FILE_KEYS.items()}
+    stores = {u["store"] for u in meta.get("edition", {}).get("updates", [])}
+    found = list(folder.glob(".*.tmp"))  # an atomic write's temporary, its writer killed
+    for pattern in GENERATION_FILES[:3]:
+        found += [p for p in folder.glob(pattern) if p.name not in named]
+    found += [p for p in folder.glob(f"{INDEX_NAME}") if p.name not in named]
+    found += [p for p in folder.glob(f"{IDS_NAME}") if p.name not in named]
+    if (folder / "updates").is_dir():
+        found += [p for p in (folder / "updates").iterdir() if f"updates/{p.name}" not in stores]
+    return sorted(found)
+
+
 def _open_rows(folder: Path) -> PassageBuffer:
     """The buffer in `folder`, opened memory-mapped."""
     from rlm.retriever.buffer import PassageBuffer
@@ -344,8 +404,11 @@ class PassageIndex:
         factory: str,
         on_gpu: bool = False,
         search_params: dict[str, int] | None = None,
+        removed: np.ndarray | None = None,
     ):
-        if index.ntotal != len(ids):
+        # An IVF index no longer holds the rows a corpus update removed from it (`remove_rows`); others do.
+        removed = np.zeros(0, dtype=np.int64) if removed is None else np.asarray(removed, dtype=np.int64)
+        if index.ntotal not in (len(ids), len(ids) - len(removed)):
             raise ValueError(f"index holds {index.ntotal} vectors but {len(ids)} ids were given")
         self.index = index
         # A list or an IdSequence (a corpus's or a loaded index's ids: one blob) is kept, not copied: a list
@@ -358,13 +421,20 @@ class PassageIndex:
         self.provenance: dict = {}  # the buffer's encoder and corpus fingerprints (`from_buffer`), saved
         self.rescoring: Rescoring | None = None  # exact re-scoring of the candidates (`rescore_from`), saved
         self.mapped: str | None = None  # the faiss IO flag `load(mmap=True)` used (None: read whole)
+        # Rows no search returns: passages a corpus update deleted or replaced (`remove_rows`), sorted; saved.
+        self.removed = removed
+        self.edition: dict = {}  # the corpus updates this index holds (`rlm corpus update`), saved
+        # The mean squared error of the codes on a sample of the rows it was built from (`quantization_error`).
+        self.quantization: dict = {}
+        self.built_from: dict = {}  # the buffer folder `from_buffer` read (relative and absolute), saved
         self._gpu_lock = threading.Lock()
         if search_params:
             self.set_search_params(search_params)
 
     @property
     def ntotal(self) -> int:
-        return int(self.index.ntotal)
+        """Rows, numbered as `ids`: the removed ones included (an IVF index itself holds fewer)."""
+        return len(self.ids)
 
     @property
     def dim(self) -> int:
@@ -397,17 +467,22 @@ class PassageIndex:
             raise ValueError(f"{n} embeddings but {len(ids)} ids")
         factory = resolve_factory(factory, n)
         index = cls._empty(embeddings.shape[1], factory)
+        baseline = {}
         if not index.is_trained:
             rng = np.random.default_rng(seed)
             train_sample = train_sample or training_rows(factory)
-            picked = np.sort(rng.choice(n, train_sample, replace=False)) if n > train_sample else slice(None)
+            picked = np.sort(rng.choice(n, train_sample, replace=False)) if n > train_sample else np.arange(n)
             index.train(_as_float32(embeddings[picked]))
+            rest = _held_out(n, picked, rng)
+            baseline = _quantization(index, _as_float32(embeddings[rest]), in_sample=rest is picked)
         with tqdm(total=n, desc="index", unit="psg", disable=not show_progress) as bar:
             for start in range(0, n, ADD_ROWS):
                 index.add(_as_float32(embeddings[start : start + ADD_ROWS]))
                 bar.update(min(ADD_ROWS, n - start))
         index, on_gpu = _to_gpu(index, use_gpu)
-        return cls(index, ids, factory, on_gpu)
+        built = cls(index, ids, factory, on_gpu)
+        built.quantization = baseline
+        return built
 
     @classmethod
     def from_buffer(
@@ -424,6 +499,7 @@ class PassageIndex:
         index), then cloned to the GPU(s) as in `build`."""
         factory = resolve_factory(factory, len(buffer))
         index = cls._empty(buffer.dim, factory)
+        baseline = {}
         if not index.is_trained:
             rng = np.random.default_rng(seed)
             n = len(buffer)
@@ -431,6 +507,9 @@ class PassageIndex:
             import torch
 
             index.train(_as_float32(buffer.rows(torch.from_numpy(rows)).float().cpu().numpy()))
+            rest = _held_out(n, rows, rng)
+            held_out = _as_float32(buffer.rows(torch.from_numpy(rest)).float().cpu().numpy())
+            baseline = _quantization(index, held_out, in_sample=rest is rows)
         with tqdm(total=len(buffer), desc="index", unit="psg", disable=not show_progress) as bar:
             for _, chunk in buffer.iter_chunks(chunk_size):
                 index.add(_as_float32(chunk.float().cpu().numpy()))
@@ -438,6 +517,9 @@ class PassageIndex:
         index, on_gpu = _to_gpu(index, use_gpu)
         built = cls(index, buffer.ids, factory, on_gpu)
         built.provenance = {key: buffer.meta[key] for key in PROVENANCE_KEYS if key in buffer.meta}
+        built.quantization = baseline
+        if getattr(buffer, "path", None) is not None:
+            built.built_from = {"rows_absolute": str(Path(buffer.path).resolve())}
         return built
 
     @staticmethod
@@ -628,19 +710,72 @@ class PassageIndex:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Scores [B, k] and row positions [B, k] (int64; -1 where the index found fewer than k). `nprobe`
         sets that search parameter first (kept for later searches). With `rescoring`, the codes' top
-        `k_factor` x k are re-scored exactly and the best k of them returned."""
+        `k_factor` x k are re-scored exactly and the best k of them returned. A removed row (`remove_rows`) is
+        never returned: the search goes deeper until it has as many others as it can."""
         queries = _as_float32(queries, self.dim)
         if nprobe is not None:
             self.set_search_params({"nprobe": nprobe})
-        depth = k if self.rescoring is None else k * self.rescoring.k_factor
-        if not self.on_gpu:
-            scores, rows = self.index.search(queries, min(depth, self.ntotal))
-        else:
-            with self._gpu_lock:
-                scores, rows = self.index.search(queries, min(depth, self.ntotal))
+        depth = min(k if self.rescoring is None else k * self.rescoring.k_factor, self.ntotal)
+        scores, rows = self._search(queries, depth)
+        if len(self.removed):
+            scores, rows = self._without_removed(queries, depth, scores, rows)
         if self.rescoring is None:
             return scores, rows
         return self.rescoring.best(queries, rows, min(k, self.ntotal))
+
+    def _search(self, queries: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        if not self.on_gpu:
+            return self.index.search(queries, depth)
+        with self._gpu_lock:
+            return self.index.search(queries, depth)
+
+    def _without_removed(self, queries, depth: int, scores, rows) -> tuple[np.ndarray, np.ndarray]:
+        """The first `depth` results of each query that are not removed rows, searched deeper (twice as deep
+        each time) while some query lost results to them; -1 and -inf where the index has no more."""
+        searched = depth
+        while True:
+            kept = (rows >= 0) & ~np.isin(rows, self.removed)
+            short = kept.sum(axis=1) < depth
+            lost = (rows >= 0).sum(axis=1) > kept.sum(axis=1)
+            if not (short & lost).any() or searched >= self.ntotal:
+                break
+            searched = min(2 * searched + len(self.removed), self.ntotal)
+            scores, rows = self._search(queries, searched)
+        order = np.argsort(~kept, axis=1, kind="stable")[:, :depth]  # the kept ones first, in their order
+        rows = np.where(np.take_along_axis(kept, order, 1), np.take_along_axis(rows, order, 1), -1)
+        scores = np.where(rows >= 0, np.take_along_axis(scores, order, 1), -np.inf).astype(np.float32)
+        return scores, rows
+
+    def add_rows(self, vectors: np.ndarray, ids: Sequence[str]) -> None:
+        """Append `vectors` [n, D] as rows `ntotal`.. with passage `ids`, coded with the codebooks the index
+        was trained with (an IVF list each by its nearest centroid; nothing is retrained). A GPU clone is
+        refused: an update edits the host index it saves."""
+        if self.on_gpu:
+            raise InputError("rows are added to an index on the host: load it with use_gpu=False")
+        if len(vectors) != len(ids):
+            raise ValueError(f"{len(vectors)} vectors but {len(ids)} ids")
+        if self.mapped:
+            raise InputError("a memory-mapped index is read-only: load it whole (mmap=False) to add rows")
+        for start in range(0, len(vectors), ADD_ROWS):
+            self.index.add(_as_float32(vectors[start : start + ADD_ROWS], self.dim))
+        self.ids = (
+            IdSequence.from_strings([*self.ids, *ids])
+            if not isinstance(self.ids, list)
+            else [*self.ids, *ids]
+        )
+
+    def remove_rows(self, rows: Sequence[int]) -> None:
+        """Make `rows` unreachable: taken out of the index where its type allows (IVF: `remove_ids`, so no
+        search spends time on them), and in every case kept in `removed`, which `search_rows` filters out
+        before anything is returned (Flat and HNSW keep the vectors: removing would renumber Flat's rows, and
+        HNSW's graph cannot lose a node). Row numbers stay those of `ids`."""
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        if len(rows) and (rows[0] < 0 or rows[-1] >= self.ntotal):
+            raise ValueError(f"rows to remove must be in [0, {self.ntotal}), got {rows[0]}..{rows[-1]}")
+        faiss = _faiss()
+        with contextlib.suppress(RuntimeError):  # not an IVF index: filtered at search
+            faiss.extract_index_ivf(self.index).remove_ids(faiss.IDSelectorBatch(rows))
+        self.removed = np.union1d(self.removed, rows)
 
     def rescore_from(self, rows, k_factor: int) -> None:
         """Re-score each search's top `k_factor` x k candidates exactly from `rows` (a `PassageBuffer` of the
@@ -685,21 +820,65 @@ class PassageIndex:
         ids = [[self.ids[r] for r in row if r >= 0] for row in rows]
         return scores, ids
 
-    def save(self, out_dir: str | os.PathLike) -> None:
-        """`index.faiss` + `ids.txt` + `index.json`, atomically replacing `out_dir`."""
-        lines = id_lines(self.ids)  # a ValueError naming the row of an id with a line break
-        faiss = _faiss()
+    def _meta(self, out_dir: str | os.PathLike) -> dict:
+        """index.json's content for this index saved in `out_dir`."""
+        meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
+        meta |= {"search_params": self.search_params, "tuning": self.tuning, **self.provenance}
+        if self.rescoring is not None:
+            meta["rescoring"] = self.rescoring.saved(out_dir)
+        for key in ("quantization", "built_from", "edition"):
+            if getattr(self, key):
+                meta[key] = getattr(self, key)
+        return meta
+
+    def _host_index(self):
         # Only a GPU clone is copied: a CPU index (possibly large: HNSW) is written as it is.
         # index_gpu_to_cpu turns any clone into one CPU index (replicas: one copy; shards: merged).
-        index = faiss.index_gpu_to_cpu(self.index) if self.on_gpu else self.index
+        return _faiss().index_gpu_to_cpu(self.index) if self.on_gpu else self.index
+
+    def save(self, out_dir: str | os.PathLike) -> None:
+        """`index.faiss` + `ids.txt` + `index.json` (+ `removed.npy`), atomically replacing `out_dir`."""
+        lines = id_lines(self.ids)  # a ValueError naming the row of an id with a line break
+        index = self._host_index()
         with atomic_directory(out_dir) as tmp:
-            faiss.write_index(index, str(tmp / INDEX_NAME))
+            _faiss().write_index(index, str(tmp / INDEX_NAME))
             atomic_write_bytes(tmp / IDS_NAME, lines)
-            meta = {"factory": self.factory, "dim": self.dim, "count": self.ntotal, "metric": "inner_product"}
-            meta |= {"search_params": self.search_params, "tuning": self.tuning, **self.provenance}
-            if self.rescoring is not None:
-                meta["rescoring"] = self.rescoring.saved(out_dir)
+            meta = self._meta(out_dir)
+            if len(self.removed):
+                with atomic_file(tmp / REMOVED_NAME) as path, open(path, "wb") as f:
+                    np.save(f, self.removed)
+                meta["removed_file"] = REMOVED_NAME
             atomic_write_text(tmp / META_NAME, json.dumps(meta, indent=2))
+
+    def save_generation(self, folder: str | os.PathLike, generation: int) -> None:
+        """Save into `folder`, beside what is there, as generation `generation`: `index.<g>.faiss`,
+        `ids.<g>.txt`, `removed.<g>.npy`, then `index.json` naming them, replaced in one rename: the commit. A
+        process killed before it leaves `folder` as it was (the new files unnamed, `orphans` finds them);
+        after it, a reader of `index.json` gets the new generation. The generation before stays (a reader
+        that read the old index.json may still be opening its files); older ones are deleted."""
+        folder = Path(folder)
+        names = {
+            "index_file": f"index.{generation:04d}.faiss",
+            "ids_file": f"ids.{generation:04d}.txt",
+            "removed_file": f"removed.{generation:04d}.npy",
+        }
+        previous = json.loads((folder / META_NAME).read_text()) if (folder / META_NAME).exists() else {}
+        with atomic_file(folder / names["index_file"]) as path:
+            _faiss().write_index(self._host_index(), str(path))
+        atomic_write_bytes(folder / names["ids_file"], id_lines(self.ids))
+        with atomic_file(folder / names["removed_file"]) as path, open(path, "wb") as f:
+            np.save(f, self.removed)
+        kept = sorted({previous.get(key, default) for key, default in _FILE_KEYS.items()})
+        meta = self._meta(folder) | names | {"generation": generation, "previous_files": kept}
+        atomic_write_text(folder / META_NAME, json.dumps(meta, indent=2))
+        for path in orphans(folder, meta):
+            if path.is_file():
+                path.unlink()
+
+    def _with_appended(self, rows, folder: Path):
+        """`rows` (the buffer this index was built from) and the rows its corpus updates appended."""
+        stores = [folder / update["store"] / "rows.npy" for update in self.edition.get("updates", [])]
+        return rows.grown(stores, self.ids) if stores else rows
 
     @classmethod
     def load(
@@ -710,49 +889,52 @@ class PassageIndex:
         rescore_rows: str | os.PathLike | None = None,
         mmap: bool = False,
     ) -> PassageIndex:
-        """Read a folder written by `save`, with the search parameters saved there (`tune`'s) and then
-        `search_params` over them. An index that re-scores its candidates finds its buffer relative to itself,
-        else where it was built; `rescore_rows` names the buffer folder instead (checked like any).
+        """Read a folder written by `save` (or a corpus update's `save_generation`: the files index.json
+        names), with the search parameters saved there (`tune`'s) and then `search_params` over them. An index
+        that re-scores its candidates finds its buffer relative to itself, else where it was built;
+        `rescore_rows` names the buffer folder instead (checked like any).
 
         `mmap`: map the file read-only instead of reading it into this process's memory, where faiss can
         (`mmap_flag`) and the index stays on the host: processes that map one file share its pages."""
         folder = Path(path)
-        if not (folder / INDEX_NAME).exists():
-            raise FileNotFoundError(
-                f"{folder / INDEX_NAME} not found: build the index first with `rlm index`"
-            )
+        if not (folder / META_NAME).exists():
+            raise FileNotFoundError(f"{folder / META_NAME} not found: build the index first with `rlm index`")
         meta = json.loads((folder / META_NAME).read_text())
+        files = {key: folder / meta.get(key, default) for key, default in _FILE_KEYS.items()}
         faiss = _faiss()
         # A GPU clone is a copy of its own: the host index it is made from is read whole.
         stays_on_host = not (_gpu_count() > 0 if use_gpu is None else use_gpu)
         mapped = mmap_flag(meta["factory"]) if mmap and stays_on_host else None
         io_flags = (getattr(faiss, mapped) | faiss.IO_FLAG_READ_ONLY) if mapped else 0
-        index, on_gpu = _to_gpu(faiss.read_index(str(folder / INDEX_NAME), io_flags), use_gpu)
+        index, on_gpu = _to_gpu(faiss.read_index(str(files["index_file"]), io_flags), use_gpu)
         try:
-            ids = IdSequence.from_lines((folder / IDS_NAME).read_bytes(), meta["count"])
+            ids = IdSequence.from_lines(files["ids_file"].read_bytes(), meta["count"])
         except ValueError as err:
-            raise InputError(f"{folder / IDS_NAME} has {err}, index.json says {meta['count']}") from None
-        loaded = cls(
-            index, ids, meta["factory"], on_gpu, {**meta.get("search_params", {}), **(search_params or {})}
-        )
+            raise InputError(f"{files['ids_file']} has {err}, index.json says {meta['count']}") from None
+        removed = np.load(files["removed_file"]) if "removed_file" in meta else None
+        params = {**meta.get("search_params", {}), **(search_params or {})}
+        loaded = cls(index, ids, meta["factory"], on_gpu, params, removed=removed)
         loaded.tuning = meta.get("tuning", {})
         loaded.provenance = {key: meta[key] for key in PROVENANCE_KEYS if key in meta}
         loaded.mapped = mapped
+        for key in ("quantization", "built_from", "edition"):
+            setattr(loaded, key, meta.get(key, {}))
         if "rescoring" in meta:
             loaded._rescore_from_saved(meta["rescoring"], folder, rescore_rows)
         return loaded
 
     def _rescore_from_saved(self, saved: dict, folder: Path, rescore_rows: str | os.PathLike | None) -> None:
         """Re-score from the buffer `saved` (index.json's `rescoring`) names, or from `rescore_rows` when given:
-        the first of its folders that holds this index's rows (size, width, encoder and corpus)."""
+        the first of its folders that holds this index's rows (size, width, encoder and corpus), grown by the
+        rows the corpus updates of its edition appended (each update's `rows.npy`)."""
         k_factor = saved["k_factor"]
         if rescore_rows is not None:
-            self.rescore_from(_open_rows(Path(rescore_rows)), k_factor)
+            self.rescore_from(self._with_appended(_open_rows(Path(rescore_rows)), folder), k_factor)
             return
         tried = []
         for candidate in Rescoring.candidate_folders(saved, folder):
             try:
-                self.rescore_from(_open_rows(candidate), k_factor)
+                self.rescore_from(self._with_appended(_open_rows(candidate), folder), k_factor)
                 return
             except (FileNotFoundError, InputError) as err:
                 tried.append(f"{candidate} ({' '.join(str(err).split())})")

@@ -53,6 +53,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "rlm.commands.demo",
         "Serve the Gradio QA demo over a trained checkpoint (reader + retriever + faiss index).",
     ),
+    "corpus": (
+        "rlm.commands.corpus",
+        "Change an indexed corpus in place: `rlm corpus update` adds, replaces and deletes passages, embedding "
+        "only those.",
+    ),
     "calibrate": (
         "rlm.commands.calibrate",
         "Fit a checkpoint's calibrated confidence and abstention rule on its dev split.",

@@ -25,18 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--examples", help="QA JSONL with example questions; default: dev.jsonl by the corpus"
     )
-    parser.add_argument(
-        "--index",
-        help="prebuilt faiss index folder (`rlm index`) of the corpus under the trained passage tower",
-    )
-    parser.add_argument(
-        "--corrected-buffer",
-        action="store_true",
-        help="retrieve over h(B), the run's fixed buffer through its trained corrector: nothing re-embedded",
-    )
-    parser.add_argument(
-        "--buffer", help="with --corrected-buffer: the run's buffer folder (default: its config)"
-    )
+    add_index_source_arguments(parser.add_argument_group("what the demo retrieves from"))
     add_index_spec_arguments(
         parser.add_argument_group(
             "the index (the description `rlm index`, `rlm evaluate` and training share)"
@@ -72,6 +61,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser)
 
 
+def add_index_source_arguments(parser) -> None:
+    """A prebuilt index (and whether to follow its corpus updates), or h(B)."""
+    from rlm.app.service import ServiceOptions
+
+    parser.add_argument(
+        "--index",
+        help="prebuilt faiss index folder (`rlm index`) of the corpus under the trained passage tower",
+    )
+    parser.add_argument(
+        "--follow-updates",
+        type=float,
+        default=ServiceOptions.follow_updates_s,
+        metavar="SECONDS",
+        help="with --index: look for a corpus update of it (`rlm corpus update`, run on this machine) this "
+        "often and serve it without a restart, questions in flight finishing on their edition; 0: never",
+    )
+    parser.add_argument(
+        "--corrected-buffer",
+        action="store_true",
+        help="retrieve over h(B), the run's fixed buffer through its trained corrector: nothing re-embedded",
+    )
+    parser.add_argument(
+        "--buffer", help="with --corrected-buffer: the run's buffer folder (default: its config)"
+    )
+
+
 def serve_checkpoint(checkpoint, host: str = "127.0.0.1", port: int = 7860, **options) -> None:
     """Load the checkpoint (its index built and cached on first use), then serve the page until interrupted."""
     demo = start_demo(checkpoint, host=host, port=port, **options)
@@ -95,6 +110,7 @@ def service_options(args: argparse.Namespace) -> ServiceOptions:
         cache_dir=args.cache_dir,
         embed_limit=args.embed_limit,
         rescore_buffer=args.rescore_buffer,
+        follow_updates_s=args.follow_updates,
     )
 
 

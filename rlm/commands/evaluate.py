@@ -323,6 +323,10 @@ def _evaluate(args, questions, corpus, retriever, reader, config, device, progre
     from rlm.inference.checkpoint import reader_passages_from_config
 
     index = _index(args, corpus, retriever, device, progress, options) if retriever is not None else None
+    if index is not None and args.index:  # an index corpus updates changed answers from their edition
+        from rlm.inference.indexing import served_corpus
+
+        corpus = served_corpus(index, corpus, args.index)
     num_passages = args.num_passages or reader_passages_from_config(config)
     policy = None
     if reader is not None and args.checkpoint and not args.no_policy:

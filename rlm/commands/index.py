@@ -36,10 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--buffer", help="buffer folder written by `rlm embed` (embed with the trained passage tower)"
     )
     source.add_argument("--embeddings", help="a [N, D] .npy file (needs --ids)")
+    source.add_argument(
+        "--retrain",
+        metavar="DIR",
+        help="rebuild the codebooks of the index in DIR from its current rows (the buffer it was built from and "
+        "the rows `rlm corpus update` appended), keeping its rows, updates and removed rows, and tune it again; "
+        "what an update says to do when the index has outgrown its codebooks",
+    )
     parser.add_argument("--ids", help="with --embeddings: text file with one passage id per line")
     parser.add_argument(
         "--out",
-        required=True,
+        default=None,
         help="index folder (index.faiss, ids.txt, index.json), replaced whole; a folder holding other files is "
         "refused",
     )
@@ -155,6 +162,10 @@ def add_tuning_arguments(parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.retrain:
+        return retrain(args)
+    if not args.out:
+        raise UserError("--out is required (the index folder to write)")
     check_output_folder(args.out, INDEX_FILES, "rlm index")  # saving replaces the folder whole
     device = {None: "auto", True: "gpu", False: "cpu"}[args.use_gpu]
     spec = index_spec(args, device)
@@ -176,6 +187,23 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"index {args.out}: {index.ntotal} vectors x {index.dim}, {index.factory}, {params}, built in "
         f"{seconds:.1f} s"
+    )
+    return 0
+
+
+def retrain(args: argparse.Namespace) -> int:
+    """`rlm index --retrain DIR`: the index rebuilt from its current rows as the next generation of DIR."""
+    from rlm.inference.corpus_update import orphans_removed, retrained
+
+    if args.out:
+        raise UserError("--retrain DIR rebuilds the index in DIR: leave out --out")
+    orphans_removed(args.retrain)
+    started = time.perf_counter()
+    index = retrained(args.retrain, train_sample=args.train_sample)
+    params = ", ".join(f"{k}={v}" for k, v in index.search_params.items()) or "no search parameters"
+    print(
+        f"index {args.retrain} retrained from its {index.ntotal:,} rows ({len(index.removed):,} removed): "
+        f"{index.factory}, {params}, in {time.perf_counter() - started:.1f} s"
     )
     return 0
 

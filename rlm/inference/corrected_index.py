@@ -113,7 +113,7 @@ def corrected_index(
     """
     from rlm.inference.device import index_on_gpu, inference_device
     from rlm.retriever.corrector import CorrectorNetwork
-    from rlm.retriever.index import PassageIndex
+    from rlm.retriever.index import PROVENANCE_KEYS, PassageIndex
 
     spec = spec or IndexSpec()
     root = Path(checkpoint)
@@ -147,9 +147,20 @@ def corrected_index(
     rows = CorrectedRows(buffer, corrector)
     use_gpu = index_on_gpu(device, spec.device)
     index = PassageIndex.from_buffer(rows, spec.factory, use_gpu=use_gpu, show_progress=show_progress)
+    index.provenance = {k: buffer.meta[k] for k in PROVENANCE_KEYS if k in buffer.meta}  # g0's rows, then:
+    index.provenance["corrector_fingerprint"], index.built_from = corrector_fingerprint(root), {}  # h; not B
     index.apply_search(spec, rows, k=tune_k)
     seconds = time.perf_counter() - start
     return CorrectedIndex(index, folder, len(buffer), rows.correct_seconds, seconds - rows.correct_seconds)
+
+
+def corrector_fingerprint(checkpoint: str | Path) -> str:
+    """sha256 over the files of a checkpoint's corrector/ (its weights and config)."""
+    digest = hashlib.sha256()
+    for name in sorted(p.name for p in (Path(checkpoint) / "corrector").iterdir()):
+        digest.update(name.encode())
+        digest.update((Path(checkpoint) / "corrector" / name).read_bytes())
+    return "corrector:sha256:" + digest.hexdigest()
 
 
 def corrected_index_key(checkpoint: str | Path, buffer_meta: dict) -> str:

@@ -336,6 +336,14 @@ def _write_evaluation(result: EvaluationResult, out_dir: str | os.PathLike) -> N
     )
 
 
+def _described(data: dict | None, corpus) -> dict:
+    """What the questions are (`data`) and which corpus, or edition of one after corpus updates, answered."""
+    data = dict(data or {})
+    if getattr(corpus, "fingerprint", None):
+        data["corpus"] = {"passages": len(corpus), "fingerprint": corpus.fingerprint}
+    return data
+
+
 def run_evaluation(
     examples: Sequence[QAExample],
     corpus=None,
@@ -391,7 +399,7 @@ def run_evaluation(
     for key, value in timings.items():
         metrics[key] = round(max(procs.gather_object([value])), 2)
     mode = _evaluation_mode(closed_book, gold_passages, retriever, reader)
-    result = EvaluationResult(metrics=metrics, mode=mode, records=records, data=dict(data or {}))
+    result = EvaluationResult(metrics=metrics, mode=mode, records=records, data=_described(data, corpus))
     if out_dir is not None and procs.rank == 0:
         _write_evaluation(result, out_dir)
     procs.barrier()  # the files are written before any process goes on

@@ -112,16 +112,28 @@ def load_index_for(
     beside the index as it was built nor where it was (`PassageIndex.load`); `mmap`: map the index file where
     faiss can instead of reading it (the processes of a launch then share one copy).
     """
-    from rlm.retriever.ids import first_mismatch
     from rlm.retriever.index import PassageIndex
 
     index = PassageIndex.load(
         index_dir, use_gpu=use_gpu, search_params=search_params, rescore_rows=rescore_rows, mmap=mmap
     )
+    check_index_for(index, index_dir, corpus_ids, passage_tower, corpus_fingerprint)
+    return index
+
+
+def check_index_for(index, index_dir, corpus_ids: Sequence[str], passage_tower=None, corpus_fingerprint=None):
+    """`load_index_for`'s checks of a loaded `index` (from `index_dir`); on success the index holds the
+    corpus's ids (one copy of them)."""
+    from rlm.retriever.ids import first_mismatch
+
     recorded = index.provenance
     # A tower on the meta device (the device-placement tests load one there) has no weights to hash.
     weighed = passage_tower is not None and not any(p.is_meta for p in passage_tower.parameters())
     tower = passage_tower.fingerprint() if weighed else None
+    if recorded.get(
+        "corrector_fingerprint"
+    ):  # rows of h(B): the starting encoder's, corrected, not the tower's
+        tower = None
     if tower is not None and recorded.get("encoder_fingerprint") not in (None, tower):
         raise UserError(
             f"index {index_dir} was built from embeddings of another encoder (fingerprint "
@@ -137,6 +149,9 @@ def load_index_for(
             f"index {index_dir} was built for corpus {recorded['corpus_fingerprint']}, not this one "
             f"({corpus_fingerprint}); rebuild it for this corpus"
         )
+    if index.edition:  # corpus updates: the base part checked here, the updates by `served_corpus`
+        _check_base_of_edition(index_dir, index, corpus_ids, corpus_fingerprint)
+        return
     if index.ntotal != len(corpus_ids):
         raise UserError(
             f"index {index_dir} holds {index.ntotal} passages but the corpus has {len(corpus_ids)}; "
@@ -150,7 +165,45 @@ def load_index_for(
             f"{corpus_ids[mismatch]!r}; it was built for another corpus"
         )
     index.ids = corpus_ids  # the same ids row for row: hold them once (21M ids: ~0.35 GB)
-    return index
+
+
+def _check_base_of_edition(index_dir, index, corpus_ids, corpus_fingerprint: str | None) -> None:
+    """Refuse `corpus_ids` unless they are the base corpus `index`'s corpus updates started from, row for row."""
+    from rlm.retriever.ids import IdSequence, first_mismatch
+
+    edition = index.edition
+    base_rows, base = edition["base_rows"], edition["base_corpus"]
+    if corpus_fingerprint is not None and corpus_fingerprint != base:
+        raise UserError(
+            f"index {index_dir} holds corpus updates of the corpus {base}, not of this one ({corpus_fingerprint}): "
+            "give the corpus file it was built for (the updates are in the index folder)"
+        )
+    if len(corpus_ids) != base_rows:
+        raise UserError(
+            f"index {index_dir} was built for a corpus of {base_rows} passages (then updated), not {len(corpus_ids)}"
+        )
+    ids = index.ids
+    if isinstance(ids, IdSequence) and isinstance(corpus_ids, IdSequence):
+        same = ids.to_bytes()[: int(ids.offsets[base_rows])] == corpus_ids.to_bytes()
+        mismatch = None if same else first_mismatch([ids[i] for i in range(base_rows)], corpus_ids)
+    else:
+        mismatch = first_mismatch([ids[i] for i in range(base_rows)], corpus_ids)
+    if mismatch is not None:
+        raise UserError(
+            f"index {index_dir} row {mismatch} is passage {ids[mismatch]!r} but the corpus has "
+            f"{corpus_ids[mismatch]!r}; it was built for another corpus"
+        )
+
+
+def served_corpus(index, corpus, index_dir):
+    """The corpus `index` (loaded from `index_dir`) answers from: `corpus` itself, or, for an index that corpus
+    updates changed, its `CorpusEdition`: `corpus` and the updates' passages kept in `index_dir`, each update
+    checked against the fingerprint it was applied with (an edited store is refused)."""
+    if not index.edition:
+        return corpus
+    from rlm.inference.corpus_update import open_edition
+
+    return open_edition(index_dir, index, corpus)
 
 
 def prebuilt_index(

@@ -401,12 +401,14 @@ def flat_config(data: dict, prefix: str = "") -> dict[str, Any]:
 
 def changed_settings(saved_config: str, config: str, saved_processes: int, processes: int) -> dict:
     """{key: (checkpoint's value, this run's)} for the settings that decide what is trained. The checkpoint's
-    settings are read under their current names (`rlm.config.RENAMED_SETTINGS`), a key they predate as its
+    settings are read under their current names (`rlm.config.RENAMED_SETTINGS`), a key either side lacks as its
     default; while both search exactly, `strategy.two_stage.*` decides nothing."""
     defaults = flat_config(to_dict(TrainConfig()))
     saved = flat_config(renamed_settings(yaml.safe_load(saved_config) or {}, warn=False))
+    current = flat_config(yaml.safe_load(config) or {})
+    # A key one side lacks is its default there (an older checkpoint's config predates it).
     before = {**{key: defaults[key] for key in defaults.keys() - saved.keys()}, **saved}
-    after = flat_config(yaml.safe_load(config) or {})
+    after = {**{key: defaults[key] for key in defaults.keys() - current.keys()}, **current}
     ignored = set(OPERATIONAL_KEYS)
     if before.get("strategy.search", "exact") == after.get("strategy.search", "exact") == "exact":
         ignored |= {key for key in (*before, *after) if key.startswith("strategy.two_stage.")}

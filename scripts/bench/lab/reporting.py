@@ -67,8 +67,8 @@ def int_list(text: str) -> list[int]:
 
 
 def command(script: str, argv: Sequence[str] | None = None) -> str:
-    """How this run was started: `python scripts/<script> ARGS` (the process's own arguments by default)."""
-    return shlex.join(["python", f"scripts/{script}", *(sys.argv[1:] if argv is None else argv)])
+    """How this run was started: `python scripts/bench/<script> ARGS` (the process's own arguments by default)."""
+    return shlex.join(["python", f"scripts/bench/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def cpu_name() -> str:
