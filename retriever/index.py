@@ -63,7 +63,13 @@ ADD_ROWS = 65_536  # rows per `add`, so that building a 21M-passage index report
 # What an index built from a buffer records of it, so that a consumer can refuse an index of another encoder or
 # corpus (an index of the run's stale buffer is not the trained tower's).
 # Saved with an index and read back; "corrector_fingerprint": its rows are h(B) (`rlm.inference.corrected_index`).
-PROVENANCE_KEYS = ("encoder_fingerprint", "corpus_fingerprint", "max_length", "precision", "corrector_fingerprint")
+PROVENANCE_KEYS = (
+    "encoder_fingerprint",
+    "corpus_fingerprint",
+    "max_length",
+    "precision",
+    "corrector_fingerprint",
+)
 # What `tune` aims for by default (`DEFAULT_TARGET_RECALL` at k = `TUNE_K`, from `rlm.retriever.index_spec`): on
 # made questions (`question_like_rows`), the share of those whose source row exact search ranks in its top k that
 # the index ranks in its top k too; on given questions, the share of exact search's top k the index finds.
@@ -372,7 +378,9 @@ def orphans(folder: str | os.PathLike, meta: dict | None = None) -> list[Path]:
     folder = Path(folder)
     if meta is None:
         meta = json.loads((folder / META_NAME).read_text())
-    named = set(meta.get("previous_files", ())) | {meta.get(key, default) for key, default in _FILE_KEYS.items()}
+    named = set(meta.get("previous_files", ())) | {
+        meta.get(key, default) for key, default in _FILE_KEYS.items()
+    }
     stores = {u["store"] for u in meta.get("edition", {}).get("updates", [])}
     found = list(folder.glob(".*.tmp"))  # an atomic write's temporary, its writer killed
     for pattern in GENERATION_FILES[:3]:
@@ -758,11 +766,11 @@ class PassageIndex:
             raise InputError("a memory-mapped index is read-only: load it whole (mmap=False) to add rows")
         for start in range(0, len(vectors), ADD_ROWS):
             self.index.add(_as_float32(vectors[start : start + ADD_ROWS], self.dim))
-        self.ids = (
-            IdSequence.from_strings([*self.ids, *ids])
-            if not isinstance(self.ids, list)
-            else [*self.ids, *ids]
-        )
+        if isinstance(self.ids, list):
+            self.ids = [*self.ids, *ids]
+        elif len(ids):  # one blob more (ids.txt's lines), not a list of 21M strings
+            blob = self.ids.to_bytes() if isinstance(self.ids, IdSequence) else id_lines(self.ids) + b"\n"
+            self.ids = IdSequence.from_lines(blob + id_lines(ids) + b"\n", len(self.ids) + len(ids))
 
     def remove_rows(self, rows: Sequence[int]) -> None:
         """Make `rows` unreachable: taken out of the index where its type allows (IVF: `remove_ids`, so no

@@ -1,6 +1,7 @@
 """The scripts in scripts/ and scripts/bench/ as a user of a checkout meets them: importable side by side without
 shadowing anything, and each benchmark in scripts/bench/README.md with its command."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,22 @@ def test_the_entry_points_beside_the_lab_stay_thin_and_every_benchmark_has_its_r
         assert f"python scripts/bench/{script.name}" in readme, (
             f"scripts/bench/README.md: no command of {script.name}"
         )
+
+
+def test_a_child_process_reports_its_own_peak_memory_not_its_parents():
+    """Linux keeps getrusage's ru_maxrss across exec: a worker started by a parent holding 400 MB reported the
+    parent's peak as its own. `peak_rss_mb` (VmHWM) is the child's."""
+    import numpy as np
+    from lab.benchmarking import peak_rss_mb
+
+    held = np.ones(400 * 2**20 // 8)  # the parent's 400 MB, resident
+    code = (
+        "import json, resource, sys; sys.path.append(sys.argv[1]); from lab.benchmarking import peak_rss_mb; "
+        "print(json.dumps([peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "scripts" / "bench")], capture_output=True, text=True
+    )
+    own, inherited = json.loads(out.stdout)
+    assert own < 150 and peak_rss_mb() > 400 and held.sum() > 0
+    assert inherited > own  # what the old measure said: the parent's peak, or more

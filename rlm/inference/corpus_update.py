@@ -402,14 +402,14 @@ def _sample_rows(rows, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows.rows(torch.from_numpy(picked)).float().numpy(), picked
 
 
-def _found_share(index, rows, numbers: np.ndarray, scale: float) -> float:
+def _found_share(index, rows, numbers: np.ndarray, scale: float, count: int = RECHECK_QUESTIONS) -> float:
     """The share of made questions whose source the index ranks in its top k: `rows` (float32 [n, D], row
     `numbers` of the index; or a (rows, numbers) pair) each moved by `scale` times the difference of two of
     them, as `tune` made its questions (`question_like_rows`), at the index's tuned k."""
     if isinstance(rows, tuple):
         rows, numbers = rows
     rng = np.random.default_rng(0)
-    picked = np.sort(rng.choice(len(rows), min(RECHECK_QUESTIONS, len(rows)), replace=False))
+    picked = np.sort(rng.choice(len(rows), min(count, len(rows)), replace=False))
     pairs = rng.integers(0, len(rows), (2, len(picked)))
     asked = rows[picked] + scale * (rows[pairs[0]] - rows[pairs[1]])
     asked /= np.linalg.norm(asked, axis=1, keepdims=True)

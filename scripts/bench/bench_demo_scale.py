@@ -36,7 +36,6 @@ import hashlib
 import json
 import math
 import re
-import resource
 import shutil
 import statistics
 import sys
@@ -47,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 from lab import reporting
-from lab.benchmarking import latency_ms
+from lab.benchmarking import latency_ms, peak_rss_mb
 
 TARGET_N = 21_015_324  # DPR's psgs_w100.tsv
 GOAL_P50_MS = 100.0
@@ -450,7 +449,7 @@ def serve_and_measure(args: argparse.Namespace) -> dict:
         "other_s": ready - args.started - known,
         "rss_mb": rss_mb(),
         "peak_rss_mb": peak.peak / MB,
-        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "max_rss_mb": peak_rss_mb(),
         "faiss_factory": service.index.factory,
         "search_params": dict(service.index.search_params),
         "k": service.default_k,

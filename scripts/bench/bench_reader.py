@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 from lab import reporting
-from lab.benchmarking import best_of, median_of
+from lab.benchmarking import best_of, median_of, peak_rss_mb
 
 from rlm.precision import cpu_bf16_support
 
@@ -37,9 +37,8 @@ CHILD_OPTIONS += ["corpus"]  # the settings a measurement's child process is giv
 
 
 def peak_rss_mib() -> float:
-    import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return peak_rss_mb()
 
 
 def run_variant(args: argparse.Namespace) -> dict:

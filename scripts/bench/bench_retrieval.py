@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from lab import reporting
-from lab.benchmarking import PeakRSS, best_of, clustered_buffer, corrector_moving, overlap
+from lab.benchmarking import PeakRSS, best_of, clustered_buffer, corrector_moving, overlap, peak_rss_mb
 
 D, HIDDEN, BATCH, K, CHUNK, CLUSTER = 384, 4 * 384, 64, 32, 65_536, 50
 
@@ -72,7 +71,7 @@ def worker(n: int, reps: int) -> dict:
         )
     stale_s, stale = best_of(reps, lambda: corrected_topk(queries, buffer, None, K))
     for row in rows:
-        row["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        row["process_peak_rss_mb"] = peak_rss_mb()
         row["stale_seconds"] = stale_s
         row["stale_vs_corrected_overlap"] = overlap(stale.indices, tops["fp32"].indices)
     return {"rows": rows}

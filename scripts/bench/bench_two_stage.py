@@ -22,7 +22,6 @@ removed; see git history); `bash scripts/bench/gpu_smoke.sh` now measures that s
 from __future__ import annotations
 
 import contextlib
-import resource
 import shutil
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 from lab import reporting
-from lab.benchmarking import best_of, clustered, corrector_moving, overlap, write_buffer
+from lab.benchmarking import best_of, clustered, corrector_moving, overlap, peak_rss_mb, write_buffer
 
 D, K, CHUNK = 768, 32, 65_536
 
@@ -85,7 +84,7 @@ def bench_size(args, folder: Path, n: int, queries: torch.Tensor) -> dict:
                 file=sys.stderr,
             )
             out["moves"].append(row)
-    out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    out["peak_rss_gb"] = peak_rss_mb() * 2**20 / 1e9
     return out
 
 

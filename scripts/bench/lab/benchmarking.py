@@ -86,6 +86,20 @@ def corrector_moving(dim: int, hidden: int, move: float = 0.2, seed: int = 1, nu
     return net
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set in MB: `VmHWM` of /proc/self/status (its own memory since it began),
+    not getrusage's `ru_maxrss`, which Linux keeps across exec: a child process started by a large parent reports
+    the parent's peak as its own (a benchmark's worker measured 6.5 GB where it used 0.94). `ru_maxrss` where
+    there is no /proc (not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 class PeakRSS:
     """Samples this process's RSS every few ms in a thread; `.extra_mb` = peak minus the RSS at entry."""
 
