@@ -802,6 +802,11 @@ class PassageIndex:
                 f"rescoring rows on {rows.device}: re-scoring reads them on the host, from the buffer's "
                 "memory-mapped shards (`PassageBuffer.load(folder)`), not a copy on an accelerator"
             )
+        if self.provenance.get("corrector_fingerprint"):
+            raise InputError(
+                "an index over h(B) holds rows of the corrector, not the buffer's: it cannot be re-scored from "
+                "the buffer (h corrects each row; build it without --rescore)"
+            )
         if len(rows) != self.ntotal or rows.dim != self.dim:
             raise InputError(
                 f"rescoring rows {getattr(rows, 'path', None) or ''} hold {len(rows)} x {rows.dim}, the index "

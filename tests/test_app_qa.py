@@ -46,7 +46,8 @@ def test_answer_carries_the_readers_confidence_and_the_page_warns_when_it_is_low
     assert service.policy is None and not result["calibrated"] and result["abstained"] is False
     assert result["reader_probability"] == result["confidence"] and result["reason"] is None
     page_answer, status, _, shown = respond(service, question, 3)
-    assert page_answer == answer and status.endswith("top-3 passages") and shown["answer"] == answer
+    assert page_answer == answer and "top-3 passages · corpus " in status and shown["answer"] == answer
+    assert status.endswith(service.edition.rpartition(":")[2][:12])  # the corpus (edition) that answered
     # Below 50% the page says in words that the answer may well be wrong; above, it shows the figure.
     assert status.startswith("⚠️ low confidence") == (result["confidence"] < 0.5)
     unsure = render({**result, "confidence": 0.12})[1]

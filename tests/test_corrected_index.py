@@ -71,7 +71,11 @@ def test_a_compressed_index_over_h_of_b_is_streamed_through_h_and_tuned(run, tmp
     built = corrected_index(final, corpus, spec=IndexSpec(factory="IVF8,Flat", target_recall=0.99))
     assert built.index.factory == "IVF8,Flat" and built.index.search_params["nprobe"] > 1
     assert built.index.tuning["recall"] >= 0.99 and built.correct_s > 0
-    assert "encoder_fingerprint" not in built.index.provenance  # h(B) is not the stale encoder's rows
+    # Rows of g0 (the buffer's encoder) through h: recorded as such, so a corpus update embeds new passages the
+    # same way, and re-scoring them from B (g0's rows, not h's) is refused.
+    assert built.index.provenance["corrector_fingerprint"].startswith("corrector:sha256:")
+    with pytest.raises(ValueError, match="over h\\(B\\)"):
+        built.index.rescore_from(PassageBuffer.load(run_buffer_dir(final)), 2)
     buffer = PassageBuffer.load(built.buffer_dir)
     corrector = CorrectorNetwork.from_pretrained(final / "corrector").eval()
     retriever, _, _ = load_checkpoint(final, need_reader=False)

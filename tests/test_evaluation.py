@@ -48,7 +48,8 @@ def test_full_evaluation_writes_consistent_predictions_and_metrics(setup, tmp_pa
     )
     m = json.loads((out / "metrics.json").read_text())
     assert m.pop("mode") == result.mode == "retrieve+read"
-    assert m.pop("data") == {}  # no split named by the caller
+    # No split named by the caller; the corpus that answered, by its fingerprint (an edition's, after updates).
+    assert m.pop("data") == {"corpus": {"passages": len(corpus), "fingerprint": corpus.fingerprint}}
     assert m == pytest.approx(result.metrics)
     for key in ("recall@1", "recall@5", "recall@20", "gold_recall@1", "gold_recall@20", "exact_match", "f1"):
         assert 0.0 <= m[key] <= 1.0, key
@@ -327,7 +328,9 @@ def test_the_demos_own_index_is_built_from_float16_shards_and_records_its_tower(
     assert index.provenance["encoder_fingerprint"] == tower.fingerprint()
     assert index.provenance["corpus_fingerprint"] == corpus.fingerprint
     (cached,) = (tmp_path / "ckpt" / INDEX_CACHE).iterdir()
-    assert sorted(p.name for p in cached.iterdir()) == sorted(INDEX_FILES)
+    assert sorted(p.name for p in cached.iterdir()) == sorted(
+        set(INDEX_FILES) - {"removed.npy"}
+    )  # none removed
 
 
 def test_rlm_evaluate_tunes_an_approximate_index_on_its_own_questions(setup, tmp_path):
