@@ -292,6 +292,13 @@ def test_retrain_rebuilds_the_codebooks_from_the_current_rows_and_keeps_the_edit
     queries = embed_passages(tower(world), edition.retrieval_texts(), dtype="float32")
     _, rows = after.search_rows(queries, 125)
     assert not np.isin(rows, after.removed).any() and (rows >= 0).sum(axis=1).min() == 120
+    # An update after the retrain is the folder's third generation, not a second one written over the current.
+    world["add"] = write_rows(world["tmp"] / "add2.jsonl", [{"id": "new9", "title": "Vel", "text": "Vel sings."}])
+    world["delete"].write_text("")
+    assert update(world, index_dir) == 0
+    assert json.loads((index_dir / "index.json").read_text())["generation"] == 3
+    again, edition = opened(world, index_dir)
+    assert len(again.edition["updates"]) == 2 and edition[edition.index_of("new9")].text == "Vel sings."
 
 
 @pytest.mark.slow

@@ -275,7 +275,9 @@ def _commit(
         }
     )
     edition["fingerprint"] = result.fingerprint
-    index.save_generation(index_dir, result.number)
+    # The folder's next generation: after `rlm index --retrain` it is past the number of updates.
+    generation = json.loads((index_dir / "index.json").read_text()).get("generation", 0) + 1
+    index.save_generation(index_dir, generation)
 
 
 def start_edition(index, base: Corpus) -> dict:
