@@ -293,7 +293,9 @@ def test_retrain_rebuilds_the_codebooks_from_the_current_rows_and_keeps_the_edit
     _, rows = after.search_rows(queries, 125)
     assert not np.isin(rows, after.removed).any() and (rows >= 0).sum(axis=1).min() == 120
     # An update after the retrain is the folder's third generation, not a second one written over the current.
-    world["add"] = write_rows(world["tmp"] / "add2.jsonl", [{"id": "new9", "title": "Vel", "text": "Vel sings."}])
+    world["add"] = write_rows(
+        world["tmp"] / "add2.jsonl", [{"id": "new9", "title": "Vel", "text": "Vel sings."}]
+    )
     world["delete"].write_text("")
     assert update(world, index_dir) == 0
     assert json.loads((index_dir / "index.json").read_text())["generation"] == 3
