@@ -356,6 +356,7 @@ class UpdateFollower(threading.Thread):
     def __init__(self, service: QAService, options: ServiceOptions, use_gpu: bool | None, base):
         super().__init__(daemon=True, name="index-update-follower")
         self.service, self.options, self.use_gpu, self.base = service, options, use_gpu, base
+        self.seen = None
         self.seen = self.generation()
 
     def generation(self) -> object:
@@ -363,7 +364,7 @@ class UpdateFollower(threading.Thread):
         try:
             return json.loads(meta.read_text()).get("generation", 0)
         except (OSError, ValueError):  # between a rename and the next read: looked at again next time
-            return self.seen if hasattr(self, "seen") else None
+            return self.seen
 
     def run(self) -> None:
         while True:

@@ -50,6 +50,17 @@ class IdSequence(Sequence[str]):
         offsets[1:] = ends
         return cls(blob, offsets)
 
+    @classmethod
+    def joined(cls, parts: Iterable[Sequence[str]]) -> IdSequence:
+        """The ids of `parts` one after another, as one blob (an index's ids, then the ids corpus updates
+        appended); an IdSequence part is copied as bytes, not read id by id."""
+        parts = [part for part in parts if len(part)]
+        return cls.from_lines(b"\n".join(id_lines(part) for part in parts), sum(len(part) for part in parts))
+
+    def head(self, count: int) -> IdSequence:
+        """The first `count` ids, as an IdSequence (a list slice would be 21M strings)."""
+        return IdSequence(self._blob[: int(self._offsets[count])], self._offsets[: count + 1])
+
     @property
     def offsets(self) -> np.ndarray:
         """The int64 offset of each id in the blob, and the blob's end: id i is `blob[offsets[i]:offsets[i+1]-1]`."""

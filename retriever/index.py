@@ -383,10 +383,9 @@ def orphans(folder: str | os.PathLike, meta: dict | None = None) -> list[Path]:
     }
     stores = {u["store"] for u in meta.get("edition", {}).get("updates", [])}
     found = list(folder.glob(".*.tmp"))  # an atomic write's temporary, its writer killed
-    for pattern in GENERATION_FILES[:3]:
+    # Every generation's files, the first (`save`'s names) included, that index.json does not name.
+    for pattern in (*GENERATION_FILES[:3], *_FILE_KEYS.values()):
         found += [p for p in folder.glob(pattern) if p.name not in named]
-    found += [p for p in folder.glob(f"{INDEX_NAME}") if p.name not in named]
-    found += [p for p in folder.glob(f"{IDS_NAME}") if p.name not in named]
     if (folder / "updates").is_dir():
         found += [p for p in (folder / "updates").iterdir() if f"updates/{p.name}" not in stores]
     return sorted(found)
@@ -766,11 +765,7 @@ class PassageIndex:
             raise InputError("a memory-mapped index is read-only: load it whole (mmap=False) to add rows")
         for start in range(0, len(vectors), ADD_ROWS):
             self.index.add(_as_float32(vectors[start : start + ADD_ROWS], self.dim))
-        if isinstance(self.ids, list):
-            self.ids = [*self.ids, *ids]
-        elif len(ids):  # one blob more (ids.txt's lines), not a list of 21M strings
-            blob = self.ids.to_bytes() if isinstance(self.ids, IdSequence) else id_lines(self.ids) + b"\n"
-            self.ids = IdSequence.from_lines(blob + id_lines(ids) + b"\n", len(self.ids) + len(ids))
+        self.ids = [*self.ids, *ids] if isinstance(self.ids, list) else IdSequence.joined([self.ids, ids])
 
     def remove_rows(self, rows: Sequence[int]) -> None:
         """Make `rows` unreachable: taken out of the index where its type allows (IVF: `remove_ids`, so no

@@ -36,3 +36,13 @@ def test_an_id_with_a_line_break_is_refused_when_written():
             id_lines(ids)
     odd = IdSequence.from_strings(["a", "b\nc", "d"])
     assert list(odd) == ["a", "b\nc", "d"]  # held exactly all the same
+
+
+def test_joined_and_head_keep_every_id_as_one_blob():
+    """What corpus updates build an index's and an edition's ids with: parts one after another (lists and
+    IdSequences alike, an empty part skipped), and the base rows back as an IdSequence."""
+    base = IdSequence.from_strings(["a", "b", ""])
+    joined = IdSequence.joined([base, [], ["c", "d"], IdSequence.from_strings(["e"])])
+    assert list(joined) == ["a", "b", "", "c", "d", "e"] and isinstance(joined, IdSequence)
+    assert joined.head(3) == base and list(joined.head(0)) == []
+    assert list(IdSequence.joined([])) == []

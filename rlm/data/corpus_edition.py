@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -51,8 +50,7 @@ class CorpusEdition(Sequence[Passage]):
         self.starts = [len(base)]
         for update in self.updates:
             self.starts.append(self.starts[-1] + len(update))
-        blob = b"".join([_id_bytes(base.ids), *(_id_bytes(u.ids) for u in self.updates)])
-        self.ids: Sequence[str] = IdSequence.from_lines(blob, self.starts[-1])
+        self.ids: Sequence[str] = IdSequence.joined([base.ids, *(u.ids for u in self.updates)])
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -102,15 +100,3 @@ class CorpusEdition(Sequence[Passage]):
 
     def __repr__(self) -> str:
         return f"CorpusEdition({str(self.path)!r}, passages={len(self)}, updates={len(self.updates)})"
-
-
-def _id_bytes(ids: Sequence[str]) -> bytes:
-    """The ids as "\\n"-terminated lines (an IdSequence's own blob when it is one)."""
-    if isinstance(ids, IdSequence):
-        return ids.to_bytes()
-    return "".join(f"{pid}\n" for pid in ids).encode("utf-8")
-
-
-def store_path(index_dir: str | Path, store: str) -> Path:
-    """The folder of one update's store inside an index folder."""
-    return Path(index_dir) / store

@@ -73,18 +73,16 @@ class RowEncoder:
     def embed(self, texts) -> np.ndarray:
         import torch
 
-        from rlm.retriever.buffer import embed_passages
+        from rlm.inference.corrected_index import CorrectedRows
+        from rlm.retriever.buffer import PassageBuffer, embed_passages
 
         rows = embed_passages(self.tower, texts, batch_size=self.batch_size, precision=self.precision)
-        if self.corrector is None:
+        if self.corrector is None or not len(rows):
             return rows
-        device = next(self.corrector.parameters()).device
-        with torch.no_grad():
-            corrected = [
-                self.corrector(torch.from_numpy(rows[i : i + 4096]).float().to(device)).cpu()
-                for i in range(0, len(rows), 4096)
-            ]
-        return torch.cat(corrected).numpy().astype(np.float16) if corrected else rows
+        # Through h as the index's own h(B) rows went (`CorrectedRows`): the same cast and device, a chunk a time.
+        stale = PassageBuffer.from_embeddings(range(len(rows)), torch.from_numpy(rows))
+        corrected = [block for _, block in CorrectedRows(stale, self.corrector).iter_chunks(4096)]
+        return torch.cat(corrected).numpy().astype(np.float16)
 
 
 def row_encoder(

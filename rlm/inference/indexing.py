@@ -183,11 +183,9 @@ def _check_base_of_edition(index_dir, index, corpus_ids, corpus_fingerprint: str
             f"index {index_dir} was built for a corpus of {base_rows} passages (then updated), not {len(corpus_ids)}"
         )
     ids = index.ids
-    if isinstance(ids, IdSequence) and isinstance(corpus_ids, IdSequence):
-        same = ids.to_bytes()[: int(ids.offsets[base_rows])] == corpus_ids.to_bytes()
-        mismatch = None if same else first_mismatch([ids[i] for i in range(base_rows)], corpus_ids)
-    else:
-        mismatch = first_mismatch([ids[i] for i in range(base_rows)], corpus_ids)
+    mismatch = first_mismatch(
+        ids.head(base_rows) if isinstance(ids, IdSequence) else ids[:base_rows], corpus_ids
+    )
     if mismatch is not None:
         raise UserError(
             f"index {index_dir} row {mismatch} is passage {ids[mismatch]!r} but the corpus has "
