@@ -128,6 +128,9 @@ class PassageBuffer:
         if self._offsets[-1] != len(self.ids):
             raise InputError(f"buffer has {len(self.ids)} ids but {self._offsets[-1]} embedding rows")
         self.meta = dict(meta or {})
+        # Rows no selection returns (sorted): those of passages a corpus update replaced or deleted
+        # (`rlm.data.buffer_edition`); their rows stay, so row i is still corpus row i.
+        self.removed = np.zeros(0, dtype=np.int64)
         self._row_of_id: dict[str, int] | None = None
         self._full: Tensor | None = shards[0] if len(shards) == 1 else None
         self.path: Path | None = None
@@ -215,7 +218,7 @@ class PassageBuffer:
             shards.append(torch.from_numpy(mapped))
             files.append((Path(path), int(mapped.offset)))
         grown = type(self)(ids, shards, self.meta)
-        grown.path = self.path
+        grown.path, grown.removed = self.path, self.removed
         grown._files = files if len(files) == len(shards) else []
         return grown
 
@@ -244,7 +247,7 @@ class PassageBuffer:
     def to(self, device: str | torch.device, dtype: torch.dtype | None = None) -> PassageBuffer:
         """A buffer with all rows in one tensor on `device` (and `dtype` when given)."""
         moved = PassageBuffer(self.ids, [self.embeddings.to(device=device, dtype=dtype)], self.meta)
-        moved._row_of_id = self._row_of_id
+        moved._row_of_id, moved.removed = self._row_of_id, self.removed
         return moved
 
     def index_of(self, passage_id: str) -> int:

@@ -44,6 +44,7 @@ class ScannedRows:
     row_ids: Tensor | None  # the corpus row of each (None: row i is corpus row i)
     procs: Processes  # whose lists are merged (`rlm.retriever.distributed.merge_topk`); one process: none
     first_stage: FirstStage | None  # two-stage search's candidates; None: exact
+    excluded: Tensor | None = None  # rows of `vectors` never returned (sorted; `RowSearch.exclude`)
 
 
 class RowSearch:
@@ -58,7 +59,14 @@ class RowSearch:
         self.procs, self.sharded, self.device = Processes(), False, None
         self.metrics: dict[str, float] = {}  # logged with the step, then cleared by the strategy
         self._measure_overlap = False
+        self.removed: Tensor | None = None  # corpus rows never returned (`exclude`)
+        self._excluded: tuple | None = None  # (row_ids, its positions of removed rows): `_local_excluded`
         self.set_rows(0)
+
+    def exclude(self, rows) -> None:
+        """Never return these corpus rows (those of passages a corpus update replaced or deleted)."""
+        rows = torch.as_tensor(rows, dtype=torch.long).unique()
+        self.removed, self._excluded = (rows if len(rows) else None), None
 
     def place(self, procs: Processes, shard: bool, device: torch.device | None) -> None:
         """Shard the rows across `procs` (`shard`) and keep them on `device` (None: host memory, streamed)."""
@@ -90,13 +98,28 @@ class RowSearch:
         ):  # candidates by the stale rows, re-scored with h: h(rows) never scanned
             resident = self._resident_rows()
             stage = self._first_stage(resident.vectors)
-            return ScannedRows(resident.vectors, corrector, resident.row_ids, resident.procs, stage)
+            excluded = self._local_excluded(resident.row_ids)
+            return ScannedRows(resident.vectors, corrector, resident.row_ids, resident.procs, stage, excluded)
         if not self.sharded and self.device is None:
             rows, corrector = self._corrected_rows(self.whole, corrector, device)
-            return ScannedRows(rows, corrector, self.row_ids, Processes(), None)
+            excluded = self._local_excluded(self.row_ids)
+            return ScannedRows(rows, corrector, self.row_ids, Processes(), None, excluded)
         resident = self._resident_rows()
         rows, corrector = self._corrected_rows(resident.vectors, corrector, device)
-        return ScannedRows(rows, corrector, resident.row_ids, resident.procs, None)
+        excluded = self._local_excluded(resident.row_ids)
+        return ScannedRows(rows, corrector, resident.row_ids, resident.procs, None, excluded)
+
+    def _local_excluded(self, row_ids: Tensor | None) -> Tensor | None:
+        """The positions in a set of rows (`row_ids`: the corpus row of each; None: row i is corpus row i) of
+        the removed corpus rows, sorted; found once per set of rows."""
+        if self.removed is None:
+            return None
+        if row_ids is None:
+            return self.removed
+        if self._excluded is None or self._excluded[0] is not row_ids:
+            where = torch.isin(row_ids, self.removed.to(row_ids.device)).nonzero().squeeze(1).cpu()
+            self._excluded = (row_ids, where)
+        return self._excluded[1]
 
     def _corrected_rows(
         self, rows, corrector, device

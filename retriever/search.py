@@ -190,6 +190,7 @@ def corrected_topk(
     num_random: int = 0,
     generator: torch.Generator | None = None,
     compute_dtype: torch.dtype | None = None,
+    excluded: Tensor | None = None,
 ) -> TopK:
     """Top-k buffer rows per query by <q, h(B_y)> over every row (h = `corrector`, None = stale buffer).
 
@@ -199,6 +200,8 @@ def corrected_topk(
       row already in the top-k costs no slot and the next best row takes it.
     - `num_random` adds that many uniform random rows, the same ones for the whole batch (Appendix B.1),
       except that a query whose set already holds one of them gets the next random row instead.
+    - `excluded` (sorted rows): rows never returned while others are left (their score is -inf; a corpus
+      update replaced or deleted their passages), nor drawn as random rows.
     All columns are ordered by the ordering contract (scores descending, then row ascending); scores
     are float32 in the query's device, computed in float32 whatever the autocast. Computed without grad;
     `compute_dtype` (e.g. torch.bfloat16) is used for h and the scoring matmul instead.
@@ -223,12 +226,24 @@ def corrected_topk(
         q = queries.detach().to(dtype)
         for start, chunk in buf.iter_chunks(chunk_size):
             vectors = _correct(corrector, chunk.to(device=device, dtype=dtype, non_blocking=True))
-            scores = _score_matrix(q, vectors, dtype)
+            scores = _without_excluded(_score_matrix(q, vectors, dtype), start, excluded)
             cand_scores, cand_rows = _chunk_candidates(scores, start, keep)
             run_scores, run_rows = _merge(run_scores, run_rows, cand_scores, cand_rows, keep)
+    top = TopK(run_scores, run_rows)
     return complete_selection(
-        queries, buf, corrector, TopK(run_scores, run_rows), k, include, num_random, generator, dtype
+        queries, buf, corrector, top, k, include, num_random, generator, dtype, excluded
     )
+
+
+def _without_excluded(scores: Tensor, start: int, excluded: Tensor | None) -> Tensor:
+    """`scores` [B, c] of rows [start, start + c) with the `excluded` rows' set to -inf."""
+    if excluded is None or not len(excluded):
+        return scores
+    bounds = torch.tensor([start, start + scores.shape[1]])
+    first, last = torch.searchsorted(excluded, bounds).tolist()
+    if first < last:
+        scores[:, (excluded[first:last] - start).to(scores.device)] = float("-inf")
+    return scores
 
 
 def correct_buffer(
@@ -256,9 +271,10 @@ def complete_selection(
     num_random: int = 0,
     generator: torch.Generator | None = None,
     compute_dtype: torch.dtype | None = None,
+    excluded: Tensor | None = None,
 ) -> TopK:
-    """Force `include` rows into a top-(k + m) list and add `num_random` uniform rows, as `corrected_topk`
-    documents. `top` must hold the best k + m rows (m = include's width) of the whole buffer; the forced and
+    """Force `include` rows into a top-(k + m) list and add `num_random` uniform rows (never `excluded` ones),
+    as `corrected_topk` documents. `top` must hold the best k + m rows (m = include's width) of the whole buffer; the forced and
     random rows are scored by reading them from `buffer`, so a sharded search (each process scanning only its
     rows) finishes its merged top-k here against the whole, memory-mapped, buffer."""
     buf = _as_buffer(buffer)
@@ -269,7 +285,9 @@ def complete_selection(
             queries, buf, corrector, include.to(rows.device), scores, rows, k, dtype
         )
     if num_random > 0:
-        scores, rows = _add_random(queries, buf, corrector, scores, rows, num_random, generator, dtype)
+        scores, rows = _add_random(
+            queries, buf, corrector, scores, rows, num_random, generator, dtype, excluded
+        )
     return TopK(scores, rows)
 
 
@@ -294,14 +312,18 @@ def _force_include(queries, buf, corrector, include, top_scores, top_rows, k, dt
 
 
 def _add_random(
-    queries, buf, corrector, top_scores, top_rows, num_random, generator, dtype
+    queries, buf, corrector, top_scores, top_rows, num_random, generator, dtype, excluded=None
 ) -> tuple[Tensor, Tensor]:
+    skipped = 0 if excluded is None else len(excluded)
     n, width = len(buf), top_rows.shape[1]
-    num_random = min(num_random, n - width)
+    num_random = min(num_random, n - skipped - width)
     if num_random <= 0:
         return top_scores, top_rows
-    # A pool big enough that every query finds num_random rows not already in its set.
-    pool = _random_rows(n, num_random + width, generator).to(top_rows.device)
+    # A pool big enough that every query finds num_random rows not already in its set (nor excluded).
+    pool = _random_rows(n, num_random + width + skipped, generator)
+    if skipped:
+        pool = pool[~torch.isin(pool, excluded)]
+    pool = pool.to(top_rows.device)
     picks = []
     for b in range(top_rows.shape[0]):
         fresh = pool[~torch.isin(pool, top_rows[b])]
@@ -323,8 +345,10 @@ def two_stage_corrected_topk(
     compute_dtype: torch.dtype | None = None,
     nprobe: int | None = None,
     chunk_size: int = 65536,
+    excluded: Tensor | None = None,
 ) -> TopK:
-    """Appendix B.2: the top-`num_candidates` rows by the stale buffer, re-scored with h.
+    """Appendix B.2: the top-`num_candidates` rows by the stale buffer, re-scored with h (`excluded` rows never
+    among them while others are left, as in `corrected_topk`).
 
     The candidates come from a faiss `index` built over the same buffer rows (`rlm.retriever.index.PassageIndex
     .from_buffer`), or, with `index=None`, from a streamed scan of <q, B_y> over every row: the exact stale
@@ -336,8 +360,12 @@ def two_stage_corrected_topk(
     buf = _as_buffer(buffer)
     candidates = min(max(num_candidates, k), len(buf))
     if index is None:
-        rows = corrected_topk(queries, buf, None, candidates, chunk_size=chunk_size).indices
+        rows = corrected_topk(
+            queries, buf, None, candidates, chunk_size=chunk_size, excluded=excluded
+        ).indices
         scores = score_rows(queries, buf, corrector, rows, compute_dtype)
+        if excluded is not None and len(excluded):
+            scores = scores.masked_fill(torch.isin(rows, excluded.to(rows.device)), float("-inf"))
         scores, rows = sort_desc_then_row(scores, rows)
         return TopK(scores[:, :k], rows[:, :k])
     if index.ntotal != len(buf):
@@ -347,8 +375,11 @@ def two_stage_corrected_topk(
     _, rows = index.search_rows(queries.detach().float().cpu().numpy(), candidates, nprobe=nprobe)
     rows = torch.from_numpy(rows).to(queries.device)
     scores = score_rows(queries, buf, corrector, rows, compute_dtype)
-    # faiss marks "no result" (possible with IVF/HNSW) with -1: never select those.
-    scores = scores.masked_fill(rows < 0, float("-inf"))
+    # faiss marks "no result" (possible with IVF/HNSW) with -1: never select those, nor excluded rows.
+    unwanted = rows < 0
+    if excluded is not None and len(excluded):
+        unwanted |= torch.isin(rows, excluded.to(rows.device))
+    scores = scores.masked_fill(unwanted, float("-inf"))
     scores, rows = sort_desc_then_row(scores, rows)
     keep = min(k, candidates)
     return TopK(scores[:, :keep], rows[:, :keep])

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlm.config import STRATEGY_FACTS, ReaderConfig, TrainConfig
+from rlm.data.buffer_edition import corpus_of_buffer, grown_buffer
 from rlm.data.corpus import Corpus, load_corpus
+from rlm.data.corpus_edition import CorpusEdition
 from rlm.data.qa import QAExample, QASplit, dataset_name, load_qa_split
 from rlm.data.splits import check_training_splits
 from rlm.errors import UserError
@@ -145,38 +147,44 @@ def build_warm_started_reader(rc: ReaderConfig, fid_config: FiDConfig, seed: int
     return FiDReader(model, tokenizer, fid_config)
 
 
+def buffer_folder(cfg: TrainConfig) -> Path:
+    """Where the run's buffer B lives: `buffer.dir`, else `<output_dir>/buffer`."""
+    return Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
+
+
 def load_or_build_buffer(
-    cfg: TrainConfig, retriever: DualEncoder, corpus: Corpus, accelerator=None, check=None
+    cfg: TrainConfig, retriever: DualEncoder, corpus: Corpus | CorpusEdition, accelerator=None, check=None
 ) -> PassageBuffer:
-    """B = g(y; Theta_0) for every passage: loaded and verified when it exists, built once otherwise.
+    """B = g(y; Theta_0) for every passage: loaded and verified when it exists, built once otherwise; grown
+    by the rows corpus updates appended when `corpus` is the edition they made (`rlm.data.buffer_edition`).
 
     The corpus fingerprint is the one its scan computed (`Corpus.fingerprint`), so a start costs no pass over
     the passages.
     """
-    buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
+    buffer_dir = buffer_folder(cfg)
     tower = retriever.passage_tower
-    texts = corpus.retrieval_texts()
+    base = corpus.base if isinstance(corpus, CorpusEdition) else corpus
     if (buffer_dir / "meta.json").exists():
         buffer = PassageBuffer.load(
             buffer_dir,
             encoder_fingerprint=tower.fingerprint(),
-            corpus_fingerprint=corpus.fingerprint,
+            corpus_fingerprint=base.fingerprint,
         )
     else:
         buffer = build_passage_buffer(
-            corpus.ids,
-            texts,
+            base.ids,
+            base.retrieval_texts(),
             tower,
             buffer_dir,
             batch_size=cfg.buffer.batch_size,
             dtype=cfg.buffer.dtype,
             accelerator=accelerator,
-            corpus_fingerprint=corpus.fingerprint,
+            corpus_fingerprint=base.fingerprint,
             check=check,  # a stop signal ends the build between batches; a rerun resumes it
         )
-    if len(buffer) != len(corpus):
-        raise UserError(f"buffer {buffer_dir} has {len(buffer)} rows but the corpus has {len(corpus)}")
-    return buffer
+    if len(buffer) != len(base):
+        raise UserError(f"buffer {buffer_dir} has {len(buffer)} rows but the corpus has {len(base)}")
+    return grown_buffer(buffer, corpus)
 
 
 def build_retriever(cfg: TrainConfig) -> DualEncoder:
@@ -246,7 +254,8 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
             resolve_data(cfg)
     # Every process scans the corpus; the main one alone hashes it (`load_corpus`).
     procs = Processes.of(accelerator)
-    corpus = load_corpus(resolve_data(cfg)[0], procs=procs)
+    # The corpus as the updates applied to the buffer left it (`rlm corpus update --buffer`), else as it is.
+    corpus = corpus_of_buffer(buffer_folder(cfg), load_corpus(resolve_data(cfg)[0], procs=procs))
     train_split, dev_split = load_train_split(cfg), load_dev_split(cfg)
     train_examples, dev_examples = train_split.examples, [] if dev_split is None else dev_split.examples
     data_splits = {"train": train_split.record(), **({"dev": dev_split.record()} if dev_split else {})}

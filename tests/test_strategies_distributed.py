@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,10 @@ BUFFER = PassageBuffer(
 DRIFT = torch.randn(DIM, DIM, generator=_g)
 QUERIES = F.normalize(torch.randn(WORLD * BATCH, DIM, generator=_g), dim=-1)
 GOLD = torch.randint(0, N, (WORLD * BATCH, 1), generator=_g)
+# The buffer after corpus updates removed rows (`rlm corpus update --buffer`): nearly all of the first
+# process's share, so that it holds fewer live rows than k, and a few of the other's; the gold rows stay.
+GROWN = PassageBuffer(BUFFER.ids, [STALE[:20].half(), STALE[20:61].half(), STALE[61:].half()])
+GROWN.removed = np.setdiff1d([*range(43), 50, 70, 89], GOLD.numpy())
 
 
 def tower(step: int, rows) -> torch.Tensor:
@@ -135,6 +140,11 @@ def make_corrector() -> CorrectorNetwork:
 class Case:
     name: str
     extra: str = ""  # "alg1": Algorithm 1's forced label and uniform rows; "index"/"scan": two-stage search
+    removed: bool = False  # over `GROWN`, rows of which no selection may return
+
+    @property
+    def buffer(self) -> PassageBuffer:
+        return GROWN if self.removed else BUFFER
 
     @property
     def cfg(self) -> StrategyConfig:
@@ -173,6 +183,11 @@ CASES = [
     ),
     *(Case(name, stage) for name in ("corrector", "stale") for stage in ("index", "scan")),
 ]
+CASES += [
+    *(Case(name, removed=True) for name in STRATEGY_CLASSES),
+    Case("corrector", "alg1", removed=True),
+    *(Case("corrector", stage, removed=True) for stage in ("index", "scan")),
+]
 
 
 RESUME_AT = 2  # a step that refreshes (exhaustive, regression, SNM) or is the half (two-round)
@@ -183,7 +198,7 @@ def run_strategy(case: Case, procs: Processes, device, refresh_dir, queries, gol
     taken before step RESUME_AT and from the state at the end, as from checkpoints."""
 
     def placed():
-        strategy = make_strategy(case.cfg, BUFFER, MAX_STEPS, seed=0)
+        strategy = make_strategy(case.cfg, case.buffer, MAX_STEPS, seed=0)
         strategy.distribute(procs, True, device, refresh_dir=refresh_dir)
         return strategy
 
@@ -217,7 +232,14 @@ def _runs():
         # Refreshed rows are kept in memory or written to files; the others never write any.
         for placement in ("device", "host"):
             for on_disk in (False, True) if case.name in REFRESHING else (False,):
-                name = "-".join([case.name, *([case.extra] if case.extra else []), placement])
+                name = "-".join(
+                    [
+                        case.name,
+                        *([case.extra] if case.extra else []),
+                        *(["removed"] if case.removed else []),
+                        placement,
+                    ]
+                )
                 yield pytest.param(case, placement, on_disk, id=name + ("-files" if on_disk else ""))
 
 
@@ -272,6 +294,7 @@ def test_every_strategy_runs_sharded_on_accelerators_as_one_process_on_the_host(
             assert on_accelerator(top.indices) and on_accelerator(top.scores), where
             assert top.scores.dtype == torch.float32, where
             assert torch.equal(top.indices.cpu(), ref.indices), where
+            assert not np.isin(top.indices.cpu().numpy(), case.buffer.removed).any(), where
             torch.testing.assert_close(top.scores.cpu(), ref.scores, rtol=1e-4, atol=1e-5, msg=where)
 
 

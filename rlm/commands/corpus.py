@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     update = actions.add_parser(
         "update",
         formatter_class=parser.formatter_class,
-        help="add, replace and delete passages of the corpus an index (`rlm index --buffer`) serves",
+        help="add, replace and delete passages of the corpus an index serves or a training run's buffer holds",
         description=(
             "Embed only the added and changed passages, with the encoder the index's rows came from; add "
             "their rows to the index without retraining it; make the deleted and replaced ones unreachable. "
@@ -27,11 +27,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "the index folder, and `rlm evaluate --index` / `rlm demo --index` with the same base corpus answer "
             "from the updated one. Says when the index has outgrown its codebooks (quantization error over "
             f"{QUANTIZATION_LIMIT} x the training sample's, or made questions on new rows found {RECALL_MARGIN} "
-            "less often than on old ones): then `rlm index --retrain DIR`."
+            "less often than on old ones): then `rlm index --retrain DIR`. With --buffer instead: the passages "
+            "are embedded by the starting passage tower g0 that built the training run's buffer B and join it; "
+            "the run, resumed (`--resume`), selects them through the corrector h and never the removed ones."
         ),
     )
-    update.add_argument("--index", required=True, help="the index folder to update (`rlm index --out`)")
-    update.add_argument("--corpus", required=True, help="the corpus file the index was built for (its base)")
+    target = update.add_mutually_exclusive_group(required=True)
+    target.add_argument("--index", help="the index folder to update (`rlm index --out`)")
+    target.add_argument(
+        "--buffer",
+        help="or a training run's buffer folder (`buffer.dir`, else <output_dir>/buffer) to grow",
+    )
+    update.add_argument("--corpus", required=True, help="the corpus file it was built for (its base)")
     update.add_argument(
         "--add",
         default=None,
@@ -43,9 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint",
         default=None,
         help="the trained run whose passage tower embedded the index's rows (for an index over h(B): whose "
-        "corrector made them; its starting encoder and h embed the update)",
+        "corrector made them; its starting encoder and h embed the update); with --buffer: a checkpoint of the "
+        "run the buffer belongs to (its starting encoder embeds the update)",
     )
-    source.add_argument("--encoder", default=None, help="or the encoder folder that embedded the rows")
+    source.add_argument(
+        "--encoder", default=None, help="or the encoder folder that embedded the rows (with --buffer: g0's)"
+    )
     update.add_argument("--batch-size", type=int, default=64, help="passages a forward")
     update.add_argument(
         "--device", default=None, help="where the encoder runs (default: the accelerator, else CPU)"
@@ -65,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.add, args.delete, args.corpus):
         if path and not Path(path).is_file():
             raise FileNotFoundError(f"{path} does not exist")
+    if args.buffer:
+        return update_buffer(args)
     started = time.perf_counter()
     left = orphans_removed(args.index)
     index = PassageIndex.load(args.index, use_gpu=False)
@@ -88,4 +100,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"checks: {json.dumps(result.checks)}")
     for warning in result.warnings:
         print(f"warning: {warning}")
+    return 0
+
+
+def update_buffer(args: argparse.Namespace) -> int:
+    """`rlm corpus update --buffer`: grow a training run's buffer B by the update's g0 rows."""
+    from rlm.cache import corpus_fingerprint_cache
+    from rlm.data.corpus import load_corpus
+    from rlm.inference.corpus_update import (
+        apply_buffer_update,
+        buffer_encoder,
+        buffer_orphans_removed,
+        open_buffer,
+        plan_update,
+    )
+
+    started = time.perf_counter()
+    left = buffer_orphans_removed(args.buffer)
+    base = load_corpus(args.corpus, fingerprint_cache=corpus_fingerprint_cache(None))
+    target = open_buffer(args.buffer, base)
+    plan = plan_update(args.buffer, target, base, args.add, args.delete)  # bad input refused before g0 loads
+    encoder = buffer_encoder(target, args.checkpoint, args.encoder, args.device, args.batch_size)
+    result = apply_buffer_update(target, plan, encoder)
+    if left:
+        print(f"removed what an interrupted update left: {', '.join(p.name for p in left)}")
+    print(
+        f"update {result.number} of buffer {args.buffer}: {result.added} passages added, {result.replaced} "
+        f"replaced, {result.deleted} deleted; {result.live:,} passages selectable ({result.rows:,} rows) in "
+        f"{time.perf_counter() - started:.1f} s (embedding by g0 {result.seconds['embed']:.1f} s); corpus "
+        f"edition {result.fingerprint}. A run over this buffer takes it when it (re)starts: `--resume` goes on "
+        "with the new rows selected through h."
+    )
     return 0

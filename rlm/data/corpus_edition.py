@@ -16,11 +16,12 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
-from rlm.data.corpus import Corpus, Passage, RetrievalTexts
-from rlm.errors import UnknownPassageError
+from rlm.data.corpus import Corpus, CorpusSubset, Passage, RetrievalTexts
+from rlm.errors import UnknownPassageError, UserError
 from rlm.retriever.ids import IdSequence
 
 
@@ -37,13 +38,85 @@ def chained(previous: str, update: str) -> str:
     return "edition:sha256:" + hashlib.sha256(f"{previous}\n{update}".encode()).hexdigest()
 
 
+def new_record(base: Corpus) -> dict:
+    """The record of an edition no update has changed yet: its base corpus and rows (what index.json's
+    `edition` and a buffer's edition.json hold, `rlm.data.buffer_edition`)."""
+    return {
+        "base_corpus": base.fingerprint,
+        "base_rows": len(base),
+        "updates": [],
+        "fingerprint": base.fingerprint,
+    }
+
+
+def read_deletions(path: Path) -> list[tuple[int, str]]:
+    """(line number, passage id) of each non-blank line of `path` (UTF-8, one id a line), duplicates refused."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 ({err.reason}); write one passage id a line in UTF-8") from None
+    seen: dict[str, int] = {}
+    found = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        pid = line.strip()
+        if not pid:
+            continue
+        if pid in seen:
+            raise UserError(
+                f"{path}:{number}: passage id {pid!r} is listed twice (first on line {seen[pid]})"
+            )
+        seen[pid] = number
+        found.append((number, pid))
+    return found
+
+
+def open_edition_record(folder, record: dict, base: Corpus, removed: np.ndarray) -> CorpusEdition:
+    """The corpus an edition `record` (kept in `folder`: its updates' stores) describes: `base` and the passages
+    of each update, every update's files checked against the fingerprint it was applied with, and the chain
+    against the record's; `removed`: the rows its updates replaced or deleted."""
+    if record["base_corpus"] != base.fingerprint:
+        raise UserError(
+            f"{folder} holds updates of corpus {record['base_corpus']}, not of {base.path} ({base.fingerprint}): "
+            "give the corpus file it was built for"
+        )
+    chain, parts, chains = record["base_corpus"], [], [record["base_corpus"]]
+    for update in record["updates"]:
+        store = Path(folder) / update["store"]
+        passages = Corpus(store / "passages.jsonl") if update["rows"] else None
+        deleted = [pid for _, pid in read_deletions(store / "deleted.txt")]
+        found = update_fingerprint(
+            passages.fingerprint if passages else "", deleted, update["encoder_fingerprint"]
+        )
+        if found != update["fingerprint"]:
+            raise UserError(
+                f"{folder}: the files of update {update['number']} ({store}) changed after it was applied; "
+                "restore them, or build it again and apply the updates again"
+            )
+        chain = chained(chain, found)
+        chains.append(chain)
+        if passages is not None:
+            parts.append(passages)
+    if chain != record["fingerprint"]:
+        raise UserError(f"{folder}: its updates do not chain to the edition it records; build it again")
+    return CorpusEdition(base, parts, removed, chain, chains)
+
+
 class CorpusEdition(Sequence[Passage]):
     """The base `Corpus` and the `updates` (each a `Corpus` over one update's passages file) in row order,
     `removed` rows unreachable by id; the interface of a `Corpus` (`ids`, `index_of`, `retrieval_texts`,
     `fingerprint`, `path`)."""
 
-    def __init__(self, base: Corpus, updates: Sequence[Corpus], removed: np.ndarray, fingerprint: str):
+    def __init__(
+        self,
+        base: Corpus,
+        updates: Sequence[Corpus],
+        removed: np.ndarray,
+        fingerprint: str,
+        lineage: Sequence[str] = (),
+    ):
         self.base, self.updates = base, list(updates)
+        # The fingerprints this edition had, its base corpus's first and its own last (`lineage`).
+        self.lineage = list(lineage) or [base.fingerprint, fingerprint]
         self.removed = np.asarray(removed, dtype=np.int64)
         self.fingerprint = fingerprint
         self.path, self.fmt = base.path, base.fmt
@@ -95,8 +168,22 @@ class CorpusEdition(Sequence[Passage]):
             raise UnknownPassageError(f"passage id {passage_id!r} was deleted by a corpus update")
         return row
 
+    def was_deleted(self, passage_id: str) -> bool:
+        """Whether `passage_id` was in the corpus until an update deleted it."""
+        try:
+            self.index_of(passage_id)
+        except UnknownPassageError:
+            return any(passage_id in part.ids for part in (self.base, *self.updates))
+        return False
+
     def retrieval_texts(self) -> Sequence[str]:
         return RetrievalTexts(self)
+
+    def live(self) -> CorpusEdition | CorpusSubset:
+        """The passages a search may return: this edition without its removed rows (itself when none is)."""
+        if not len(self.removed):
+            return self
+        return CorpusSubset(self, np.setdiff1d(np.arange(len(self)), self.removed))
 
     def __repr__(self) -> str:
         return f"CorpusEdition({str(self.path)!r}, passages={len(self)}, updates={len(self.updates)})"

@@ -33,7 +33,14 @@ import numpy as np
 
 from rlm.base.atomicio import atomic_file, atomic_write_text
 from rlm.data.corpus import Corpus
-from rlm.data.corpus_edition import CorpusEdition, chained, update_fingerprint
+from rlm.data.corpus_edition import (
+    CorpusEdition,
+    chained,
+    new_record,
+    open_edition_record,
+    read_deletions,
+    update_fingerprint,
+)
 from rlm.errors import UnknownPassageError, UserError
 
 STORES = "updates"
@@ -69,6 +76,7 @@ class RowEncoder:
     precision: str = "auto"
     corrector: object = None
     batch_size: int = 64
+    dtype: str = "float16"  # the rows' (a buffer's own: float16 or float32)
 
     def embed(self, texts) -> np.ndarray:
         import torch
@@ -76,7 +84,9 @@ class RowEncoder:
         from rlm.inference.corrected_index import CorrectedRows
         from rlm.retriever.buffer import PassageBuffer, embed_passages
 
-        rows = embed_passages(self.tower, texts, batch_size=self.batch_size, precision=self.precision)
+        rows = embed_passages(
+            self.tower, texts, batch_size=self.batch_size, dtype=self.dtype, precision=self.precision
+        )
         if self.corrector is None or not len(rows):
             return rows
         # Through h as the index's own h(B) rows went (`CorrectedRows`): the same cast and device, a chunk a time.
@@ -101,7 +111,8 @@ def row_encoder(
     precision = index.provenance.get("precision") or "auto"
     if encoder is not None:
         max_length = index.provenance.get("max_length")
-        return _from_folder(index_dir, encoder, recorded, (precision, max_length), device, batch_size)
+        how = (precision, max_length, "float16")
+        return _from_folder(f"index {index_dir}", encoder, recorded, how, device, batch_size)
     from rlm.inference.checkpoint import load_checkpoint
 
     retriever, _, _ = load_checkpoint(checkpoint, need_reader=False, device=device)
@@ -116,11 +127,12 @@ def row_encoder(
     )
 
 
-def _from_folder(index_dir, folder, recorded: str, how: tuple, device, batch_size: int) -> RowEncoder:
-    """The encoder in `folder` at the max length the rows were embedded at (`how`: precision, max length)."""
+def _from_folder(where: str, folder, recorded: str, how: tuple, device, batch_size: int) -> RowEncoder:
+    """The encoder in `folder` at the max length the rows of `where` were embedded at (`how`: precision, max
+    length, the rows' dtype)."""
     from rlm.retriever.encoder import SentenceEncoder
 
-    precision, max_length = how
+    precision, max_length, dtype = how
     path = Path(folder) / "passage_tower" if (Path(folder) / "passage_tower").is_dir() else Path(folder)
     # A trained tower's folder holds its own length; a bare encoder is taken at the length of the rows.
     trained = (Path(folder) / "passage_tower").is_dir()
@@ -129,10 +141,10 @@ def _from_folder(index_dir, folder, recorded: str, how: tuple, device, batch_siz
         tower.to(device)
     if tower.fingerprint() != recorded:
         raise UserError(
-            f"index {index_dir} holds rows of encoder {recorded}, not of {folder} ({tower.fingerprint()}): "
+            f"{where} holds rows of encoder {recorded}, not of {folder} ({tower.fingerprint()}): "
             "update it with the encoder its rows were embedded with"
         )
-    return RowEncoder(tower, recorded, precision, batch_size=batch_size)
+    return RowEncoder(tower, recorded, precision, batch_size=batch_size, dtype=dtype)
 
 
 def _corrected(
@@ -164,58 +176,23 @@ def orphans_removed(index_dir) -> list[Path]:
     does not name, `rlm.retriever.index.orphans`); returns them."""
     from rlm.retriever.index import orphans
 
-    left = orphans(index_dir) if (Path(index_dir) / "index.json").exists() else []
-    for path in left:
+    return _deleted(orphans(index_dir) if (Path(index_dir) / "index.json").exists() else [])
+
+
+def _deleted(paths: list[Path]) -> list[Path]:
+    """Delete `paths` (files and folders); returns them."""
+    for path in paths:
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    return left
-
-
-def read_deletions(path: Path) -> list[tuple[int, str]]:
-    """(line number, passage id) of each non-blank line of `path` (UTF-8, one id a line), duplicates refused."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 ({err.reason}); write one passage id a line in UTF-8") from None
-    seen: dict[str, int] = {}
-    found = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        pid = line.strip()
-        if not pid:
-            continue
-        if pid in seen:
-            raise UserError(
-                f"{path}:{number}: passage id {pid!r} is listed twice (first on line {seen[pid]})"
-            )
-        seen[pid] = number
-        found.append((number, pid))
-    return found
+    return paths
 
 
 def open_edition(index_dir, index, base: Corpus) -> CorpusEdition:
     """The corpus `index` serves: `base` and the passages of each update in `index_dir`, every update's files
     checked against the fingerprint it was applied with, and the chain against index.json's."""
-    edition, chain, parts = index.edition, index.edition["base_corpus"], []
-    for update in edition["updates"]:
-        store = Path(index_dir) / update["store"]
-        passages = Corpus(store / "passages.jsonl") if update["rows"] else None
-        deleted = [pid for _, pid in read_deletions(store / "deleted.txt")]
-        found = update_fingerprint(
-            passages.fingerprint if passages else "", deleted, update["encoder_fingerprint"]
-        )
-        if found != update["fingerprint"]:
-            raise UserError(
-                f"index {index_dir}: the files of update {update['number']} ({store}) changed after it was "
-                "applied; restore them, or rebuild the index and apply the updates again"
-            )
-        chain = chained(chain, found)
-        if passages is not None:
-            parts.append(passages)
-    if chain != edition["fingerprint"]:
-        raise UserError(f"index {index_dir}: its updates do not chain to the edition it records; rebuild it")
-    return CorpusEdition(base, parts, index.removed, chain)
+    return open_edition_record(index_dir, index.edition, base, index.removed)
 
 
 def _plan(edition, added: Corpus | None, deletions: list[tuple[int, str]], add_path, delete_path):
@@ -252,40 +229,33 @@ def _write_store(store: Path, added: Corpus | None, add_path, deletions, vectors
         np.save(f, vectors)
 
 
+def update_entry(result: UpdateResult, store: str, fp: str, encoder_fp: str, first_row: int) -> dict:
+    """What an edition records of one update (index.json's `edition`, a buffer's edition.json)."""
+    return {
+        "number": result.number,
+        "store": store,
+        "fingerprint": fp,
+        "encoder_fingerprint": encoder_fp,
+        "added": result.added,
+        "replaced": result.replaced,
+        "deleted": result.deleted,
+        "first_row": first_row,
+        "rows": result.added + result.replaced,
+        "applied": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "checks": result.checks,
+    }
+
+
 def _commit(
     index, index_dir: Path, result: UpdateResult, store: str, encoder_fp: str, first_row: int, fp: str
 ):
     """Record the update in the index's edition and save it as the next generation (the one rename)."""
     edition = index.edition
-    edition["updates"].append(
-        {
-            "number": result.number,
-            "store": store,
-            "fingerprint": fp,
-            "encoder_fingerprint": encoder_fp,
-            "added": result.added,
-            "replaced": result.replaced,
-            "deleted": result.deleted,
-            "first_row": first_row,
-            "rows": result.added + result.replaced,
-            "applied": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "checks": result.checks,
-        }
-    )
+    edition["updates"].append(update_entry(result, store, fp, encoder_fp, first_row))
     edition["fingerprint"] = result.fingerprint
     # The folder's next generation: after `rlm index --retrain` it is past the number of updates.
     generation = json.loads((index_dir / "index.json").read_text()).get("generation", 0) + 1
     index.save_generation(index_dir, generation)
-
-
-def start_edition(index, base: Corpus) -> dict:
-    """The edition of an index no update has changed yet: its base corpus and rows."""
-    return {
-        "base_corpus": base.fingerprint,
-        "base_rows": len(base),
-        "updates": [],
-        "fingerprint": base.fingerprint,
-    }
 
 
 @dataclass
@@ -305,7 +275,7 @@ def plan_update(index_dir, index, base: Corpus, add_path=None, delete_path=None)
     """Read `add_path` (JSONL `{id, title, text}`; an id the corpus has replaces that passage) and
     `delete_path` (ids, one a line) against the corpus `index` serves now; refuse what cannot be applied."""
     if not index.edition:
-        index.edition = start_edition(index, base)
+        index.edition = new_record(base)
     edition = open_edition(index_dir, index, base)
     add_path = Path(add_path) if add_path else None
     delete_path = Path(delete_path) if delete_path else None
@@ -450,3 +420,94 @@ def retrained(index_dir, train_sample: int | None = None):
     generation = json.loads((index_dir / "index.json").read_text()).get("generation", 0) + 1
     fresh.save_generation(index_dir, generation)
     return fresh
+
+
+@dataclass
+class BufferEdition:
+    """A training run's fixed buffer B and the edition its updates made (`rlm.data.buffer_edition`): what
+    `plan_update` reads an update against, as it reads an index (`edition`, `removed`)."""
+
+    folder: Path
+    buffer: object  # the PassageBuffer of the base corpus's rows
+    edition: dict
+    removed: np.ndarray
+
+
+def open_buffer(folder, base: Corpus) -> BufferEdition:
+    """The buffer in `folder` (refused unless built for `base`) and its edition."""
+    from rlm.data import buffer_edition
+    from rlm.retriever.buffer import PassageBuffer
+
+    folder = Path(folder)
+    buffer = PassageBuffer.load(folder, corpus_fingerprint=base.fingerprint)
+    record = buffer_edition.read_record(folder) or new_record(base)
+    return BufferEdition(folder, buffer, record, buffer_edition.removed_rows(folder, record))
+
+
+def buffer_encoder(target: BufferEdition, checkpoint=None, encoder=None, device=None, batch_size: int = 64):
+    """g0, the passage tower the buffer was built by: the starting tower of the run that wrote `checkpoint` (from
+    its config), or the encoder folder `encoder`; refused unless its fingerprint is the buffer's. Its rows come
+    out as the buffer's (dtype, precision, max length)."""
+    meta = target.buffer.meta
+    recorded, how = meta["encoder_fingerprint"], (meta["precision"], meta["max_length"], meta["dtype"])
+    where = f"buffer {target.folder}"
+    if encoder is not None:
+        return _from_folder(where, encoder, recorded, how, device, batch_size)
+    from rlm.components import build_retriever
+    from rlm.config import load_config
+
+    start = build_retriever(load_config(Path(checkpoint) / "config.yaml")).passage_tower.eval()
+    if start.fingerprint() != recorded:
+        raise UserError(
+            f"{where} was built by passage tower {recorded}, not by the starting tower of {checkpoint} "
+            f"({start.fingerprint()}): update it with the run (or `--encoder`) it was built for"
+        )
+    if device is not None:
+        start.to(device)
+    return RowEncoder(start, recorded, meta["precision"], batch_size=batch_size, dtype=meta["dtype"])
+
+
+def apply_buffer_update(target: BufferEdition, plan: UpdatePlan, encoder: RowEncoder) -> UpdateResult:
+    """Apply `plan` to a training run's buffer: its passages embedded by g0 (`encoder`, `buffer_encoder`) and
+    kept with their rows in `updates/<n>/`, the rows they replace or delete listed as removed, and the edition
+    committed (`rlm.data.buffer_edition.commit`). The buffer's own files are not touched."""
+    from rlm.data import buffer_edition
+    from rlm.retriever.buffer import _nonfinite_error, nonfinite_rows
+
+    folder, added, record = target.folder, plan.added, target.edition
+    number = len(record["updates"]) + 1
+    new = (len(added) if added else 0) - len(plan.replaced)
+    result = UpdateResult(number, new, len(plan.replaced), len(plan.deleted), 0, 0, "")
+    started = time.perf_counter()
+    dim, dtype = target.buffer.dim, target.buffer.meta["dtype"]
+    vectors = encoder.embed(added.retrieval_texts()) if added else np.zeros((0, dim), dtype)
+    result.seconds["embed"] = time.perf_counter() - started
+    bad = nonfinite_rows(vectors)
+    if len(bad):
+        raise _nonfinite_error(f"update of {folder}", bad, added.ids, "nothing was written")
+    fp = update_fingerprint(
+        added.fingerprint if added else "", [p for _, p in plan.deletions], encoder.fingerprint
+    )
+    result.fingerprint = chained(record["fingerprint"], fp)
+    started = time.perf_counter()
+    store = f"{buffer_edition.STORES}/{number:04d}"
+    _write_store(folder / store, added, plan.add_path, plan.deletions, vectors)
+    first_row = len(plan.edition)
+    removed = np.union1d(target.removed, np.asarray(plan.replaced + plan.deleted, dtype=np.int64))
+    record = {
+        **record,
+        "updates": [*record["updates"], update_entry(result, store, fp, encoder.fingerprint, first_row)],
+    }
+    record["fingerprint"] = result.fingerprint
+    buffer_edition.commit(folder, record, removed)
+    result.seconds["save"] = time.perf_counter() - started
+    result.rows = first_row + len(vectors)
+    result.live = result.rows - len(removed)
+    return result
+
+
+def buffer_orphans_removed(folder) -> list[Path]:
+    """Delete what an update of a buffer killed before its commit left (`rlm.data.buffer_edition.orphans`)."""
+    from rlm.data.buffer_edition import orphans
+
+    return _deleted(orphans(folder))

@@ -43,10 +43,10 @@ def run_buffer_dir(checkpoint: str | Path, buffer_dir: str | Path | None = None)
     `<output_dir>/buffer` (as training placed it)."""
     if buffer_dir is not None:
         return Path(buffer_dir)
+    from rlm.components import buffer_folder
     from rlm.config import load_config
 
-    cfg = load_config(Path(checkpoint) / "config.yaml")
-    return Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
+    return buffer_folder(load_config(Path(checkpoint) / "config.yaml"))
 
 
 class CorrectedRows(PassageBuffer):

@@ -91,7 +91,8 @@ def save_subcorpus_ids(ids: Sequence[str], path: str | os.PathLike) -> None:
 
 
 def load_subcorpus(corpus, ids_path: str | os.PathLike) -> CorpusSubset:
-    """The subset of `corpus` named by an ids file; an unknown or repeated id is an error naming its line."""
+    """The subset of `corpus` named by an ids file; an unknown or repeated id is an error naming its line. An id
+    a corpus update deleted since the file was written is left out (`CorpusEdition.was_deleted`)."""
     ids_path = Path(ids_path)
     if not ids_path.is_file():
         raise FileNotFoundError(f"subcorpus ids file not found: {ids_path}")
@@ -106,6 +107,8 @@ def load_subcorpus(corpus, ids_path: str | os.PathLike) -> CorpusSubset:
         try:
             rows.append(corpus.index_of(pid))
         except KeyError:
+            if getattr(corpus, "was_deleted", lambda _: False)(pid):
+                continue
             raise UserError(f"{ids_path}:{line_no}: passage id {pid!r} is not in {corpus.path}") from None
     if not rows:
         raise UserError(f"{ids_path}: no passage ids")

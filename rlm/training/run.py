@@ -19,7 +19,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
 from rlm.base.atomicio import atomic_write_text
-from rlm.components import build_components
+from rlm.components import buffer_folder, build_components
 from rlm.config import TrainConfig, dump_config
 from rlm.data.corpus import Corpus
 from rlm.errors import UserError
@@ -203,6 +203,8 @@ class TrainRun:
             "strategy": self.strategy.state_dict(),
             "alignment": None if self.alignment is None else self.alignment.state_dict(),
             "processes": self.accelerator.num_processes,
+            # The corpus edition trained over: a resume over a later one of its lineage goes on (`load`).
+            "corpus": {"edition": self.corpus.fingerprint, "rows": len(self.corpus)},
         }
         output_dir = Path(self.cfg.output_dir)
         with self.phase("checkpoint"):
@@ -229,6 +231,9 @@ class TrainRun:
         """Continue from checkpoint `folder` (verified and checked by `find_checkpoint`)."""
         checkpointing.load_checkpoint(self.accelerator, folder)  # weights only: no pickled code runs
         state = checkpointing.read_state(folder)
+        changed = corpus_change(state.get("corpus"), self.corpus, folder, buffer_folder(self.cfg))
+        if changed:
+            self.accelerator.print(changed)
         self.state.load_state_dict(state["train"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.load_state_dict(state["strategy"])
@@ -384,7 +389,7 @@ def build_run(
     configure_deepspeed(accelerator, cfg.optim, accum)
     set_seed(cfg.seed)
     resume_from = claim_run_folder(accelerator, cfg, resume, overwrite, allow_changed)
-    buffer_dir = Path(cfg.buffer.dir or Path(cfg.output_dir) / "buffer")
+    buffer_dir = buffer_folder(cfg)
     for key, folder in (("output_dir", Path(cfg.output_dir)), ("buffer.dir", buffer_dir)):
         check_shared_folder(folder, Processes.of(accelerator), key)
     # From here on the main process can name a rank that holds the others up (the run closes it as it ends;
@@ -424,6 +429,30 @@ def build_run(
         run.load(resume_from)
         accelerator.print(f"resumed from {resume_from} at step {run.state.step}")
     return run
+
+
+def corpus_change(saved: dict | None, corpus, checkpoint: Path, buffer_dir: Path) -> str | None:
+    """What changed in the corpus since `checkpoint` was trained over the edition `saved` (its fingerprint and
+    rows; None: a checkpoint older than the record, taken as this corpus), said in a line; None when nothing
+    did. A later edition of the same lineage (`rlm corpus update --buffer` applied since) goes on: its new rows
+    are selectable through h at once, its removed ones never selected. Any other is refused."""
+    if saved is None or saved["edition"] == corpus.fingerprint:
+        return None
+    lineage = getattr(corpus, "lineage", [corpus.fingerprint])
+    if saved["edition"] not in lineage:
+        raise UserError(
+            f"checkpoint {checkpoint} was trained over corpus edition {saved['edition']}, but the corpus with the "
+            f"updates of buffer {buffer_dir} is {corpus.fingerprint}, which does not descend from it (updates "
+            "undone, or applied to a rebuilt buffer): restore the buffer's edition.json and updates/ the run was "
+            "trained with, or start a new run"
+        )
+    updates = len(lineage) - 1 - lineage.index(saved["edition"])
+    removed = len(getattr(corpus, "removed", ()))
+    return (
+        f"the corpus changed since {checkpoint.name}: {updates} corpus update(s) applied to buffer {buffer_dir}, "
+        f"{saved['rows']:,} -> {len(corpus):,} rows ({removed:,} removed in all); the new rows are selected "
+        f"from now on, the removed ones never (edition {corpus.fingerprint})"
+    )
 
 
 def prepared_for_training(

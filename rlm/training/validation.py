@@ -237,6 +237,8 @@ def validate(
     EM, F1, recall@k; `selection_retrieve`) instead of the re-embedded corpus."""
     procs = procs or Processes()
     path = subcorpus_path(cfg) if subcorpus and strategy is None else None
+    if path is None and strategy is None and hasattr(corpus, "live"):
+        corpus = corpus.live()  # a corpus update's removed passages are never among those retrieved
     if path is not None:
         from rlm.training.hard_subcorpus import load_subcorpus
 

@@ -72,7 +72,10 @@ class SelectionStrategy:
         two_stage = cfg.two_stage if cfg.search == "two_stage" else None
         self.search = RowSearch(chunk_size, two_stage, cache_bytes=cfg.cache_corrected_mb * 2**20)
         self.search.set_rows(len(buffer), whole=buffer)
+        if len(buffer.removed):  # rows of passages a corpus update replaced or deleted
+            self.search.exclude(buffer.removed)
         self.metrics: dict[str, float] = {}  # logged with the step, then cleared (`pop_metrics`)
+        self.corpus_grew = False  # the loaded checkpoint's corpus had fewer rows (`load_state_dict`)
 
     def distribute(
         self,
@@ -144,15 +147,26 @@ class SelectionStrategy:
         if not n:
             local = no_rows(all_queries)
         elif rows.first_stage is None:
-            local = corrected_topk(all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk)
+            local = corrected_topk(
+                all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=rows.excluded
+            )
         else:  # Appendix B.2: candidates by the stale score, re-scored with h
             stage = rows.first_stage
             local = two_stage_corrected_topk(
-                all_queries, rows.vectors, rows.corrector, n, stage.index, stage.candidates, chunk_size=chunk
+                all_queries,
+                rows.vectors,
+                rows.corrector,
+                n,
+                stage.index,
+                stage.candidates,
+                chunk_size=chunk,
+                excluded=rows.excluded,
             )
         top = merge_topk(rows.procs, local, rows.row_ids, width, queries.shape[0])
         if rows.first_stage is not None and n and self.search.overlap_due():
-            exact = corrected_topk(all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk)
+            exact = corrected_topk(
+                all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=rows.excluded
+            )
             self.search.record_overlap(
                 top, merge_topk(rows.procs, exact, rows.row_ids, width, len(queries)), width
             )
@@ -167,6 +181,7 @@ class SelectionStrategy:
             include=include,
             num_random=num_random,
             generator=self.generator,
+            excluded=self.search.removed,
         )
 
     def prune_refreshes(self, checkpoint_steps: Sequence[int], step: int) -> None:
@@ -190,8 +205,15 @@ class SelectionStrategy:
                 shutil.rmtree(self.refresh_dir / f"step_{r:07d}", ignore_errors=True)
 
     def state_dict(self) -> dict:
-        return {"reembedded": self.reembedded, "generator": self.generator.get_state()}
+        return {
+            "reembedded": self.reembedded,
+            "generator": self.generator.get_state(),
+            "corpus_rows": len(self.buffer),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.reembedded = int(state["reembedded"])
         self.generator.set_state(state["generator"])
+        # Rows a corpus update appended since the checkpoint (`rlm corpus update --buffer`): the buffer's
+        # rows are scanned as they are; a refreshing strategy re-embeds first (`_RefreshingStrategy`).
+        self.corpus_grew = int(state.get("corpus_rows", len(self.buffer))) != len(self.buffer)

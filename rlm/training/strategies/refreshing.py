@@ -27,13 +27,16 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         super().__init__(*args, **kwargs)
         self.fresh: PassageBuffer | Tensor | None = None  # None until the first refresh
         self._unopened = False  # a loaded checkpoint's refreshed rows, not opened yet (`search_space`)
+        self._refresh_now = False  # the refreshed rows lack rows a corpus update added: re-embed first
 
     @abc.abstractmethod
     def due(self, step: int) -> bool:
         """Whether the buffer is re-embedded before optimizer step `step`."""
 
     def refreshes_at(self, step: int) -> bool:
-        return self.due(step)
+        # A resume over a corpus an update grew re-embeds at once: the refreshed rows lack the new passages,
+        # and the buffer's g0 rows of those are not in the space of the others.
+        return self._refresh_now or self.due(step)
 
     def prepare_refresh(self, step: int, embed_rows: EmbedRows) -> int:
         """Work a refresh does before its rows are computed; returns the passages it re-embedded (each once,
@@ -45,7 +48,7 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         return embed_rows(range(start, stop))
 
     def refresh(self, step: int, embed_rows: EmbedRows) -> None:
-        if not self.due(step):
+        if not self.refreshes_at(step):
             return
         n = len(self.buffer)
         reembedded = self.prepare_refresh(step, embed_rows)
@@ -62,7 +65,7 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         self.search.set_rows(n, whole=self.fresh, mine=mine)
         self.refresh_step = step
         self.reembedded += reembedded
-        self._unopened = False
+        self._unopened = self._refresh_now = False
         if self.procs.rank == 0:  # the earlier refreshed rows no kept checkpoint needs
             self.prune_refreshes(self.checkpoint_steps, step)
 
@@ -96,6 +99,9 @@ class _RefreshingStrategy(SelectionStrategy, abc.ABC):
         # The files are opened when first scanned: a checkpoint taken just before a refresh is resumed by
         # that refresh, which never reads them, and `prune_refreshes` has deleted them for that reason.
         self._unopened = "fresh" not in state and self.refresh_step is not None
+        if self.corpus_grew and self.refresh_step is not None:  # rows of fewer passages than the corpus has
+            self.fresh, self._unopened, self._refresh_now = None, False, True
+            self.search.set_rows(n, whole=self.buffer)
 
 
 class ExhaustiveStrategy(_RefreshingStrategy):
