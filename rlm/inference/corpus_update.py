@@ -285,21 +285,29 @@ def plan_update(index_dir, index, base: Corpus, add_path=None, delete_path=None)
     return UpdatePlan(edition, added, add_path, deletions, delete_path, replaced, deleted)
 
 
+def _embedded(plan: UpdatePlan, encoder, edition: dict, dim: int, dtype: str):
+    """(the update's `UpdateResult` so far, its rows embedded by `encoder` [n, dim], its fingerprint): what an
+    update of an index and of a buffer do alike before they store it."""
+    added = plan.added
+    new = (len(added) if added else 0) - len(plan.replaced)
+    number = len(edition["updates"]) + 1
+    result = UpdateResult(number, new, len(plan.replaced), len(plan.deleted), 0, 0, "")
+    started = time.perf_counter()
+    vectors = encoder.embed(added.retrieval_texts()) if added else np.zeros((0, dim), dtype)
+    result.seconds["embed"] = time.perf_counter() - started
+    deleted_ids = [pid for _, pid in plan.deletions]
+    fp = update_fingerprint(added.fingerprint if added else "", deleted_ids, encoder.fingerprint)
+    result.fingerprint = chained(edition["fingerprint"], fp)
+    return result, vectors, fp
+
+
 def apply_update(index_dir: str | Path, index, plan: UpdatePlan, encoder) -> UpdateResult:
     """Apply `plan` to `index` (loaded from `index_dir`, on the host, whole): its passages embedded by
     `encoder` (a `RowEncoder`) and added, the rows it replaces or deletes removed; saved as the next generation
     of the folder, its passages and rows kept in `updates/<n>/`."""
     index_dir, added = Path(index_dir), plan.added
-    number = len(index.edition["updates"]) + 1
-    new = (len(added) if added else 0) - len(plan.replaced)
-    result = UpdateResult(number, new, len(plan.replaced), len(plan.deleted), 0, 0, "")
-    started = time.perf_counter()
-    vectors = encoder.embed(added.retrieval_texts()) if added else np.zeros((0, index.dim), np.float16)
-    result.seconds["embed"] = time.perf_counter() - started
-    deleted_ids = [pid for _, pid in plan.deletions]
-    fp = update_fingerprint(added.fingerprint if added else "", deleted_ids, encoder.fingerprint)
-    result.fingerprint = chained(index.edition["fingerprint"], fp)
-    store = f"{STORES}/{number:04d}"
+    result, vectors, fp = _embedded(plan, encoder, index.edition, index.dim, "float16")
+    store = f"{STORES}/{result.number:04d}"
     _write_store(index_dir / store, added, plan.add_path, plan.deletions, vectors)
     old_rows = exact_rows(index, index_dir)  # before the new rows join them
     started, first_row = time.perf_counter(), index.ntotal
@@ -475,22 +483,13 @@ def apply_buffer_update(target: BufferEdition, plan: UpdatePlan, encoder: RowEnc
     from rlm.retriever.buffer import _nonfinite_error, nonfinite_rows
 
     folder, added, record = target.folder, plan.added, target.edition
-    number = len(record["updates"]) + 1
-    new = (len(added) if added else 0) - len(plan.replaced)
-    result = UpdateResult(number, new, len(plan.replaced), len(plan.deleted), 0, 0, "")
-    started = time.perf_counter()
     dim, dtype = target.buffer.dim, target.buffer.meta["dtype"]
-    vectors = encoder.embed(added.retrieval_texts()) if added else np.zeros((0, dim), dtype)
-    result.seconds["embed"] = time.perf_counter() - started
+    result, vectors, fp = _embedded(plan, encoder, record, dim, dtype)
     bad = nonfinite_rows(vectors)
     if len(bad):
         raise _nonfinite_error(f"update of {folder}", bad, added.ids, "nothing was written")
-    fp = update_fingerprint(
-        added.fingerprint if added else "", [p for _, p in plan.deletions], encoder.fingerprint
-    )
-    result.fingerprint = chained(record["fingerprint"], fp)
     started = time.perf_counter()
-    store = f"{buffer_edition.STORES}/{number:04d}"
+    store = f"{buffer_edition.STORES}/{result.number:04d}"
     _write_store(folder / store, added, plan.add_path, plan.deletions, vectors)
     first_row = len(plan.edition)
     removed = np.union1d(target.removed, np.asarray(plan.replaced + plan.deleted, dtype=np.int64))

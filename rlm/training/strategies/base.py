@@ -143,30 +143,10 @@ class SelectionStrategy:
         # Each process scores every process's queries against the rows it holds; the lists are merged.
         rows = self.search.scanned(corrector, queries.device)
         all_queries, n = rows.procs.gather(queries), min(width, len(rows.vectors))
-        chunk = self.search.chunk_size
-        if not n:
-            local = no_rows(all_queries)
-        elif rows.first_stage is None:
-            local = corrected_topk(
-                all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=rows.excluded
-            )
-        else:  # Appendix B.2: candidates by the stale score, re-scored with h
-            stage = rows.first_stage
-            local = two_stage_corrected_topk(
-                all_queries,
-                rows.vectors,
-                rows.corrector,
-                n,
-                stage.index,
-                stage.candidates,
-                chunk_size=chunk,
-                excluded=rows.excluded,
-            )
+        local = self._local_topk(rows, all_queries, n) if n else no_rows(all_queries)
         top = merge_topk(rows.procs, local, rows.row_ids, width, queries.shape[0])
         if rows.first_stage is not None and n and self.search.overlap_due():
-            exact = corrected_topk(
-                all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=rows.excluded
-            )
+            exact = self._local_topk(rows, all_queries, n, exact=True)
             self.search.record_overlap(
                 top, merge_topk(rows.procs, exact, rows.row_ids, width, len(queries)), width
             )
@@ -182,6 +162,26 @@ class SelectionStrategy:
             num_random=num_random,
             generator=self.generator,
             excluded=self.search.removed,
+        )
+
+    def _local_topk(self, rows, queries: Tensor, n: int, exact: bool = False) -> TopK:
+        """The top `n` of every process's `queries` over this process's scanned `rows` (`RowSearch.scanned`):
+        exact, or two-stage when the rows have a first stage (Appendix B.2: candidates by the stale score,
+        re-scored with h) and `exact` is not asked for; the removed rows never among them."""
+        chunk, stage = self.search.chunk_size, rows.first_stage
+        if stage is None or exact:
+            return corrected_topk(
+                queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=rows.excluded
+            )
+        return two_stage_corrected_topk(
+            queries,
+            rows.vectors,
+            rows.corrector,
+            n,
+            stage.index,
+            stage.candidates,
+            chunk_size=chunk,
+            excluded=rows.excluded,
         )
 
     def prune_refreshes(self, checkpoint_steps: Sequence[int], step: int) -> None:
