@@ -324,3 +324,21 @@ def test_a_buffer_update_killed_at_any_moment_leaves_the_edition_as_it_was_or_do
     assert np.array_equal(
         np.load(buffer / "updates" / "0001" / "rows.npy"), np.load(timed / "updates" / "0001" / "rows.npy")
     )
+
+
+def test_an_index_over_h_of_an_updated_buffer_says_it_answers_from_the_base_corpus(root, reference, tmp_path):
+    from rlm.inference.corrected_index import corrected_index
+    from rlm.retriever.index_spec import IndexSpec
+
+    buffer = root / "buffer_for_index"
+    shutil.copytree(root / "buffer", buffer)
+    corpus_file = root / "toy" / "corpus.jsonl"
+    base = load_corpus(corpus_file)
+    deleted = tmp_path / "delete.txt"
+    deleted.write_text(f"{base[7].id}\n")
+    assert (
+        update_buffer(str(buffer), corpus_file, root / "reference" / "final", "--delete", str(deleted)) == 0
+    )
+    with pytest.warns(UserWarning, match="holds 1 corpus update"):
+        built = corrected_index(root / "reference" / "final", base, buffer, IndexSpec(factory="Flat"))
+    assert built.index.ntotal == 120

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,6 +140,7 @@ def corrected_index(
         ) from None
     if len(buffer) != len(corpus):
         raise UserError(f"buffer {folder} has {len(buffer)} rows but the corpus has {len(corpus)}")
+    _say_base_only(folder)
     device = inference_device(device)
     corrector = CorrectorNetwork.from_pretrained(root / "corrector").eval().to(device)
     if corrector.dim != buffer.dim:
@@ -152,6 +154,21 @@ def corrected_index(
     index.apply_search(spec, rows, k=tune_k)
     seconds = time.perf_counter() - start
     return CorrectedIndex(index, folder, len(buffer), rows.correct_seconds, seconds - rows.correct_seconds)
+
+
+def _say_base_only(folder: Path) -> None:
+    """Warn that the h(B) index answers from the base corpus when the buffer in `folder` holds corpus updates
+    (`rlm corpus update --buffer`, for training): the index takes them by the same update of its own."""
+    from rlm.data.buffer_edition import read_record
+
+    record = read_record(folder)
+    if record and record["updates"]:
+        warnings.warn(
+            f"buffer {folder} holds {len(record['updates'])} corpus update(s) applied for training; this index over "
+            "h(B) answers from the base corpus: apply the same update to it with `rlm corpus update --index DIR "
+            "--checkpoint ...` (after `--save-index DIR`)",
+            stacklevel=3,
+        )
 
 
 def corrector_fingerprint(checkpoint: str | Path) -> str:
