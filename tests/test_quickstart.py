@@ -278,3 +278,187 @@ def test_baselines_measured_then_reused_from_cache(tmp_path, capsys, monkeypatch
     # --baselines retrains them even when cached (a third quickstart would only retrain what the first did).
     assert baselines_to_measure("always", cache, second["settings"]) == list(BASELINES)
     assert baselines_to_measure("missing", cache, second["settings"]) == []
+
+
+# ---- the last stage: a living corpus ------------------------------------------------------------------------
+
+# A world of the tiny run's settings with dev entities enough for every kind of change (2 of each): the tiny run's
+# own 150 passages leave 2 dev organisations, too few for an edition.
+EDITION_WORLD = 300
+
+
+def _predictions(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def living_corpus(tiny_quickstart, tmp_path_factory):
+    """The last stage on the tiny quickstart's checkpoint, over a world of its settings large enough for an
+    edition: (its folders, what it measured)."""
+    from rlm.data.toy_world import build_toy_world
+    from rlm.quickstart.living_corpus import measure_living_corpus, prepare_living_corpus
+
+    root = tmp_path_factory.mktemp("living_corpus")
+    config = json.loads((tiny_quickstart / "toy_world" / "world.json").read_text())["config"]
+    options = {key: value for key, value in config.items() if key not in ("num_passages", "seed")}
+    build_toy_world(root / "world", num_passages=EDITION_WORLD, seed=config["seed"], **options)
+    living = prepare_living_corpus(root, root / "world", tiny_quickstart / "final")
+    return living, measure_living_corpus(living, num_passages=4)
+
+
+def test_the_living_corpus_counts_every_change_kind_and_shows_no_retired_passage(living_corpus):
+    from rlm.data.toy_world_edition import CHANGES
+    from rlm.quickstart.living_corpus import CHANGED_FACTS, SHOWN_K
+
+    living, edition = living_corpus
+    manifest = json.loads(living.update.manifest.read_text())
+    assert list(edition["kinds"]) == [*CHANGES, "unchanged"]
+    for kind in CHANGES:
+        assert edition["kinds"][kind]["questions"] == manifest["questions"][kind] > 0, kind
+    assert edition["kinds"]["unchanged"]["questions"] == manifest["unchanged_dev"] > 0
+    update = edition["update"]
+    assert (update["added"], update["replaced"], update["deleted"]) == (
+        manifest["added"],
+        manifest["replaced"],
+        manifest["deleted"],
+    )
+    # The invariant: after the update no question is shown a passage it deleted or the text it replaced.
+    retired = edition["retired_shown"]
+    asked = manifest["unchanged_dev"] + sum(manifest["questions"].values())
+    assert retired == {
+        "shown": SHOWN_K * asked,
+        "retired": 0,
+        "passages_retired": manifest["replaced"] + manifest["deleted"],
+    }
+    # The changed facts in four groups; the edition draws its subjects from dev, so training asked about none.
+    groups = edition["changed_facts"]
+    assert len(groups) == 4
+    assert sum(g["questions"] for g in groups) == sum(manifest["questions"][k] for k in CHANGED_FACTS)
+    assert all(g["questions"] == 0 for g in groups if g["subject_in_training"])
+    assert edition["question_types"]["trained"] == ["born_in", "located_in", "occupation"]
+    assert {"works_for", "founded_by"} <= set(edition["question_types"]["asked_untrained"])
+    assert edition["example"]["question"] in living.update.dev.read_text()
+    assert edition["seconds"]["stage"] > 0
+    json.dumps(edition)  # what metrics.json holds
+
+
+def test_the_updated_index_finds_the_new_passages_and_none_it_deleted(living_corpus):
+    living, edition = living_corpus
+    from rlm.data.corpus import load_corpus
+
+    added = {json.loads(line)["id"] for line in living.update.add.read_text().splitlines()}
+    new = added - set(load_corpus(living.world / "corpus.jsonl").ids)
+    deleted = set(living.update.delete.read_text().split())
+    before, after = _predictions(living.root / "before"), _predictions(living.root / "after")
+    assert not any(new & set(r["retrieved_ids"]) for r in before)  # not in the corpus yet
+    assert not any(deleted & set(r["retrieved_ids"]) for r in after)
+    # Each new person's question names them: their own passage is in the top 20 of a few hundred (MiniLM).
+    asked = [r for r in after if r["meta"].get("change") == "new"]
+    found = [bool(set(r["gold_passage_ids"]) & set(r["retrieved_ids"])) for r in asked]
+    assert sum(found) >= 0.75 * len(asked)
+    # The folder the demo serves holds the update as its next generation, of the edition measured.
+    saved = json.loads((living.index / "index.json").read_text())
+    assert saved["generation"] == 1
+    assert saved["edition"]["fingerprint"] == edition["update"]["corpus_edition"]
+    answered_from = json.loads((living.root / "after" / "metrics.json").read_text())["data"]["corpus"]
+    assert answered_from["fingerprint"] == edition["update"]["corpus_edition"]
+
+
+def test_the_living_corpus_table_prints_each_kind_and_the_retired_count(living_corpus):
+    from rlm.quickstart.living_corpus import LABELS, format_edition
+
+    _, edition = living_corpus
+    table = format_edition(edition)
+    for kind, counts in edition["kinds"].items():
+        row = f"| {LABELS[kind]} | {counts['questions']} | {counts['abstained_before']} | {counts['right_before']} |"
+        assert row in table, kind
+    assert "| subject asked about in training | question type trained | questions |" in table
+    assert "passages the update deleted or replaced among the top 20 shown after it: 0 (of " in table
+    assert "which neither its retriever nor its reader trained on" in table
+
+
+def test_a_world_too_small_for_an_edition_skips_the_last_stage_and_says_why(tiny_quickstart):
+    metrics = json.loads((tiny_quickstart / "metrics.json").read_text())
+    printed = (tiny_quickstart / "printed.txt").read_text()
+    assert metrics["edition"]["skipped"].startswith("no edition of this world")
+    assert "[5/5] a living corpus" in printed and "\nskipped: no edition of this world" in printed
+    assert not (tiny_quickstart / "edition" / "index").exists()
+
+
+def test_no_edition_leaves_the_last_stage_out(tmp_path, monkeypatch, capsys):
+    import rlm.quickstart.pipeline as pipeline
+    from rlm.commands.quickstart import demo_options
+    from rlm.quickstart.living_corpus import LivingCorpus
+
+    asked, staged = [], []
+
+    def run_quickstart(cfg, baselines, jobs, on_checkpoint, edition):
+        asked.append(edition)
+        return pipeline.QuickstartResult({"k": 4}, "TABLE", tmp_path / "final", tmp_path / "metrics.json")
+
+    monkeypatch.setattr(pipeline, "run_quickstart", run_quickstart)
+    monkeypatch.setattr(pipeline, "living_corpus_stage", lambda result: staged.append(result) or "EDITION")
+    argv = ["quickstart", "--no-serve", "--output-dir", str(tmp_path)]
+    assert main([*argv, "--no-edition"]) == 0
+    assert asked == [False] and not staged and "EDITION" not in capsys.readouterr().out
+    assert main(argv) == 0
+    assert asked == [False, True] and len(staged) == 1 and "EDITION" in capsys.readouterr().out
+    # Without the stage the demo serves the corpus as trained; with it, the stage's index, following its updates.
+    assert demo_options(None).index_path is None
+    options = demo_options(LivingCorpus(tmp_path / "edition", tmp_path, tmp_path, 1))
+    assert options.index_path == str(tmp_path / "edition" / "index") and options.follow_updates_s > 0
+
+
+@pytest.mark.slow
+def test_the_served_demo_takes_the_edition_live(tmp_path, monkeypatch, capsys):
+    """The quickstart on a world large enough for an edition, its demo served: the service the demo runs starts
+    on the corpus as trained and, while the command waits on it, takes the stage's update without a restart."""
+    import time
+
+    from tiny_run import as_set_args
+
+    import rlm.commands.demo
+    import rlm.quickstart.pipeline
+    from rlm.app.service import QAService
+    from rlm.quickstart.living_corpus import format_edition
+
+    seen = {}
+
+    class FollowingDemo:
+        """`start_demo`'s stand-in: the service the page would serve, with the options the quickstart gave it;
+        blocking waits (a minute at most) for it to take the update, then asks it the example question."""
+
+        def __init__(self, checkpoint, options=None, **_):
+            self.service = QAService.from_checkpoint(checkpoint, None, options)
+            seen["options"], seen["first"] = options, self.service.edition
+
+        def block_thread(self):
+            deadline = time.monotonic() + 60
+            while self.service.edition == seen["first"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            seen["then"] = self.service.edition
+            seen["answer"] = self.service.answer(seen["question"])
+
+    monkeypatch.setattr(rlm.commands.demo, "start_demo", lambda c, **kw: FollowingDemo(c, **kw))
+    out = tmp_path / "qs"
+    overrides = [*TINY, f"data.toy_world.num_passages={EDITION_WORLD}"]
+    argv = ["quickstart", "--no-baselines", "--output-dir", str(out), *as_set_args(overrides)]
+    original = rlm.quickstart.pipeline.living_corpus_stage
+
+    def stage(result):
+        text = original(result)
+        seen["question"] = result.metrics["edition"]["example"]["question"]
+        return text
+
+    monkeypatch.setattr(rlm.quickstart.pipeline, "living_corpus_stage", stage)
+    assert main(argv) == 0
+    edition = json.loads((out / "metrics.json").read_text())["edition"]
+    printed = capsys.readouterr().out
+    assert "[5/5] a living corpus" in printed and format_edition(edition) in printed
+    assert f'ask it about a person it added: "{seen["question"]}"' in printed
+    assert seen["options"].index_path == str(out / "edition" / "index")
+    assert seen["first"] != seen["then"] == edition["update"]["corpus_edition"]
+    assert seen["answer"]["corpus_edition"] == seen["then"]
+    deleted = set((out / "edition" / "update" / "delete.txt").read_text().split())
+    assert not deleted & {p["id"] for p in seen["answer"]["passages"]}
+    assert edition["retired_shown"]["retired"] == 0

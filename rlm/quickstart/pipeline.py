@@ -8,6 +8,11 @@ trained) and `closed_book` (no passages). A baseline
 is trained when `<output_dir>/baselines.json` has no figure for these settings (or always / never, as asked)
 and cached there; cached figures are shown with the date they were measured, flagged when they came from
 other settings. Everything is recorded in `<output_dir>/metrics.json`.
+
+Its last stage, a living corpus (`rlm.quickstart.living_corpus`), is prepared as soon as the main run's
+checkpoint is saved (the world's next edition written, the base corpus indexed by the trained passage tower,
+the folder the demo serves) and measured after the table (`living_corpus_stage`): the edition's questions
+before and after one corpus update, under `edition` in metrics.json.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from rlm.base.atomicio import atomic_write_text
 from rlm.config import SHIPPED_CONFIGS, TrainConfig, load_config
 from rlm.errors import UserError, read_json_file
+from rlm.quickstart.living_corpus import LivingCorpus
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS / "quickstart.yaml"
 BASELINES = {
@@ -42,6 +48,10 @@ class QuickstartResult:
     table: str
     checkpoint: Path
     metrics_path: Path
+    # The last stage's folders, prepared when the checkpoint was saved; None with the stage skipped, and
+    # `no_edition` then says why when it was asked for.
+    living: LivingCorpus | None = None
+    no_edition: str | None = None
 
 
 def quickstart_config(
@@ -244,9 +254,9 @@ def _check_quickstart_arguments(cfg: TrainConfig, jobs: int | None) -> None:
         raise UserError(f"--jobs must be at least 1, got {jobs}")
 
 
-def _with_shared_prefix(cfg: TrainConfig, root: Path, runs: list) -> list:
+def _with_shared_prefix(cfg: TrainConfig, root: Path, runs: list, stages: int) -> list:
     """`runs`, those that read passages continuing from the shared gold-passage steps (trained first)."""
-    prefix = shared_prefix(cfg, root / "shared")
+    prefix = shared_prefix(cfg, root / "shared", stages)
     if prefix is None:
         return runs
     return [replace(job, prefix=prefix if _reads_passages(job.cfg) else None) for job in runs]
@@ -310,7 +320,8 @@ def run_quickstart(
     cfg: TrainConfig,
     baselines: str = "missing",
     jobs: int | None = None,
-    on_checkpoint: Callable[[Path], None] | None = None,
+    on_checkpoint: Callable[[Path, LivingCorpus | None], None] | None = None,
+    edition: bool = True,
 ) -> QuickstartResult:
     """Train the corrector run and the baselines, evaluate on dev, write metrics.json.
 
@@ -318,8 +329,9 @@ def run_quickstart(
     them, later runs reuse them), "always" retrains them, "never" shows whatever the cache holds. What every
     run would do alike is done once: the toy world, the buffer B, and the gold-passage steps (`rlm.training.prefix`),
     which each run that reads passages continues from. The runs train `jobs` at a time (default: one per CPU
-    core), each on one torch thread (`rlm.quickstart.concurrent_runs`). `on_checkpoint(final)` is called as soon as the
-    main run's checkpoint is saved, while the baselines may still train.
+    core), each on one torch thread (`rlm.quickstart.concurrent_runs`). As soon as the main run's checkpoint is
+    saved, while the baselines may still train, `_checkpoint_saved` prepares the last stage (with `edition`) and
+    calls `on_checkpoint(final, living)`; `living_corpus_stage` measures it after the table.
     """
     from rlm.quickstart.concurrent_runs import RunJob, available_cores, train_runs
 
@@ -330,28 +342,27 @@ def run_quickstart(
     cached = load_cached_baselines(cache_path)
     to_measure = baselines_to_measure(baselines, cached, key)
     runs = [RunJob(cfg.strategy.name, cfg)] + [RunJob(n, baseline_config(cfg, n)) for n in to_measure]
-    _stage(1, 4, "data: the toy world and the buffer B, embedded once by the initial passage tower")
+    stages = 5 if edition else 4  # the last: a living corpus
+    _stage(1, stages, "data: the toy world and the buffer B, embedded once by the initial passage tower")
     corpus_path = build_data_and_buffer(cfg)
     print(f"corpus: {corpus_path}")
-
-    runs = _with_shared_prefix(cfg, root, runs)
+    runs = _with_shared_prefix(cfg, root, runs, stages)
     workers = min(jobs or available_cores(), len(runs))
-    names = ", ".join(job.name for job in runs)
-    _stage(3, 4, f"train: {names}; {workers} at a time, one torch thread each")
+    _stage(3, stages, f"train: {', '.join(j.name for j in runs)}; {workers} at a time, one torch thread each")
+    living: dict = {}  # the last stage's fields of QuickstartResult
 
     def done(job: RunJob, summary: dict, seconds: float) -> None:
-        _print_run_done(job.name, summary, seconds, k)
-        if job is runs[0] and on_checkpoint is not None:
-            on_checkpoint(root / "final")
+        _print_run_done(job.name, summary, seconds, cfg.reader_passages)
+        if job is runs[0]:
+            living.update(_checkpoint_saved(root, corpus_path, edition, on_checkpoint))
 
-    k = cfg.reader_passages
     started = time.perf_counter()
     summaries = train_runs(runs, workers, done)
-    train_seconds = time.perf_counter() - started
+    train_seconds = _training_seconds(time.perf_counter() - started, workers, living.get("living"))
     summary = summaries[cfg.strategy.name]
-    measured = _cache_measured_baselines(cache_path, cached, summaries, to_measure, k, key)
+    measured = _cache_measured_baselines(cache_path, cached, summaries, to_measure, cfg.reader_passages, key)
 
-    _stage(4, 4, "evaluate: dev EM next to the baselines")
+    _stage(4, stages, "evaluate: dev EM next to the baselines")
     metrics = _quickstart_metrics(
         cfg,
         summary,
@@ -364,7 +375,63 @@ def run_quickstart(
     table = format_results(metrics)
     metrics_path = root / METRICS_FILE
     atomic_write_text(metrics_path, json.dumps(metrics, indent=2) + "\n")
-    return QuickstartResult(metrics, table, root / "final", metrics_path)
+    return QuickstartResult(metrics, table, root / "final", metrics_path, **living)
+
+
+def _training_seconds(seconds: float, workers: int, living: LivingCorpus | None) -> float:
+    """The runs' wall time, less the last stage's preparation where nothing trained meanwhile (one worker)."""
+    if workers > 1 or living is None:
+        return seconds
+    return seconds - living.seconds["write_edition"] - living.seconds["index_base_corpus"]
+
+
+def _checkpoint_saved(root: Path, corpus_path: str, edition: bool, on_checkpoint) -> dict:
+    """The main run's checkpoint is saved: the last stage prepared (with `edition`), then `on_checkpoint`
+    called with it; returns the preparation's fields of `QuickstartResult`."""
+    prepared = prepare_edition(root, corpus_path) if edition else {}
+    if on_checkpoint is not None:
+        on_checkpoint(root / "final", prepared.get("living"))
+    return prepared
+
+
+def prepare_edition(root: Path, corpus_path: str) -> dict:
+    """The last stage's preparation for the checkpoint in `root / "final"` (`prepare_living_corpus`):
+    {"living": its folders}, or {"no_edition": why not} for a corpus that takes none."""
+    from rlm.quickstart.living_corpus import prepare_living_corpus
+
+    try:
+        living = prepare_living_corpus(root, Path(corpus_path).parent, root / "final")
+    except UserError as err:
+        print(f"no edition of the corpus: {err}", flush=True)
+        return {"no_edition": str(err)}
+    seconds = living.seconds["write_edition"] + living.seconds["index_base_corpus"]
+    print(
+        f"edition: the world's next edition in {living.update.root}, the corpus indexed by the trained passage "
+        f"tower in {living.index} ({seconds:.1f} s)",
+        flush=True,
+    )
+    return {"living": living}
+
+
+def living_corpus_stage(result: QuickstartResult) -> str:
+    """The last stage, after the table: the edition prepared with the checkpoint measured before and after its
+    corpus update (`measure_living_corpus`, the reader reading the run's K), recorded under `edition` in
+    metrics.json; returns its tables."""
+    from rlm.quickstart.living_corpus import format_edition, measure_living_corpus
+
+    _stage(
+        5,
+        5,
+        "a living corpus: the world's next edition, taken by the index without retraining (rlm corpus update)",
+    )
+    if result.living is None:
+        result.metrics["edition"] = {"skipped": result.no_edition}
+        text = f"skipped: {result.no_edition}"
+    else:
+        result.metrics["edition"] = measure_living_corpus(result.living, result.metrics["k"])
+        text = format_edition(result.metrics["edition"])
+    atomic_write_text(result.metrics_path, json.dumps(result.metrics, indent=2) + "\n")
+    return text
 
 
 def _reads_passages(cfg: TrainConfig) -> bool:
@@ -384,7 +451,7 @@ def build_data_and_buffer(cfg: TrainConfig) -> str:
     return corpus_path
 
 
-def shared_prefix(cfg: TrainConfig, folder: Path) -> Path | None:
+def shared_prefix(cfg: TrainConfig, folder: Path, stages: int = 4) -> Path | None:
     """The gold-passage steps every strategy trains alike, trained once into `folder / "prefix"` with `cfg`'s
     strategy (reused when a prefix of the same settings is there); None when the recipe has none."""
     from rlm.quickstart.concurrent_runs import train_one
@@ -395,7 +462,9 @@ def shared_prefix(cfg: TrainConfig, folder: Path) -> Path | None:
     if not steps or not _reads_passages(cfg):
         return None
     _stage(
-        2, 4, f"shared: the first {steps} steps (the reader on the gold passages), trained once for all runs"
+        2,
+        stages,
+        f"shared: the first {steps} steps (the reader on the gold passages), trained once for all runs",
     )
     if (out / "prefix.json").is_file():
         try:
