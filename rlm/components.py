@@ -206,6 +206,14 @@ def build_retriever(cfg: TrainConfig) -> DualEncoder:
     return retriever
 
 
+def starting_passage_tower(checkpoint: str | Path):
+    """g0: the passage tower the run that wrote `checkpoint` started from, rebuilt from its config (what built
+    its fixed buffer B)."""
+    from rlm.config import load_config
+
+    return build_retriever(load_config(Path(checkpoint) / "config.yaml")).passage_tower
+
+
 def check_splits(cfg: TrainConfig) -> None:
     """`check_training_splits` on the run's datasets, by their registry names (a file is its own name)."""
     data = cfg.data

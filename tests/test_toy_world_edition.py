@@ -99,3 +99,17 @@ def test_the_command_writes_an_edition_and_refuses_a_world_too_small_or_missing(
     assert "too small" in capsys.readouterr().err
     assert main(["toy-world", "--next-edition-of", str(tmp_path), "--out", str(tmp_path / "y")]) == 2
     assert "holds no toy world" in capsys.readouterr().err
+
+
+def test_an_edition_asks_only_what_the_world_asks_and_still_edits_the_rest(tmp_path):
+    """A reader trained on a world's questions can write only their kinds of answers: the quickstart's world asks
+    birthplaces, occupations and cities, so an employer that changed edits the corpus and is not asked about."""
+    asked = ("born_in", "occupation", "located_in")
+    world = build_toy_world(tmp_path / "w", num_passages=3000, seed=0, kin_facts=0, question_types=asked).root
+    edition = build_toy_world_edition(world, tmp_path / "ed", per_change=5, seed=1)
+    questions = rows(edition.dev)
+    assert {q["meta"]["type"] for q in questions} <= set(asked)
+    made = json.loads(edition.manifest.read_text())
+    assert made["questions"]["changed_employer"] == 0 and made["questions"]["changed_occupation"] == 5
+    employed = [p for p in rows(edition.add) if "employed by" in p["text"] or "works for" in p["text"]]
+    assert employed  # the new people's employers and the changed ones, in the corpus all the same

@@ -99,7 +99,8 @@ def add_edition_arguments(parser) -> None:
         "--per-change",
         type=int,
         default=10,
-        help="people new, re-employed and removed in the edition (a fifth as many organisations moved and renamed)",
+        help="people new, with another occupation, with another employer and removed in the edition (a fifth as many "
+        "organisations moved and renamed)",
     )
 
 

@@ -5,13 +5,17 @@ A world changes the way an encyclopedia does, and each change is a kind of edit 
 * **new** people join organisations of the world: their three fact passages are added (new ids);
 * **moved**: an organisation's head office moved to another city: its `located_in` passage is replaced (same id,
   new text);
+* **changed occupation**: a person took up another occupation: the `occupation` passage is replaced;
 * **changed employer**: a person works for another organisation now: the `works_for` passage is replaced;
 * **renamed**: an organisation took a new name: its own fact passages and its employees' `works_for` passages
   are replaced, all naming it by the new name;
 * **removed**: people left the world: their fact passages are deleted.
 
 Everything is drawn from the dev split's entities (and the new people join dev organisations), so the questions
-about the edition are held out like the world's own dev questions. `build_toy_world_edition(world, out)` writes
+about the edition are held out like the world's own dev questions. A question is asked only of a relation the
+world's own questions ask (its `question_types`): a reader trained on them can write its answers (a change of a
+relation the world never asks about, e.g. an employer in the quickstart's world, still edits the corpus, and is
+asked about in a world whose questions cover it). `build_toy_world_edition(world, out)` writes
 `add.jsonl` (the new and the replacing passages, `{id, title, text}`), `delete.txt` (one id a line), `dev.jsonl`
 (a question about each change, `meta.change` saying which, the answer the edited world gives; for a removed
 person the answer it gave before, which no passage states any more), `unchanged_dev.jsonl` (the world's dev
@@ -31,6 +35,7 @@ from pathlib import Path
 from rlm.base.atomicio import atomic_open, atomic_write_text
 from rlm.data.toy_world import (
     ToyWorldConfig,
+    _asked,
     _CorpusWriter,
     _draw_world,
     _fact_text,
@@ -41,7 +46,7 @@ from rlm.data.toy_world import (
 )
 from rlm.errors import UserError
 
-CHANGES = ("new", "moved", "changed_employer", "renamed", "removed")
+CHANGES = ("new", "moved", "changed_occupation", "changed_employer", "renamed", "removed")
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ class _EditionWriter:
 
 
 def _draw_changes(rng: random.Random, persons, orgs, per_change: int) -> dict[str, list[int]]:
-    """Which dev entities each change touches: `per_change` persons for changed_employer and removed, a fifth
+    """Which dev entities each change touches: `per_change` persons for changed_occupation, changed_employer and
+    removed, a fifth
     as many organisations (at least one) for moved and renamed (a renamed one's employees' passages change too);
     none touched twice, and a touched organisation's employees and every founder left alone."""
     dev_orgs = [i for i, o in enumerate(orgs) if o.split == "dev"]
@@ -115,7 +121,7 @@ def _draw_changes(rng: random.Random, persons, orgs, per_change: int) -> dict[st
         if p.split == "dev" and p.works_for not in touched_orgs and i not in founders
     ]
     rng.shuffle(free)
-    if len(free) < 2 * per_change or len(dev_orgs) < 2 * per_org_change + 2:
+    if len(free) < 3 * per_change or len(dev_orgs) < 2 * per_org_change + 2:
         raise UserError(
             f"the world's dev split ({len(free)} free persons, {len(dev_orgs)} organisations) is too small for "
             f"{per_change} changes of each kind: give a smaller --per-change or a larger world"
@@ -123,8 +129,9 @@ def _draw_changes(rng: random.Random, persons, orgs, per_change: int) -> dict[st
     return {
         "moved": moved,
         "renamed": renamed,
-        "changed_employer": free[:per_change],
-        "removed": free[per_change : 2 * per_change],
+        "changed_occupation": free[:per_change],
+        "changed_employer": free[per_change : 2 * per_change],
+        "removed": free[2 * per_change : 3 * per_change],
     }
 
 
@@ -132,8 +139,8 @@ def build_toy_world_edition(
     world: str | os.PathLike, out_dir: str | os.PathLike, per_change: int = 10, seed: int = 1
 ) -> EditionPaths:
     """Write the next edition of the toy world in `world` (a `build_toy_world` folder) into `out_dir`:
-    `per_change` new, re-employed and removed people, a fifth as many moved and renamed organisations, drawn
-    with `seed`."""
+    `per_change` new, re-occupied, re-employed and removed people, a fifth as many moved and renamed
+    organisations, drawn with `seed`."""
     world, paths = Path(world), edition_paths(out_dir)
     if not (world / "world.json").is_file():
         raise UserError(f"{world} holds no toy world (world.json): make one with `rlm toy-world`")
@@ -144,12 +151,14 @@ def build_toy_world_edition(
     changes = _draw_changes(rng, persons, orgs, per_change)
     names = _Names(rng)
     names.used |= {p.name for p in persons} | {o.name for o in orgs} | set(cities)
-    world_now = _World(rng, names, persons, orgs, cities, occupations, config.filler_rate)
+    asked = frozenset(_asked(config, (*_PERSON_FACTS, "located_in", "founded_by")))
+    world_now = _World(rng, names, persons, orgs, cities, occupations, config.filler_rate, asked)
     paths.root.mkdir(parents=True, exist_ok=True)
     with atomic_open(paths.add) as f:
         writer = _EditionWriter(f, prefix=f"twe{seed}-")
         questions = world_now.new_people(writer, per_change, avoid=changes["renamed"])
         questions += world_now.moved(writer, changes["moved"])
+        questions += world_now.changed_occupation(writer, changes["changed_occupation"])
         questions += world_now.changed_employer(writer, changes["changed_employer"], avoid=changes["renamed"])
         questions += world_now.renamed(writer, changes["renamed"])
     deleted = [persons[i].passage_ids[r] for i in changes["removed"] for r in _PERSON_FACTS]
@@ -169,12 +178,6 @@ def build_toy_world_edition(
 _PERSON_FACTS = ("born_in", "works_for", "occupation")
 
 
-def _asked(rng, qtype: str, subject: str, answer: str, gold: list[str], change: str) -> dict:
-    question = _question(rng, qtype, subject, answer, gold)
-    question["meta"]["change"] = change
-    return question
-
-
 @dataclass
 class _World:
     """The world as the edition changes it: each method writes one kind of change and returns its questions."""
@@ -186,6 +189,15 @@ class _World:
     cities: list[str]
     occupations: list[str]
     filler_rate: float
+    asked: frozenset[str]  # the relations the world's questions ask about (`_asked`)
+
+    def _ask(self, qtype: str, subject: str, answer: str, gold: list[str], change: str) -> list[dict]:
+        """A question about one change, if the world asks about `qtype` (else none)."""
+        if qtype not in self.asked:
+            return []
+        question = _question(self.rng, qtype, subject, answer, gold)
+        question["meta"]["change"] = change
+        return [question]
 
     def _fact(self, relation: str, name: str, obj: str, gender: str | None) -> str:
         return _fact_text(self.rng, relation, name, obj, gender, self.filler_rate)
@@ -205,7 +217,7 @@ class _World:
             employer = self.orgs[self._dev_org(avoid)].name
             for relation, answer in zip(_PERSON_FACTS, (person.born_in, employer, person.occupation)):
                 pid = writer.add(person.name, self._fact(relation, person.name, answer, gender))
-                questions.append(_asked(self.rng, relation, person.name, answer, [pid], "new"))
+                questions += self._ask(relation, person.name, answer, [pid], "new")
         return questions
 
     def moved(self, writer: _EditionWriter, orgs: list[int]) -> list[dict]:
@@ -218,7 +230,7 @@ class _World:
                 org.name,
                 self._fact("located_in", org.name, org.located_in, None),
             )
-            questions.append(_asked(self.rng, "located_in", org.name, org.located_in, [pid], "moved"))
+            questions += self._ask("located_in", org.name, org.located_in, [pid], "moved")
         return questions
 
     def changed_employer(self, writer: _EditionWriter, persons: list[int], avoid) -> list[dict]:
@@ -229,7 +241,17 @@ class _World:
             employer = self.orgs[person.works_for].name
             text = self._fact("works_for", person.name, employer, person.gender)
             pid = writer.replace(person.passage_ids["works_for"], person.name, text)
-            questions.append(_asked(self.rng, "works_for", person.name, employer, [pid], "changed_employer"))
+            questions += self._ask("works_for", person.name, employer, [pid], "changed_employer")
+        return questions
+
+    def changed_occupation(self, writer: _EditionWriter, persons: list[int]) -> list[dict]:
+        questions = []
+        for i in persons:
+            person = self.persons[i]
+            person.occupation = self.rng.choice([o for o in self.occupations if o != person.occupation])
+            text = self._fact("occupation", person.name, person.occupation, person.gender)
+            pid = writer.replace(person.passage_ids["occupation"], person.name, text)
+            questions += self._ask("occupation", person.name, person.occupation, [pid], "changed_occupation")
         return questions
 
     def renamed(self, writer: _EditionWriter, orgs: list[int]) -> list[dict]:
@@ -243,18 +265,27 @@ class _World:
                 pid = writer.replace(
                     org.passage_ids[relation], org.name, self._fact(relation, org.name, obj, None)
                 )
-                questions.append(_asked(self.rng, relation, org.name, obj, [pid], "renamed"))
+                questions += self._ask(relation, org.name, obj, [pid], "renamed")
             for person in (p for p in self.persons if p.works_for == i):
                 text = self._fact("works_for", person.name, org.name, person.gender)
                 pid = writer.replace(person.passage_ids["works_for"], person.name, text)
-                questions.append(_asked(self.rng, "works_for", person.name, org.name, [pid], "renamed"))
+                questions += self._ask("works_for", person.name, org.name, [pid], "renamed")
         return questions
 
     def removed(self, persons: list[int]) -> list[dict]:
-        """A question about each removed person, its answer the one no passage states any more."""
+        """A question about each removed person (of the first fact of theirs the world asks about), its answer
+        the one no passage states any more."""
+        relation = next((r for r in _PERSON_FACTS if r in self.asked), None)
+        if relation is None:
+            return []
+        answers = {"born_in": lambda p: p.born_in, "occupation": lambda p: p.occupation}
+        answers["works_for"] = lambda p: self.orgs[p.works_for].name
         return [
-            _asked(self.rng, "born_in", self.persons[i].name, self.persons[i].born_in, [], "removed")
+            q
             for i in persons
+            for q in self._ask(
+                relation, self.persons[i].name, answers[relation](self.persons[i]), [], "removed"
+            )
         ]
 
 

@@ -151,12 +151,11 @@ def _corrected(
     index_dir, index, checkpoint, recorded: str, precision: str, device, batch_size: int
 ) -> RowEncoder:
     """g0 (the run's starting passage tower, rebuilt from its config) then h, for an index over h(B)."""
-    from rlm.components import build_retriever
-    from rlm.config import load_config
+    from rlm.components import starting_passage_tower
     from rlm.inference.corrected_index import corrector_fingerprint
     from rlm.retriever.corrector import CorrectorNetwork
 
-    start = build_retriever(load_config(Path(checkpoint) / "config.yaml")).passage_tower
+    start = starting_passage_tower(checkpoint)
     found = (start.fingerprint(), corrector_fingerprint(checkpoint))
     wanted = (recorded, index.provenance["corrector_fingerprint"])
     if found != wanted:
@@ -461,10 +460,9 @@ def buffer_encoder(target: BufferEdition, checkpoint=None, encoder=None, device=
     where = f"buffer {target.folder}"
     if encoder is not None:
         return _from_folder(where, encoder, recorded, how, device, batch_size)
-    from rlm.components import build_retriever
-    from rlm.config import load_config
+    from rlm.components import starting_passage_tower
 
-    start = build_retriever(load_config(Path(checkpoint) / "config.yaml")).passage_tower.eval()
+    start = starting_passage_tower(checkpoint)
     if start.fingerprint() != recorded:
         raise UserError(
             f"{where} was built by passage tower {recorded}, not by the starting tower of {checkpoint} "

@@ -124,12 +124,7 @@ def corrected_index(
             "(strategy.name=corrector); other runs answer from the re-embedded corpus"
         )
     folder = run_buffer_dir(root, buffer_dir)
-    encoder = None
-    if verify_encoder:
-        from rlm.components import build_retriever
-        from rlm.config import load_config
-
-        encoder = build_retriever(load_config(root / "config.yaml")).passage_tower.fingerprint()
+    encoder = _start_fingerprint(root) if verify_encoder else None
     try:
         buffer = PassageBuffer.load(
             folder, encoder_fingerprint=encoder, corpus_fingerprint=corpus.fingerprint
@@ -154,6 +149,13 @@ def corrected_index(
     index.apply_search(spec, rows, k=tune_k)
     seconds = time.perf_counter() - start
     return CorrectedIndex(index, folder, len(buffer), rows.correct_seconds, seconds - rows.correct_seconds)
+
+
+def _start_fingerprint(checkpoint: Path) -> str:
+    """The fingerprint of the passage tower the run of `checkpoint` started from (rebuilt from its config)."""
+    from rlm.components import starting_passage_tower
+
+    return starting_passage_tower(checkpoint).fingerprint()
 
 
 def _say_base_only(folder: Path) -> None:

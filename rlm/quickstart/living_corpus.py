@@ -32,10 +32,11 @@ from rlm.errors import UserError
 PER_CHANGE = (10, 5, 2, 1)  # changes of each kind: the first the world's dev split is large enough for
 EDITION_SEED = 1
 SHOWN_K = 20  # passages retrieved per question: the most the demo shows, the k of gold recall@20
-CHANGED_FACTS = ("moved", "changed_employer", "renamed")
+CHANGED_FACTS = ("moved", "changed_occupation", "changed_employer", "renamed")
 LABELS = {
     "new": "new people",
     "moved": "moved organisations (their city)",
+    "changed_occupation": "changed occupation",
     "changed_employer": "changed employer",
     "renamed": "renamed organisations",
     "removed": "removed people (right: the deleted answer)",
@@ -374,7 +375,7 @@ def format_edition(edition: dict) -> str:
 
 def _changed_fact_lines(groups: list[dict]) -> list[str]:
     lines = [
-        "changed facts (moved, changed employer, renamed) by what the run trained on:",
+        "changed facts (moved, changed occupation, changed employer, renamed) by what the run trained on:",
         "",
         "| subject asked about in training | question type trained | questions | new passage read | right after |",
         "| --- | --- | ---: | ---: | ---: |",
