@@ -66,30 +66,32 @@ def run(args: argparse.Namespace) -> int:
     """Apply the update and print what it did and found."""
     from rlm.cache import corpus_fingerprint_cache
     from rlm.data.corpus import load_corpus
-    from rlm.inference import indexing
-    from rlm.inference.corpus_update import apply_update, orphans_removed, plan_update, row_encoder
-    from rlm.retriever.index import PassageIndex
+    from rlm.inference.corpus_update import update_buffer, update_index
 
     if not args.add and not args.delete:
         raise UserError("an update needs --add FILE, --delete FILE or both")
     for path in (args.add, args.delete, args.corpus):
         if path and not Path(path).is_file():
             raise FileNotFoundError(f"{path} does not exist")
-    if args.buffer:
-        return update_buffer(args)
     started = time.perf_counter()
-    left = orphans_removed(args.index)
-    index = PassageIndex.load(args.index, use_gpu=False)
     base = load_corpus(args.corpus, fingerprint_cache=corpus_fingerprint_cache(None))
-    indexing.check_index_for(index, args.index, base.ids, corpus_fingerprint=base.fingerprint)
-    plan = plan_update(
-        args.index, index, base, args.add, args.delete
-    )  # bad input refused before any model loads
-    encoder = row_encoder(index, args.index, args.checkpoint, args.encoder, args.device, args.batch_size)
-    result = apply_update(args.index, index, plan, encoder)
+    how = {"checkpoint": args.checkpoint, "encoder": args.encoder, "device": args.device}
+    update = update_buffer if args.buffer else update_index
+    result, left = update(
+        args.buffer or args.index, base, args.add, args.delete, **how, batch_size=args.batch_size
+    )
     seconds = time.perf_counter() - started
     if left:
         print(f"removed what an interrupted update left: {', '.join(p.name for p in left)}")
+    if args.buffer:
+        print(
+            f"update {result.number} of buffer {args.buffer}: {result.added} passages added, {result.replaced} "
+            f"replaced, {result.deleted} deleted; {result.live:,} passages selectable ({result.rows:,} rows) in "
+            f"{seconds:.1f} s (embedding by g0 {result.seconds['embed']:.1f} s); corpus edition "
+            f"{result.fingerprint}. A run over this buffer takes it when it (re)starts: `--resume` goes on with "
+            "the new rows selected through h."
+        )
+        return 0
     print(
         f"update {result.number} of {args.index}: {result.added} passages added, {result.replaced} replaced, "
         f"{result.deleted} deleted; {result.live:,} passages searchable ({result.rows:,} rows) in {seconds:.1f} s "
@@ -100,35 +102,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"checks: {json.dumps(result.checks)}")
     for warning in result.warnings:
         print(f"warning: {warning}")
-    return 0
-
-
-def update_buffer(args: argparse.Namespace) -> int:
-    """`rlm corpus update --buffer`: grow a training run's buffer B by the update's g0 rows."""
-    from rlm.cache import corpus_fingerprint_cache
-    from rlm.data.corpus import load_corpus
-    from rlm.inference.corpus_update import (
-        apply_buffer_update,
-        buffer_encoder,
-        buffer_orphans_removed,
-        open_buffer,
-        plan_update,
-    )
-
-    started = time.perf_counter()
-    left = buffer_orphans_removed(args.buffer)
-    base = load_corpus(args.corpus, fingerprint_cache=corpus_fingerprint_cache(None))
-    target = open_buffer(args.buffer, base)
-    plan = plan_update(args.buffer, target, base, args.add, args.delete)  # bad input refused before g0 loads
-    encoder = buffer_encoder(target, args.checkpoint, args.encoder, args.device, args.batch_size)
-    result = apply_buffer_update(target, plan, encoder)
-    if left:
-        print(f"removed what an interrupted update left: {', '.join(p.name for p in left)}")
-    print(
-        f"update {result.number} of buffer {args.buffer}: {result.added} passages added, {result.replaced} "
-        f"replaced, {result.deleted} deleted; {result.live:,} passages selectable ({result.rows:,} rows) in "
-        f"{time.perf_counter() - started:.1f} s (embedding by g0 {result.seconds['embed']:.1f} s); corpus "
-        f"edition {result.fingerprint}. A run over this buffer takes it when it (re)starts: `--resume` goes on "
-        "with the new rows selected through h."
-    )
     return 0

@@ -300,6 +300,36 @@ def _embedded(plan: UpdatePlan, encoder, edition: dict, dim: int, dtype: str):
     return result, vectors, fp
 
 
+def update_index(
+    index_dir, base: Corpus, add=None, delete=None, checkpoint=None, encoder=None, device=None, batch_size=64
+) -> tuple[UpdateResult, list[Path]]:
+    """`rlm corpus update --index`: what an interrupted update left in `index_dir` deleted, the index checked
+    against the base corpus, the update read against it (bad input refused before any model loads), its
+    passages embedded by the encoder of the index's rows (`row_encoder`: from `checkpoint` or `encoder`) and
+    applied. Returns (what it did, what it deleted of an interrupted one)."""
+    from rlm.inference.indexing import check_index_for
+    from rlm.retriever.index import PassageIndex
+
+    left = orphans_removed(index_dir)
+    index = PassageIndex.load(index_dir, use_gpu=False)
+    check_index_for(index, index_dir, base.ids, corpus_fingerprint=base.fingerprint)
+    plan = plan_update(index_dir, index, base, add, delete)
+    rows = row_encoder(index, index_dir, checkpoint, encoder, device, batch_size)
+    return apply_update(index_dir, index, plan, rows), left
+
+
+def update_buffer(
+    folder, base: Corpus, add=None, delete=None, checkpoint=None, encoder=None, device=None, batch_size=64
+) -> tuple[UpdateResult, list[Path]]:
+    """`rlm corpus update --buffer`: the same for a training run's buffer B, its passages embedded by g0
+    (`buffer_encoder`)."""
+    left = buffer_orphans_removed(folder)
+    target = open_buffer(folder, base)
+    plan = plan_update(folder, target, base, add, delete)
+    rows = buffer_encoder(target, checkpoint, encoder, device, batch_size)
+    return apply_buffer_update(target, plan, rows), left
+
+
 def apply_update(index_dir: str | Path, index, plan: UpdatePlan, encoder) -> UpdateResult:
     """Apply `plan` to `index` (loaded from `index_dir`, on the host, whole): its passages embedded by
     `encoder` (a `RowEncoder`) and added, the rows it replaces or deletes removed; saved as the next generation

@@ -199,9 +199,9 @@ def served_corpus(index, corpus, index_dir):
     checked against the fingerprint it was applied with (an edited store is refused)."""
     if not index.edition:
         return corpus
-    from rlm.inference.corpus_update import open_edition
+    from rlm.data.corpus_edition import open_edition_record
 
-    return open_edition(index_dir, index, corpus)
+    return open_edition_record(index_dir, index.edition, corpus, index.removed)
 
 
 def prebuilt_index(

@@ -203,17 +203,13 @@ def _answered(models, asked, served, out_dir: Path):
 def _apply_update(living: LivingCorpus, base, device) -> dict:
     """`rlm corpus update --index <index> --corpus <base> --add add.jsonl --delete delete.txt --checkpoint C`,
     through the library calls the command makes; what it did and the seconds it took."""
-    from rlm.inference.corpus_update import apply_update, orphans_removed, plan_update, row_encoder
-    from rlm.inference.indexing import check_index_for
-    from rlm.retriever.index import PassageIndex
+    from rlm.inference.corpus_update import update_index
 
     started = time.perf_counter()
-    paths, folder = living.update, living.index
-    orphans_removed(folder)
-    index = PassageIndex.load(folder, use_gpu=False)
-    check_index_for(index, folder, base.ids, corpus_fingerprint=base.fingerprint)
-    plan = plan_update(folder, index, base, paths.add, paths.delete)
-    result = apply_update(folder, index, plan, row_encoder(index, folder, living.checkpoint, device=device))
+    paths = living.update
+    result, _ = update_index(
+        living.index, base, paths.add, paths.delete, checkpoint=living.checkpoint, device=device
+    )
     total = time.perf_counter() - started
     return {
         "added": result.added,

@@ -65,7 +65,7 @@ def main() -> None:
     from rlm.data.corpus import load_corpus
     from rlm.data.qa import load_qa_dataset
     from rlm.inference.checkpoint import load_checkpoint
-    from rlm.inference.corpus_update import apply_buffer_update, buffer_encoder, open_buffer, plan_update
+    from rlm.inference.corpus_update import buffer_encoder, open_buffer, update_buffer
     from rlm.retriever.buffer import PassageBuffer, embed_passages
     from rlm.retriever.corrector import CorrectorNetwork
 
@@ -91,9 +91,8 @@ def main() -> None:
 
     results = {"before": measured(PassageBuffer.load(work / "buffer"), base)}
     started = time.perf_counter()
-    target = open_buffer(work / "buffer", base)
-    plan = plan_update(work / "buffer", target, base, args.edition / "add.jsonl", args.edition / "delete.txt")
-    update = apply_buffer_update(target, plan, buffer_encoder(target, final))
+    edits = (args.edition / "add.jsonl", args.edition / "delete.txt")
+    update, _ = update_buffer(work / "buffer", base, *edits, checkpoint=final)
     results["update_s"] = time.perf_counter() - started
     results["update"] = {"added": update.added, "replaced": update.replaced, "deleted": update.deleted}
     edition = corpus_of_buffer(work / "buffer", base)
@@ -101,7 +100,7 @@ def main() -> None:
 
     live = edition.live()
     started = time.perf_counter()
-    g0 = buffer_encoder(target, final)
+    g0 = buffer_encoder(open_buffer(work / "buffer", base), final)
     rows = embed_passages(g0.tower, live.retrieval_texts(), batch_size=64, precision=g0.precision)
     results["rebuild_s"] = time.perf_counter() - started
     rebuilt = PassageBuffer.from_embeddings(list(live.ids), torch.from_numpy(rows))
