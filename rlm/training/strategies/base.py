@@ -143,13 +143,18 @@ class SelectionStrategy:
         # Each process scores every process's queries against the rows it holds; the lists are merged.
         rows = self.search.scanned(corrector, queries.device)
         all_queries, n = rows.procs.gather(queries), min(width, len(rows.vectors))
-        local = self._local_topk(rows, all_queries, n) if n else no_rows(all_queries)
+        chunk, removed = self.search.chunk_size, rows.excluded  # removed: rows never returned
+        if not n:
+            local = no_rows(all_queries)
+        elif rows.first_stage is None:
+            local = corrected_topk(
+                all_queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=removed
+            )
+        else:  # Appendix B.2: candidates by the stale score, re-scored with h
+            local = self._two_stage_topk(rows, all_queries, n)
         top = merge_topk(rows.procs, local, rows.row_ids, width, queries.shape[0])
         if rows.first_stage is not None and n and self.search.overlap_due():
-            exact = self._local_topk(rows, all_queries, n, exact=True)
-            self.search.record_overlap(
-                top, merge_topk(rows.procs, exact, rows.row_ids, width, len(queries)), width
-            )
+            self._record_overlap(rows, all_queries, n, top, width)
         if include is None and not num_random:
             return top
         return complete_selection(
@@ -164,15 +169,10 @@ class SelectionStrategy:
             excluded=self.search.removed,
         )
 
-    def _local_topk(self, rows, queries: Tensor, n: int, exact: bool = False) -> TopK:
-        """The top `n` of every process's `queries` over this process's scanned `rows` (`RowSearch.scanned`):
-        exact, or two-stage when the rows have a first stage (Appendix B.2: candidates by the stale score,
-        re-scored with h) and `exact` is not asked for; the removed rows never among them."""
-        chunk, stage = self.search.chunk_size, rows.first_stage
-        if stage is None or exact:
-            return corrected_topk(
-                queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=rows.excluded
-            )
+    def _two_stage_topk(self, rows, queries: Tensor, n: int) -> TopK:
+        """The top `n` of every process's `queries` over this process's scanned `rows` by two-stage search:
+        candidates from the rows' first stage, re-scored with h, the removed rows never among them."""
+        stage = rows.first_stage
         return two_stage_corrected_topk(
             queries,
             rows.vectors,
@@ -180,9 +180,18 @@ class SelectionStrategy:
             n,
             stage.index,
             stage.candidates,
-            chunk_size=chunk,
+            chunk_size=self.search.chunk_size,
             excluded=rows.excluded,
         )
+
+    def _record_overlap(self, rows, queries: Tensor, n: int, top: TopK, width: int) -> None:
+        """Log how much of the exact top-k the two-stage `top` found (every process takes part)."""
+        chunk = self.search.chunk_size
+        exact = corrected_topk(
+            queries, rows.vectors, rows.corrector, n, chunk_size=chunk, excluded=rows.excluded
+        )
+        batch = top.indices.shape[0]
+        self.search.record_overlap(top, merge_topk(rows.procs, exact, rows.row_ids, width, batch), width)
 
     def prune_refreshes(self, checkpoint_steps: Sequence[int], step: int) -> None:
         """Delete the refreshed rows (`refresh_dir/step_<s>`) that neither this step nor a kept checkpoint
