@@ -99,6 +99,7 @@ def quickstart_run(family: str, seed: int, runs_dir: Path, extra: list[str]) -> 
             "rlm",
             "quickstart",
             "--no-serve",
+            "--no-edition",  # the table is what this compares; the living corpus stage would add its time
             "--baselines",
             "--output-dir",
             str(out),
