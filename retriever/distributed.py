@@ -128,11 +128,17 @@ class ShardedRows:
     def __init__(self, vectors: PassageBuffer | Tensor, row_ids: Tensor, procs: Processes):
         self.vectors, self.row_ids, self.procs = vectors, row_ids, procs
 
-    def topk(self, queries: Tensor, corrector, k: int, chunk_size: int) -> TopK:
+    def topk(
+        self, queries: Tensor, corrector, k: int, chunk_size: int, excluded: Tensor | None = None
+    ) -> TopK:
+        """The global top-k of this process's `queries`; `excluded`: positions among this process's rows
+        (sorted) never returned (`corrected_topk`)."""
         all_queries = self.procs.gather(queries)  # [W*B, D]
         n = min(k, len(self.vectors))
         local = (
-            corrected_topk(all_queries, self.vectors, corrector, n, chunk_size) if n else no_rows(all_queries)
+            corrected_topk(all_queries, self.vectors, corrector, n, chunk_size, excluded=excluded)
+            if n
+            else no_rows(all_queries)
         )
         return merge_topk(self.procs, local, self.row_ids, k, queries.shape[0])
 

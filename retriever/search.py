@@ -320,10 +320,7 @@ def _add_random(
     if num_random <= 0:
         return top_scores, top_rows
     # A pool big enough that every query finds num_random rows not already in its set (nor excluded).
-    pool = _random_rows(n, num_random + width + skipped, generator)
-    if skipped:
-        pool = pool[~torch.isin(pool, excluded)]
-    pool = pool.to(top_rows.device)
+    pool = _live_random_rows(n, num_random + width, generator, excluded).to(top_rows.device)
     picks = []
     for b in range(top_rows.shape[0]):
         fresh = pool[~torch.isin(pool, top_rows[b])]
@@ -333,6 +330,31 @@ def _add_random(
     return sort_desc_then_row(
         torch.cat([top_scores, random_scores], 1), torch.cat([top_rows, random_rows], 1)
     )
+
+
+def _live_random_rows(n: int, count: int, generator, excluded: Tensor | None) -> Tensor:
+    """`count` distinct uniform rows of [0, n) none of which is `excluded` (sorted): drawn as many more as the
+    excluded share asks for, so a step's draw does not grow with the number of excluded rows; only when that
+    falls short are as many more drawn as there are excluded rows. Without `excluded`: `_random_rows`."""
+    if excluded is None or not len(excluded):
+        return _random_rows(n, count, generator)
+    live = n - len(excluded)
+    pool = _random_rows(n, min(n, -(-count * n // live) + count // 10 + 8), generator)
+    pool = pool[~in_sorted(pool, excluded)]
+    if len(pool) < count:
+        pool = _random_rows(n, min(n, count + len(excluded)), generator)
+        pool = pool[~in_sorted(pool, excluded)]
+    return pool[:count]
+
+
+def in_sorted(values: Tensor, rows: Tensor) -> Tensor:
+    """Whether each of `values` is one of `rows` (sorted ascending), by binary search: O(m log n) for m values,
+    where `torch.isin` would sort all n rows again at every call."""
+    if not len(rows):
+        return torch.zeros_like(values, dtype=torch.bool)
+    rows = rows.to(values.device)
+    at = torch.searchsorted(rows, values).clamp(max=len(rows) - 1)
+    return rows[at] == values
 
 
 def two_stage_corrected_topk(
@@ -365,7 +387,7 @@ def two_stage_corrected_topk(
         ).indices
         scores = score_rows(queries, buf, corrector, rows, compute_dtype)
         if excluded is not None and len(excluded):
-            scores = scores.masked_fill(torch.isin(rows, excluded.to(rows.device)), float("-inf"))
+            scores = scores.masked_fill(in_sorted(rows, excluded), float("-inf"))
         scores, rows = sort_desc_then_row(scores, rows)
         return TopK(scores[:, :k], rows[:, :k])
     if index.ntotal != len(buf):
@@ -378,7 +400,7 @@ def two_stage_corrected_topk(
     # faiss marks "no result" (possible with IVF/HNSW) with -1: never select those, nor excluded rows.
     unwanted = rows < 0
     if excluded is not None and len(excluded):
-        unwanted |= torch.isin(rows, excluded.to(rows.device))
+        unwanted |= in_sorted(rows, excluded)
     scores = scores.masked_fill(unwanted, float("-inf"))
     scores, rows = sort_desc_then_row(scores, rows)
     keep = min(k, candidates)

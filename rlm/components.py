@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlm.config import STRATEGY_FACTS, ReaderConfig, TrainConfig
-from rlm.data.buffer_edition import corpus_of_buffer, grown_buffer
+from rlm.data.buffer_edition import check_one_edition, corpus_of_buffer, grown_buffer
 from rlm.data.corpus import Corpus, load_corpus
 from rlm.data.corpus_edition import CorpusEdition
 from rlm.data.qa import QAExample, QASplit, dataset_name, load_qa_split
@@ -264,6 +264,7 @@ def build_components(cfg: TrainConfig, accelerator=None, check=None) -> Componen
     procs = Processes.of(accelerator)
     # The corpus as the updates applied to the buffer left it (`rlm corpus update --buffer`), else as it is.
     corpus = corpus_of_buffer(buffer_folder(cfg), load_corpus(resolve_data(cfg)[0], procs=procs))
+    check_one_edition(procs, corpus, buffer_folder(cfg))
     train_split, dev_split = load_train_split(cfg), load_dev_split(cfg)
     train_examples, dev_examples = train_split.examples, [] if dev_split is None else dev_split.examples
     data_splits = {"train": train_split.record(), **({"dev": dev_split.record()} if dev_split else {})}

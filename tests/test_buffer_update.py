@@ -342,3 +342,49 @@ def test_an_index_over_h_of_an_updated_buffer_says_it_answers_from_the_base_corp
     with pytest.warns(UserWarning, match="holds 1 corpus update"):
         built = corrected_index(root / "reference" / "final", base, buffer, IndexSpec(factory="Flat"))
     assert built.index.ntotal == 120
+
+
+def test_live_random_rows_and_sorted_membership_when_most_rows_are_excluded():
+    from rlm.retriever.search import _live_random_rows, in_sorted
+
+    excluded = torch.tensor(sorted(set(range(1000)) - set(range(3, 1000, 10))))  # 900 of 1000 rows excluded
+    drawn = _live_random_rows(1000, 60, torch.Generator().manual_seed(0), excluded)
+    assert len(drawn) == 60 == len(drawn.unique()) and not torch.isin(drawn, excluded).any()
+    values = torch.tensor([-1, 0, 3, 5, 13, 999, 2000])
+    assert torch.equal(in_sorted(values, excluded), torch.isin(values, excluded))
+    assert not in_sorted(values, torch.zeros(0, dtype=torch.long)).any()
+
+
+def test_validation_never_retrieves_a_passage_an_update_deleted(root, reference, tmp_path):
+    from rlm.data.corpus_edition import CorpusEdition
+    from rlm.inference.checkpoint import load_checkpoint
+    from rlm.retriever.distributed import Processes
+    from rlm.training.validation import sharded_retrieve
+
+    base = load_corpus(root / "toy" / "corpus.jsonl")
+    retriever, _, _ = load_checkpoint(root / "reference" / "final", need_reader=False, device="cpu")
+    questions = [ex.question for ex in build_components(reference_config(root)).train_examples[:6]]
+    before = sharded_retrieve(retriever, base, questions, 5, Processes())
+    gone = sorted({base.index_of(ids[0]) for ids in before.ids})  # every question's best passage
+    edition = CorpusEdition(base, [], np.asarray(gone), "edition:test")
+    after = sharded_retrieve(retriever, edition, questions, 5, Processes())
+    assert not {base[r].id for r in gone} & {pid for ids in after.ids for pid in ids}
+    assert all(len(ids) == 5 for ids in after.ids)
+
+
+def test_processes_that_read_different_editions_refuse_to_start():
+    from types import SimpleNamespace
+
+    from rlm.data.buffer_edition import check_one_edition
+    from rlm.errors import UserError
+
+    corpus = SimpleNamespace(fingerprint="edition:a")
+    check_one_edition(SimpleNamespace(gather_object=lambda mine: mine * 2), corpus, "B")
+    with pytest.raises(UserError, match="a corpus update was committed while the run started"):
+        check_one_edition(SimpleNamespace(gather_object=lambda mine: [*mine, "edition:b"]), corpus, "B")
+
+
+def reference_config(root: Path):
+    return load_config(
+        None, [a for a in train_args(root, "reference", own_buffer(root, "reference")) if a != "--set"]
+    )

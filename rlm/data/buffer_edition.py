@@ -61,14 +61,25 @@ def corpus_of_buffer(folder: str | os.PathLike, base: Corpus) -> Corpus | Corpus
     return open_edition_record(folder, record, base, removed_rows(folder, record))
 
 
+def check_one_edition(procs, corpus, folder) -> None:
+    """Refuse a start whose processes read different editions of the buffer in `folder` (an update committed
+    between their reads of edition.json): each would select over other rows. `procs`: a
+    `rlm.retriever.distributed.Processes`; one object gathered from each, once a start."""
+    found = procs.gather_object([corpus.fingerprint])
+    if len(set(found)) > 1:
+        raise UserError(
+            f"the processes read {len(set(found))} editions of buffer {folder} ({', '.join(sorted(set(found)))}): "
+            "a corpus update was committed while the run started; start it again"
+        )
+
+
 def grown_buffer(buffer: PassageBuffer, corpus: Corpus | CorpusEdition) -> PassageBuffer:
     """`buffer` (loaded from its folder, the base corpus's rows) with the rows of `corpus`'s updates appended
     and its removed rows marked (`PassageBuffer.removed`); `buffer` itself when `corpus` is the base."""
     if not isinstance(corpus, CorpusEdition):
         return buffer
-    record = read_record(buffer.path)
-    stores = [buffer.path / u["store"] / "rows.npy" for u in record["updates"] if u["rows"]]
-    grown = buffer.grown(stores, corpus.ids)
+    # Each update's rows beside its passages (`updates/<n>/`): the edition's own parts, read once.
+    grown = buffer.grown([Path(part.path).parent / "rows.npy" for part in corpus.updates], corpus.ids)
     if len(grown) != len(corpus):
         raise UserError(
             f"buffer {buffer.path}: its updates hold {len(grown) - len(buffer)} rows for "

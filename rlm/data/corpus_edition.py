@@ -173,7 +173,7 @@ class CorpusEdition(Sequence[Passage]):
         try:
             self.index_of(passage_id)
         except UnknownPassageError:
-            return any(passage_id in part.ids for part in (self.base, *self.updates))
+            return any(_holds(part, passage_id) for part in (self.base, *self.updates))
         return False
 
     def retrieval_texts(self) -> Sequence[str]:
@@ -187,3 +187,12 @@ class CorpusEdition(Sequence[Passage]):
 
     def __repr__(self) -> str:
         return f"CorpusEdition({str(self.path)!r}, passages={len(self)}, updates={len(self.updates)})"
+
+
+def _holds(corpus: Corpus, passage_id: str) -> bool:
+    """Whether `corpus` has a row of `passage_id` (its id lookup, not a scan of its ids)."""
+    try:
+        corpus.index_of(passage_id)
+    except UnknownPassageError:
+        return False
+    return True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rlm.errors import check_output_folder
@@ -88,7 +89,7 @@ def sharded_retrieve(
     """Exact top-k passages per question, this process embedding and scanning only its share of the corpus
     (or taking it from `cache` when the passage tower is the one that embedded it; `corpus_key` names which
     corpus or subcorpus `corpus` is). `queries`: the questions' embeddings when the caller has them. Every
-    process gets every question's passages."""
+    process gets every question's passages, never one of a corpus edition's removed rows."""
     start, stop = procs.part(len(corpus))
     passages = _passage_share(retriever.passage_tower, corpus, start, stop, batch_size, cache, corpus_key)
     if queries is None:
@@ -96,7 +97,10 @@ def sharded_retrieve(
     if device is not None:
         queries = queries.to(device)
     rows = ShardedRows(passages, torch.arange(start, stop), procs)
-    top = _per_question(queries, procs, lambda mine: rows.topk(mine, None, k, chunk_size=65536))
+    # A corpus update's removed passages (`CorpusEdition.removed`, sorted) are never retrieved.
+    removed = torch.as_tensor(getattr(corpus, "removed", np.zeros(0, np.int64)))
+    mine = removed[(removed >= start) & (removed < stop)] - start
+    top = _per_question(queries, procs, lambda q: rows.topk(q, None, k, chunk_size=65536, excluded=mine))
     return _as_retrieved(top, corpus)
 
 
@@ -237,8 +241,6 @@ def validate(
     EM, F1, recall@k; `selection_retrieve`) instead of the re-embedded corpus."""
     procs = procs or Processes()
     path = subcorpus_path(cfg) if subcorpus and strategy is None else None
-    if path is None and strategy is None and hasattr(corpus, "live"):
-        corpus = corpus.live()  # a corpus update's removed passages are never among those retrieved
     if path is not None:
         from rlm.training.hard_subcorpus import load_subcorpus
 
