@@ -372,16 +372,19 @@ def test_validation_never_retrieves_a_passage_an_update_deleted(root, reference,
     assert all(len(ids) == 5 for ids in after.ids)
 
 
-def test_processes_that_read_different_editions_refuse_to_start():
+def test_processes_that_read_different_editions_refuse_to_start(root):
     from types import SimpleNamespace
 
     from rlm.data.buffer_edition import check_one_edition
     from rlm.errors import UserError
 
-    corpus = SimpleNamespace(fingerprint="edition:a")
-    check_one_edition(SimpleNamespace(gather_object=lambda mine: mine * 2), corpus, "B")
+    base = load_corpus(root / "toy" / "corpus.jsonl")
+    edition = CorpusEdition(base, [], np.zeros(0, np.int64), "edition:e")
+    every = SimpleNamespace(gather_object=lambda mine: mine * 2)  # two processes that read the same
+    check_one_edition(every, edition, "B")
+    check_one_edition(every, base, "B")  # no update read anywhere
     with pytest.raises(UserError, match="a corpus update was committed while the run started"):
-        check_one_edition(SimpleNamespace(gather_object=lambda mine: [*mine, "edition:b"]), corpus, "B")
+        check_one_edition(SimpleNamespace(gather_object=lambda mine: [*mine, None]), edition, "B")
 
 
 def reference_config(root: Path):

@@ -64,11 +64,13 @@ def corpus_of_buffer(folder: str | os.PathLike, base: Corpus) -> Corpus | Corpus
 def check_one_edition(procs, corpus, folder) -> None:
     """Refuse a start whose processes read different editions of the buffer in `folder` (an update committed
     between their reads of edition.json): each would select over other rows. `procs`: a
-    `rlm.retriever.distributed.Processes`; one object gathered from each, once a start."""
-    found = procs.gather_object([corpus.fingerprint])
-    if len(set(found)) > 1:
+    `rlm.retriever.distributed.Processes`; one object gathered from each, once a start: the edition's
+    fingerprint, or None where no update was read."""
+    found = set(procs.gather_object([corpus.fingerprint if isinstance(corpus, CorpusEdition) else None]))
+    if len(found) > 1:
+        named = ", ".join(sorted(str(f) for f in found))
         raise UserError(
-            f"the processes read {len(set(found))} editions of buffer {folder} ({', '.join(sorted(set(found)))}): "
+            f"the processes read {len(found)} editions of buffer {folder} ({named}): "
             "a corpus update was committed while the run started; start it again"
         )
 
